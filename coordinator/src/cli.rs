@@ -1,0 +1,348 @@
+//! Command-line interface of the `ternfleet` binary: argument types (clap derive) and one
+//! function per subcommand. User-facing output goes to stdout; logs go to stderr.
+
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+
+use crate::generate::{generate, GenerateRequest};
+use crate::model::Model;
+use crate::sampler::{Sampler, SamplerParams};
+
+/// Where `scripts/fetch-model.sh` puts the default model.
+pub const DEFAULT_MODEL: &str = "models/gemma-3-270m-q4_k_m.gguf";
+
+/// ternfleet: run Mixture-of-Experts language models across a fleet of ordinary machines.
+///
+/// This build runs GGUF models on one machine (gemma3, llama, qwen2, qwen3). Log verbosity
+/// follows RUST_LOG (default: info, to stderr). Kernels are chosen from the CPU's features at
+/// start-up; TERNFLEET_KERNELS=scalar|avx2|avx512 overrides the choice.
+#[derive(Parser, Debug)]
+#[command(name = "ternfleet", version, about, long_about)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Subcommand, Debug)]
+pub enum Command {
+    /// Generate a continuation of a prompt.
+    ///
+    /// The prompt is tokenized like llama.cpp (BOS added when the model asks for it, special
+    /// tokens such as <start_of_turn> recognised), prefilled in batches, then decoded one token
+    /// at a time until -n tokens or an end-of-generation token.
+    Generate(GenerateArgs),
+    /// Print the token ids of a text (`{"ids":[...]}` with --json), BOS included when the model adds it.
+    Tokenize(TokenizeArgs),
+    /// Perplexity of a text file, computed exactly as llama.cpp's llama-perplexity does:
+    /// non-overlapping chunks of --ctx tokens, BOS first, the second half of each chunk scored.
+    Perplexity(PerplexityArgs),
+    /// Prefill and decode throughput, shaped like llama-bench's pp/tg tests.
+    Bench(BenchArgs),
+    /// Print a model's configuration and tensor summary.
+    Info(ModelArgs),
+}
+
+/// Options every model command shares.
+#[derive(Args, Debug)]
+pub struct ModelArgs {
+    /// Model file (GGUF).
+    #[arg(short = 'm', long = "model", default_value = DEFAULT_MODEL)]
+    pub model: PathBuf,
+    /// Compute threads (default: all cores).
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
+}
+
+/// `ternfleet generate`.
+#[derive(Args, Debug)]
+pub struct GenerateArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The prompt.
+    #[arg(short = 'p', long)]
+    pub prompt: String,
+    /// Maximum tokens to generate.
+    #[arg(short = 'n', long = "n-predict", default_value_t = 64)]
+    pub n: usize,
+    /// Temperature; 0 is greedy (deterministic).
+    #[arg(long, default_value_t = 0.8)]
+    pub temp: f32,
+    /// Keep only the k most likely tokens (0: off).
+    #[arg(long, default_value_t = 40)]
+    pub top_k: usize,
+    /// Keep the smallest set of tokens whose probability reaches p (1: off).
+    #[arg(long, default_value_t = 0.95)]
+    pub top_p: f32,
+    /// Drop tokens less likely than min-p times the most likely one (0: off).
+    #[arg(long, default_value_t = 0.05)]
+    pub min_p: f32,
+    /// Penalise the last --repeat-last-n tokens by this factor (1: off).
+    #[arg(long, default_value_t = 1.0)]
+    pub repeat_penalty: f32,
+    /// Window of the repetition penalty.
+    #[arg(long, default_value_t = 64)]
+    pub repeat_last_n: usize,
+    /// Random seed for sampling.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Context size (prompt + generated tokens); default: prompt + n.
+    #[arg(long)]
+    pub ctx: Option<usize>,
+    /// Prompt tokens per forward pass.
+    #[arg(long, default_value_t = 512)]
+    pub batch: usize,
+    /// Print one JSON object {"prompt_tokens":[...],"tokens":[...],"text":"..."} (text is the continuation only).
+    #[arg(long)]
+    pub json: bool,
+    /// Keep generating past end-of-generation tokens.
+    #[arg(long)]
+    pub ignore_eos: bool,
+}
+
+/// `ternfleet tokenize`.
+#[derive(Args, Debug)]
+pub struct TokenizeArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Text to tokenize.
+    #[arg(short = 'p', long)]
+    pub prompt: String,
+    /// Print {"ids":[...]}.
+    #[arg(long)]
+    pub json: bool,
+    /// Do not add BOS/EOS.
+    #[arg(long)]
+    pub no_bos: bool,
+    /// Treat special-token text (e.g. <bos>) as plain text.
+    #[arg(long)]
+    pub no_parse_special: bool,
+}
+
+/// `ternfleet perplexity`.
+#[derive(Args, Debug)]
+pub struct PerplexityArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Text file.
+    #[arg(short = 'f', long)]
+    pub file: PathBuf,
+    /// Tokens per chunk.
+    #[arg(short = 'c', long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Tokens per forward pass.
+    #[arg(short = 'b', long, default_value_t = 512)]
+    pub batch: usize,
+    /// Score at most this many chunks.
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// Print {"ppl":..,"chunks":..,"tokens":..}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `ternfleet bench`.
+#[derive(Args, Debug)]
+pub struct BenchArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Prompt tokens (pp test).
+    #[arg(long, default_value_t = 512)]
+    pub prompt: usize,
+    /// Generated tokens (tg test).
+    #[arg(long, default_value_t = 128)]
+    pub gen: usize,
+    /// Prompt tokens per forward pass.
+    #[arg(long, default_value_t = 512)]
+    pub batch: usize,
+    /// Timed repetitions (after one warm-up).
+    #[arg(long, default_value_t = 3)]
+    pub reps: usize,
+    /// Print {"pp_tps":..,"tg_tps":..}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn init(args: &ModelArgs) -> Result<Model> {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
+    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    if threads == 0 {
+        bail!("--threads must be at least 1");
+    }
+    // Ignore the error of a second initialisation (tests call `run` repeatedly in one process).
+    let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+    tracing::info!("kernels: {}", ternfleet_kernels::isa_name());
+    if let Some(note) = ternfleet_kernels::isa_note() {
+        tracing::warn!("kernels: {note}");
+    }
+    if !args.model.exists() {
+        let hint = if args.model == std::path::Path::new(DEFAULT_MODEL) {
+            " (run scripts/fetch-model.sh to download the default model)"
+        } else {
+            ""
+        };
+        bail!("model file {} not found{hint}", args.model.display());
+    }
+    let t = std::time::Instant::now();
+    let model = Model::open(&args.model)?;
+    tracing::info!(
+        arch = model.cfg.arch.name(),
+        layers = model.cfg.n_layer,
+        n_embd = model.cfg.n_embd,
+        n_vocab = model.cfg.n_vocab,
+        threads = rayon::current_num_threads(),
+        "loaded {} in {:.2}s",
+        args.model.display(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(model)
+}
+
+/// Runs one parsed command line.
+pub fn run(cli: Cli) -> Result<()> {
+    match cli.command {
+        Command::Generate(a) => cmd_generate(a),
+        Command::Tokenize(a) => cmd_tokenize(a),
+        Command::Perplexity(a) => cmd_perplexity(a),
+        Command::Bench(a) => cmd_bench(a),
+        Command::Info(a) => cmd_info(a),
+    }
+}
+
+fn cmd_generate(a: GenerateArgs) -> Result<()> {
+    let model = init(&a.model)?;
+    let params = SamplerParams {
+        temperature: a.temp,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repeat_penalty: a.repeat_penalty,
+        repeat_last_n: a.repeat_last_n,
+        seed: a.seed,
+    };
+    let mut sampler = Sampler::new(params)?;
+    let prompt_tokens = model.tokenizer.encode(&a.prompt, true, true);
+    if prompt_tokens.is_empty() {
+        bail!("the prompt tokenizes to no tokens");
+    }
+    let need = prompt_tokens.len() + a.n.saturating_sub(1);
+    let n_ctx = a.ctx.unwrap_or(need.max(1));
+    if need > n_ctx {
+        bail!("prompt ({} tokens) + {} new tokens exceed --ctx {n_ctx}", prompt_tokens.len(), a.n);
+    }
+    if n_ctx > model.cfg.n_ctx_train {
+        tracing::warn!("context {n_ctx} exceeds the model's training context {}", model.cfg.n_ctx_train);
+    }
+    let mut cache = model.new_cache(n_ctx);
+    let req = GenerateRequest { prompt_tokens: prompt_tokens.clone(), max_tokens: a.n, batch: a.batch, stop_at_eog: !a.ignore_eos };
+    let stdout = std::io::stdout();
+    let mut pending: Vec<u8> = Vec::new();
+    let json = a.json;
+    let g = generate(&model, &mut cache, &mut sampler, &req, |tok| {
+        if !json {
+            // Print whole UTF-8 characters as soon as they are complete.
+            pending.extend(model.tokenizer.token_to_piece(tok, false));
+            let valid = match std::str::from_utf8(&pending) {
+                Ok(_) => pending.len(),
+                Err(e) if e.error_len().is_none() => e.valid_up_to(),
+                Err(_) => pending.len(),
+            };
+            let mut out = stdout.lock();
+            let _ = out.write_all(String::from_utf8_lossy(&pending[..valid]).as_bytes());
+            let _ = out.flush();
+            pending.drain(..valid);
+        }
+    })?;
+    let text = model.tokenizer.decode(&g.tokens);
+    if json {
+        let obj = serde_json::json!({ "prompt_tokens": prompt_tokens, "tokens": g.tokens, "text": text });
+        println!("{obj}");
+    } else {
+        if !pending.is_empty() {
+            print!("{}", String::from_utf8_lossy(&pending));
+        }
+        println!();
+    }
+    let n = g.tokens.len();
+    tracing::info!(
+        "prompt {} tokens in {:.3}s ({:.1} t/s), generated {n} tokens in {:.3}s ({:.1} t/s)",
+        prompt_tokens.len(),
+        g.prefill_s,
+        prompt_tokens.len() as f64 / g.prefill_s.max(1e-9),
+        g.decode_s,
+        n as f64 / g.decode_s.max(1e-9)
+    );
+    Ok(())
+}
+
+fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
+    let model = init(&a.model)?;
+    let ids = model.tokenizer.encode(&a.prompt, !a.no_bos, !a.no_parse_special);
+    if a.json {
+        println!("{}", serde_json::json!({ "ids": ids }));
+    } else {
+        for id in ids {
+            let piece = model.tokenizer.token_to_piece(id, true);
+            println!("{id:>8} -> {:?}", String::from_utf8_lossy(&piece));
+        }
+    }
+    Ok(())
+}
+
+fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
+    let model = init(&a.model)?;
+    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template("perplexity {bar:40} {pos}/{len} chunks, {msg} [{elapsed_precise}<{eta_precise}]")
+            .expect("static progress template is valid"),
+    );
+    let mut last = 0.0;
+    let r = crate::perplexity::perplexity(&model, &text, a.ctx, a.batch, a.chunks, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+        last = done as f64;
+    });
+    bar.finish_and_clear();
+    let r = r?;
+    let _ = last;
+    if a.json {
+        println!("{}", serde_json::json!({ "ppl": r.ppl, "chunks": r.chunks, "tokens": r.tokens, "ctx": a.ctx, "ppl_chunks": r.ppl_chunks }));
+    } else {
+        println!("perplexity: {:.4} ({} chunks of {} tokens, {} tokens in the text)", r.ppl, r.chunks, a.ctx, r.tokens);
+    }
+    Ok(())
+}
+
+fn cmd_bench(a: BenchArgs) -> Result<()> {
+    let model = init(&a.model)?;
+    let r = crate::bench::bench(&model, a.prompt, a.gen, a.batch, a.reps)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "pp{}: {:.1} t/s   tg{}: {:.1} t/s   ({} threads, kernels {}, mean of {} runs)",
+            a.prompt, r.pp_tps, a.gen, r.tg_tps, r.threads, r.kernels, r.reps
+        );
+    }
+    Ok(())
+}
+
+fn cmd_info(a: ModelArgs) -> Result<()> {
+    let model = init(&a)?;
+    println!("{:#?}", model.cfg);
+    let mut by_type = std::collections::BTreeMap::<&str, (usize, u64)>::new();
+    for t in model.file().tensors() {
+        let e = by_type.entry(t.ty.name()).or_default();
+        e.0 += 1;
+        e.1 += t.size;
+    }
+    for (ty, (n, bytes)) in by_type {
+        println!("{ty:>6}: {n:>4} tensors, {:.1} MiB", bytes as f64 / (1 << 20) as f64);
+    }
+    Ok(())
+}

@@ -1,0 +1,63 @@
+//! Text generation on one sequence: prefill the prompt in batches, then decode token by token.
+
+use crate::kv_cache::KvCache;
+use crate::model::{ForwardError, Logits, Model};
+use crate::sampler::Sampler;
+
+/// What to generate.
+#[derive(Clone, Debug)]
+pub struct GenerateRequest {
+    pub prompt_tokens: Vec<u32>,
+    /// Maximum new tokens.
+    pub max_tokens: usize,
+    /// Prompt tokens per forward pass (llama.cpp's n_ubatch).
+    pub batch: usize,
+    /// Stop at an end-of-generation token (it is not emitted).
+    pub stop_at_eog: bool,
+}
+
+/// Result of [`generate`].
+#[derive(Clone, Debug, Default)]
+pub struct Generation {
+    pub tokens: Vec<u32>,
+    /// Seconds spent on the prompt and on decoding.
+    pub prefill_s: f64,
+    pub decode_s: f64,
+}
+
+/// Runs `req`, calling `on_token` with each new token as soon as it is chosen.
+pub fn generate(
+    model: &Model,
+    cache: &mut KvCache,
+    sampler: &mut Sampler,
+    req: &GenerateRequest,
+    mut on_token: impl FnMut(u32),
+) -> Result<Generation, ForwardError> {
+    let mut out = Generation::default();
+    if req.max_tokens == 0 || req.prompt_tokens.is_empty() {
+        return Ok(out);
+    }
+    cache.reserve(req.prompt_tokens.len() + req.max_tokens - 1)?;
+    let t0 = std::time::Instant::now();
+    let mut logits = Vec::new();
+    for chunk in req.prompt_tokens.chunks(req.batch.max(1)) {
+        logits = model.forward(cache, chunk, Logits::Last)?;
+    }
+    out.prefill_s = t0.elapsed().as_secs_f64();
+    let t1 = std::time::Instant::now();
+    let mut history = req.prompt_tokens.clone();
+    for i in 0..req.max_tokens {
+        let tok = sampler.sample(&logits, &history);
+        if req.stop_at_eog && model.tokenizer.is_eog(tok) {
+            break;
+        }
+        out.tokens.push(tok);
+        history.push(tok);
+        on_token(tok);
+        if i + 1 < req.max_tokens {
+            logits = model.forward(cache, &[tok], Logits::Last)?;
+        }
+    }
+    out.decode_s = t1.elapsed().as_secs_f64();
+    Ok(out)
+}

@@ -1,0 +1,247 @@
+//! The dense model graph: embeddings, attention with its KV cache, norms and the LM head. The
+//! FFN of every layer runs through an [`ExpertBackend`] so the same graph serves dense models
+//! (one expert, weight 1) and, later, routed experts on remote nodes.
+
+pub mod config;
+pub mod weights;
+
+use std::path::Path;
+use std::sync::Arc;
+
+use half::f16;
+use rayon::prelude::*;
+use ternfleet_kernels::Activations;
+use ternfleet_node::compute::Linear;
+use ternfleet_node::expert::{ExpertBackend, ExpertBatch, LocalExperts, Route};
+use ternfleet_shared::gguf::GgufFile;
+
+use crate::kv_cache::{KvCache, KvError};
+use crate::ops;
+use crate::tokenizer::Tokenizer;
+pub use config::{Arch, ModelConfig, ModelError};
+use weights::DenseWeights;
+
+/// Errors of a forward pass.
+#[derive(Debug, thiserror::Error)]
+pub enum ForwardError {
+    #[error("token id {id} at batch position {pos} is outside the vocabulary (n_vocab {n_vocab})")]
+    BadToken { id: u32, pos: usize, n_vocab: usize },
+    #[error("empty batch")]
+    Empty,
+    #[error(transparent)]
+    Kv(#[from] KvError),
+    #[error(transparent)]
+    Expert(#[from] ternfleet_node::expert::ExpertError),
+    #[error(transparent)]
+    Compute(#[from] ternfleet_node::compute::ComputeError),
+    #[error(transparent)]
+    Kernel(#[from] ternfleet_kernels::KernelError),
+}
+
+/// Which positions of a batch need logits.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    /// Only the last token (generation, prefill benchmarks).
+    Last,
+    /// Tokens `from..` of the batch (perplexity).
+    From(usize),
+}
+
+/// A loaded model: configuration, tokenizer, dense weights and the FFN backend.
+pub struct Model {
+    pub cfg: ModelConfig,
+    pub tokenizer: Tokenizer,
+    pub weights: DenseWeights,
+    pub experts: Box<dyn ExpertBackend>,
+    file: Arc<GgufFile>,
+}
+
+/// Opening a model: a GGUF error, or a model/tokenizer error.
+#[derive(Debug, thiserror::Error)]
+pub enum LoadError {
+    #[error("{path}: {source}")]
+    Gguf { path: String, source: ternfleet_shared::gguf::GgufError },
+    #[error("{path}: {source}")]
+    Model { path: String, source: ModelError },
+    #[error("{path}: tokenizer: {source}")]
+    Tokenizer { path: String, source: crate::tokenizer::TokenizerError },
+}
+
+impl Model {
+    /// Opens a GGUF model file and binds its weights (memory-mapped, nothing copied but norms).
+    pub fn open(path: &Path) -> Result<Model, LoadError> {
+        let p = path.display().to_string();
+        let file = Arc::new(GgufFile::open(path).map_err(|source| LoadError::Gguf { path: p.clone(), source })?);
+        Self::from_file(file).map_err(|e| match e {
+            LoadError::Model { source, .. } => LoadError::Model { path: p.clone(), source },
+            LoadError::Tokenizer { source, .. } => LoadError::Tokenizer { path: p.clone(), source },
+            other => other,
+        })
+    }
+
+    /// Binds an already opened file.
+    pub fn from_file(file: Arc<GgufFile>) -> Result<Model, LoadError> {
+        let wrap = |source| LoadError::Model { path: String::new(), source };
+        let cfg = ModelConfig::from_gguf(&file).map_err(wrap)?;
+        let tokenizer = Tokenizer::from_gguf(&file).map_err(|source| LoadError::Tokenizer { path: String::new(), source })?;
+        let (weights, ffns) = weights::load(&file, &cfg).map_err(wrap)?;
+        let experts = Box::new(LocalExperts::new(ffns.into_iter().map(|f| vec![f]).collect()));
+        Ok(Model { cfg, tokenizer, weights, experts, file })
+    }
+
+    /// The mapped file.
+    pub fn file(&self) -> &Arc<GgufFile> {
+        &self.file
+    }
+
+    /// A KV cache sized for `n_ctx` positions.
+    pub fn new_cache(&self, n_ctx: usize) -> KvCache {
+        KvCache::new(self.cfg.n_layer, self.cfg.k_dim(), self.cfg.v_dim(), n_ctx)
+    }
+
+    /// Runs `tokens` at the next positions of `cache` and returns logits (`rows × n_vocab`) for
+    /// the positions `want` selects.
+    pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], want: Logits) -> Result<Vec<f32>, ForwardError> {
+        let cfg = &self.cfg;
+        let n = tokens.len();
+        if n == 0 {
+            return Err(ForwardError::Empty);
+        }
+        cache.reserve(n)?;
+        let d = cfg.n_embd;
+        let p0 = cache.len();
+        let w = &self.weights;
+
+        // Embeddings (ggml get_rows + scale).
+        let mut x = vec![0f32; n * d];
+        for (i, (&t, row)) in tokens.iter().zip(x.chunks_exact_mut(d)).enumerate() {
+            if t as usize >= cfg.n_vocab {
+                return Err(ForwardError::BadToken { id: t, pos: i, n_vocab: cfg.n_vocab });
+            }
+            w.token_embd.dequantize_row(t as usize, row)?;
+            if cfg.embd_scale != 1.0 {
+                row.iter_mut().for_each(|v| *v *= cfg.embd_scale);
+            }
+        }
+
+        let mut act = Activations::new();
+        let mut h = vec![0f32; n * d];
+        let mut q = vec![0f32; n * cfg.q_dim()];
+        let mut k = vec![0f32; n * cfg.k_dim()];
+        let mut v = vec![0f32; n * cfg.v_dim()];
+        let mut attn = vec![0f32; n * cfg.n_head * cfg.head_dim_v];
+        let mut o = vec![0f32; n * d];
+        let mut rope = Vec::new();
+        let all_tokens: Vec<Route> = (0..n as u32).map(|t| Route { token: t, expert: 0, weight: 1.0 }).collect();
+
+        for (il, lw) in w.layers.iter().enumerate() {
+            // Attention block.
+            h.copy_from_slice(&x);
+            ops::rms_norm_rows(&mut h, &lw.attn_norm, cfg.rms_eps);
+            linear(&mut act, &lw.wq, &h, n, lw.bq.as_deref(), &mut q)?;
+            linear(&mut act, &lw.wk, &h, n, lw.bk.as_deref(), &mut k)?;
+            linear(&mut act, &lw.wv, &h, n, lw.bv.as_deref(), &mut v)?;
+            if let Some(qn) = &lw.q_norm {
+                ops::rms_norm_rows(&mut q, qn, cfg.rms_eps);
+            }
+            if let Some(kn) = &lw.k_norm {
+                ops::rms_norm_rows(&mut k, kn, cfg.rms_eps);
+            }
+            let base = if cfg.is_swa[il] { cfg.rope_base_swa } else { cfg.rope_base };
+            let scale = if cfg.is_swa[il] { 1.0 } else { cfg.rope_scale };
+            for t in 0..n {
+                ops::rope_cache(p0 + t, cfg.n_rot, base, scale, &mut rope);
+                for head in q[t * cfg.q_dim()..(t + 1) * cfg.q_dim()].chunks_exact_mut(cfg.head_dim_k) {
+                    ops::rope_apply(head, &rope, cfg.rope_type);
+                }
+                for head in k[t * cfg.k_dim()..(t + 1) * cfg.k_dim()].chunks_exact_mut(cfg.head_dim_k) {
+                    ops::rope_apply(head, &rope, cfg.rope_type);
+                }
+            }
+            if cfg.q_scale != 1.0 {
+                q.iter_mut().for_each(|v| *v *= cfg.q_scale);
+            }
+            cache.push(il, &k, &v);
+            let window = if cfg.is_swa[il] { cfg.sliding_window } else { None };
+            attention(cfg, cache, il, p0, &q, window, &mut attn);
+            linear(&mut act, &lw.wo, &attn, n, lw.bo.as_deref(), &mut o)?;
+            if let Some(pn) = &lw.post_attn_norm {
+                ops::rms_norm_rows(&mut o, pn, cfg.rms_eps);
+            }
+            x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+
+            // FFN block, through the expert backend.
+            h.copy_from_slice(&x);
+            ops::rms_norm_rows(&mut h, &lw.ffn_norm, cfg.rms_eps);
+            o.iter_mut().for_each(|v| *v = 0.0);
+            let batch = ExpertBatch { layer: il, hidden: &h, n_tokens: n, routes: &all_tokens };
+            self.experts.run(&batch, &mut o)?;
+            if let Some(pn) = &lw.post_ffn_norm {
+                ops::rms_norm_rows(&mut o, pn, cfg.rms_eps);
+            }
+            x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+        }
+        cache.commit(n);
+
+        let from = match want {
+            Logits::Last => n - 1,
+            Logits::From(f) => f.min(n - 1),
+        };
+        let rows = n - from;
+        let mut xo = x[from * d..].to_vec();
+        ops::rms_norm_rows(&mut xo, &w.output_norm, cfg.rms_eps);
+        let mut logits = vec![0f32; rows * cfg.n_vocab];
+        linear(&mut act, &w.output, &xo, rows, None, &mut logits)?;
+        if let Some(cap) = cfg.final_logit_softcap {
+            logits.iter_mut().for_each(|l| *l = (*l / cap).tanh() * cap);
+        }
+        Ok(logits)
+    }
+}
+
+/// `out = W x (+ b)` for `n` rows of `x`, quantizing `x` for W's kernel.
+fn linear(act: &mut Activations, w: &Linear, x: &[f32], n: usize, b: Option<&[f32]>, out: &mut [f32]) -> Result<(), ForwardError> {
+    act.quantize_for(w.ty(), x, n, w.cols())?;
+    w.forward(act, out)?;
+    if let Some(b) = b {
+        ops::add_bias_rows(out, b);
+    }
+    Ok(())
+}
+
+/// Causal (optionally sliding-window) attention of the `n` queries in `q` (positions `p0..`)
+/// over every cached position of layer `il`. K is read as f16 and Q rounded to f16 for the dot
+/// product, as ggml's flash-attention path does (`kq_vec_dot` of the f16 cache type).
+fn attention(cfg: &ModelConfig, cache: &KvCache, il: usize, p0: usize, q: &[f32], window: Option<usize>, out: &mut [f32]) {
+    let (hk, hv) = (cfg.head_dim_k, cfg.head_dim_v);
+    let (k_dim, v_dim) = cache.dims();
+    let group = cfg.n_head / cfg.n_head_kv;
+    let keys = cache.keys(il);
+    let values = cache.values(il);
+    out.par_chunks_mut(hv).enumerate().for_each(|(i, o)| {
+        let (t, head) = (i / cfg.n_head, i % cfg.n_head);
+        let g = head / group;
+        let pos = p0 + t;
+        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let qrow = &q[t * cfg.q_dim() + head * hk..t * cfg.q_dim() + (head + 1) * hk];
+        let q16: Vec<f16> = qrow.iter().map(|&v| f16::from_f32(v)).collect();
+        let mut scores: Vec<f32> = (lo..=pos)
+            .map(|j| ternfleet_kernels::dot_f16(&keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk], &q16) * cfg.kq_scale)
+            .collect();
+        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let mut sum = 0f32;
+        for s in scores.iter_mut() {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+        o.iter_mut().for_each(|v| *v = 0.0);
+        let mut vrow = vec![0f32; hv];
+        for (j, &s) in (lo..=pos).zip(&scores) {
+            let src = &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv];
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, &mut vrow);
+            o.iter_mut().zip(&vrow).for_each(|(o, v)| *o += s * v);
+        }
+        let inv = 1.0 / sum;
+        o.iter_mut().for_each(|v| *v *= inv);
+    });
+}

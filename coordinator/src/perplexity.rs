@@ -1,0 +1,90 @@
+//! Perplexity exactly as llama.cpp's `llama-perplexity` computes it (tools/perplexity/
+//! perplexity.cpp `perplexity()`): the text is tokenized with BOS, cut into non-overlapping
+//! chunks of `n_ctx` tokens, the first token of each chunk is replaced by BOS, each chunk runs
+//! from an empty cache, and only the second half of each chunk is scored:
+//! tokens `first = n_ctx/2 .. n_ctx-1` predict their successors; `log_softmax` in f64.
+
+use crate::model::{ForwardError, Logits, Model};
+use crate::ops;
+
+/// Result of a perplexity run.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Perplexity {
+    pub ppl: f64,
+    pub chunks: usize,
+    /// Tokens in the text (with BOS).
+    pub tokens: usize,
+    /// Running estimate after each chunk (llama-perplexity prints these).
+    pub ppl_chunks: Vec<f64>,
+}
+
+/// Errors of a perplexity run.
+#[derive(Debug, thiserror::Error)]
+pub enum PerplexityError {
+    #[error("the text has {tokens} tokens; perplexity at ctx {n_ctx} needs at least {need} (2 × ctx)")]
+    TooShort { tokens: usize, n_ctx: usize, need: usize },
+    #[error("ctx must be at least 8, got {0}")]
+    BadCtx(usize),
+    #[error(transparent)]
+    Forward(#[from] ForwardError),
+}
+
+/// Computes perplexity of `text` at context `n_ctx`, `batch` tokens per forward pass, calling
+/// `progress(done, total)` after each chunk. `max_chunks` limits the chunks scored.
+pub fn perplexity(
+    model: &Model,
+    text: &str,
+    n_ctx: usize,
+    batch: usize,
+    max_chunks: Option<usize>,
+    mut progress: impl FnMut(usize, usize),
+) -> Result<Perplexity, PerplexityError> {
+    if n_ctx < 8 {
+        return Err(PerplexityError::BadCtx(n_ctx));
+    }
+    let tokens = model.tokenizer.encode(text, true, false);
+    if tokens.len() < 2 * n_ctx {
+        return Err(PerplexityError::TooShort { tokens: tokens.len(), n_ctx, need: 2 * n_ctx });
+    }
+    let mut n_chunk = tokens.len() / n_ctx;
+    if let Some(m) = max_chunks {
+        n_chunk = n_chunk.min(m.max(1));
+    }
+    let first = n_ctx / 2;
+    let add_bos = model.tokenizer.add_bos();
+    let bos = model.tokenizer.bos();
+    let n_vocab = model.cfg.n_vocab;
+    let mut nll = 0f64;
+    let mut count = 0usize;
+    let mut ppl_chunks = Vec::with_capacity(n_chunk);
+    let mut cache = model.new_cache(n_ctx);
+    for c in 0..n_chunk {
+        let start = c * n_ctx;
+        let mut chunk = tokens[start..start + n_ctx].to_vec();
+        if let (true, Some(b)) = (add_bos, bos) {
+            chunk[0] = b;
+        }
+        cache.clear();
+        let mut logits = Vec::with_capacity((n_ctx - first) * n_vocab);
+        let mut pos = 0;
+        for part in chunk.chunks(batch.max(1)) {
+            let end = pos + part.len();
+            if end > first {
+                let from = first.saturating_sub(pos);
+                logits.extend(model.forward(&mut cache, part, Logits::From(from))?);
+            } else {
+                model.forward(&mut cache, part, Logits::Last)?;
+            }
+            pos = end;
+        }
+        // logits row r is position first + r; it predicts tokens[start + first + r + 1].
+        for r in 0..n_ctx - 1 - first {
+            let row = &logits[r * n_vocab..(r + 1) * n_vocab];
+            nll -= ops::log_softmax_at(row, tokens[start + first + r + 1] as usize);
+            count += 1;
+        }
+        ppl_chunks.push((nll / count as f64).exp());
+        progress(c + 1, n_chunk);
+    }
+    Ok(Perplexity { ppl: (nll / count as f64).exp(), chunks: n_chunk, tokens: tokens.len(), ppl_chunks })
+}

@@ -1,0 +1,161 @@
+//! ternfleet-kernels: the pure compute under the engine — ggml tensor formats, dequantization,
+//! activation quantization, and quantized matrix products on the CPU.
+//!
+//! What flows in: weight bytes exactly as they lie in a GGUF file (borrowed, typically from a
+//! memory map) and f32 activations. What flows out: f32 results. No I/O, no threads, no logging;
+//! the caller (the coordinator's executor) splits work across its rayon pool.
+//!
+//! Principal types:
+//! - [`GgmlType`]: the registry of element types (ids, block geometry).
+//! - [`QMatrix`]: a borrowed, size-checked quantized weight matrix.
+//! - [`Activations`]: reusable activation rows quantized to a weight type's [`vec_dot_type`].
+//! - [`Isa`]: which implementation runs, chosen once from CPU features ([`isa`]), overridable
+//!   with `TERNFLEET_KERNELS=scalar|avx2|avx512`.
+//!
+//! Invariants: every public function validates sizes once at the top and returns a
+//! [`KernelError`] naming the sizes and types; the per-ISA kernels then run unchecked loops.
+//! Numerics follow ggml (`ggml-quants.c`, `ggml-cpu/quants.c`): the same activation
+//! quantization (bit-exact with the `_ref` quantizers) and the same integer dot products per
+//! block; only the order of f32 accumulation differs between ISAs. The scalar module is the
+//! reference that every SIMD kernel is tested against. `unsafe` lives only in `x86_64/`.
+
+mod dispatch;
+mod matmul;
+pub mod quant;
+mod scalar;
+#[cfg(target_arch = "x86_64")]
+mod x86_64;
+
+pub use dispatch::{isa, isa_name, isa_note, Isa};
+pub use matmul::{Activations, QMatrix};
+pub use quant::{GgmlType, QK, QK_K};
+
+/// What went wrong, with the sizes and types involved.
+#[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
+pub enum KernelError {
+    #[error("{ty:?}: {cols} elements is not a whole number of {block}-element blocks")]
+    PartialBlock { ty: GgmlType, cols: usize, block: usize },
+    #[error("{ty:?} matrix of {rows} rows x {cols} columns needs {want} bytes, got {got}")]
+    MatrixSize { ty: GgmlType, rows: usize, cols: usize, want: usize, got: usize },
+    #[error("{ty:?} tensor of {rows} rows x {cols} columns: byte size overflows usize")]
+    TooLarge { ty: GgmlType, rows: usize, cols: usize },
+    #[error("{ty:?} is not supported by {op} (supported: F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K)")]
+    Unsupported { ty: GgmlType, op: &'static str },
+    #[error("{what}: expected {want} elements, got {got}")]
+    InputLen { what: &'static str, want: usize, got: usize },
+    #[error("{ty:?}: {n} elements take {want} bytes, got {got}")]
+    RowBytes { ty: GgmlType, n: usize, want: usize, got: usize },
+    #[error("activations are {got:?} but {weight:?} weights need {want:?}: call Activations::quantize_for({weight:?}, ..)")]
+    ActivationType { weight: GgmlType, want: GgmlType, got: GgmlType },
+    #[error("weight matrix has {weight} columns but the activations have {act}")]
+    ColsMismatch { weight: usize, act: usize },
+    #[error("row range {start}..{end} is outside a matrix of {rows} rows")]
+    RowRange { start: usize, end: usize, rows: usize },
+    #[error("kernels for {isa:?} are not available on this CPU")]
+    IsaUnavailable { isa: Isa },
+}
+
+/// The activation type ggml pairs with a weight type for its dot product (ggml-cpu.c
+/// `type_traits_cpu[..].vec_dot_type`). `None` for weight types [`matmul`] does not support.
+pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
+    Some(match w {
+        GgmlType::F32 => GgmlType::F32,
+        GgmlType::F16 => GgmlType::F16,
+        GgmlType::BF16 => GgmlType::BF16,
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
+        GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => GgmlType::Q8_K,
+        _ => return None,
+    })
+}
+
+/// Whether [`dequantize_row`] handles `ty`.
+pub fn can_dequantize(ty: GgmlType) -> bool {
+    !matches!(
+        ty,
+        GgmlType::Q8_1 | GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64 | GgmlType::F64
+    )
+}
+
+/// Dequantize one row (or any contiguous run of whole blocks): `src.len()` must equal
+/// `ty.row_size(dst.len())`.
+pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), KernelError> {
+    if !can_dequantize(ty) {
+        return Err(KernelError::Unsupported { ty, op: "dequantize_row" });
+    }
+    let want = matmul::row_bytes(ty, dst.len())?;
+    if src.len() != want {
+        return Err(KernelError::RowBytes { ty, n: dst.len(), want, got: src.len() });
+    }
+    let ok = scalar::dequantize(ty, src, dst);
+    debug_assert!(ok, "can_dequantize and scalar::dequantize agree");
+    Ok(())
+}
+
+/// Quantize f32 values to an activation type (Q8_0, Q8_K, F16, BF16, F32), bit-exact with
+/// ggml's `quantize_row_q8_0_ref` / `quantize_row_q8_K_ref` (ggml-quants.c) and its
+/// round-to-nearest-even f16/bf16 conversions. `dst.len()` must equal `ty.row_size(src.len())`.
+pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
+    if !matches!(
+        ty,
+        GgmlType::Q8_0 | GgmlType::Q8_K | GgmlType::F16 | GgmlType::BF16 | GgmlType::F32
+    ) {
+        return Err(KernelError::Unsupported { ty, op: "quantize_row" });
+    }
+    let want = matmul::row_bytes(ty, src.len())?;
+    if dst.len() != want {
+        return Err(KernelError::RowBytes { ty, n: src.len(), want, got: dst.len() });
+    }
+    scalar::quantize(ty, src, dst);
+    Ok(())
+}
+
+/// `out[t * rows.len() + (r - rows.start)] = dot(weight row r, activation row t)` for `r` in
+/// `rows`, `t` in `0..x.n()`. `out.len()` must be `x.n() * rows.len()`.
+///
+/// `x.n() == 1` is the decode GEMV (bandwidth-bound: several weight rows share each activation
+/// load); `x.n() > 1` is prefill, computed in tiles of weight rows × tokens so each weight
+/// block is unpacked once for several tokens. Single-threaded and allocation-free: the caller
+/// splits `rows` across its threads.
+pub fn matmul(
+    w: &QMatrix<'_>,
+    x: &Activations,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let g = matmul::Gemm::new(w, x, rows, out.len())?;
+    let f = dispatch::selected().matmul(g.wty).ok_or(KernelError::Unsupported { ty: g.wty, op: "matmul" })?;
+    f(&g, out);
+    Ok(())
+}
+
+/// [`matmul`] on a named implementation rather than the selected one (benches, tests, A/B
+/// checks on a node). Fails with [`KernelError::IsaUnavailable`] when the CPU lacks it.
+pub fn matmul_with(
+    isa: Isa,
+    w: &QMatrix<'_>,
+    x: &Activations,
+    rows: std::ops::Range<usize>,
+    out: &mut [f32],
+) -> Result<(), KernelError> {
+    let k = dispatch::kernels_for(isa).ok_or(KernelError::IsaUnavailable { isa })?;
+    let g = matmul::Gemm::new(w, x, rows, out.len())?;
+    let f = k.matmul(g.wty).ok_or(KernelError::Unsupported { ty: g.wty, op: "matmul" })?;
+    f(&g, out);
+    Ok(())
+}
+
+/// `Σ a[i]·b[i]` in f32 (SIMD, several accumulators). Panics when the lengths differ.
+pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot_f32 of slices of different lengths");
+    (dispatch::selected().dot_f32)(a, b)
+}
+
+/// `ggml_vec_dot_f16`: products of f16 values accumulated in f32. Panics when the lengths
+/// differ.
+pub fn dot_f16(a: &[half::f16], b: &[half::f16]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot_f16 of slices of different lengths");
+    (dispatch::selected().dot_f16)(a, b)
+}
+
+#[cfg(test)]
+mod tests;

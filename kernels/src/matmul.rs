@@ -1,0 +1,213 @@
+//! The operands of a matmul: a borrowed quantized weight matrix, reusable quantized activations,
+//! and [`Gemm`], the validated view the per-ISA kernels receive.
+
+use crate::quant::{GgmlType, QK};
+use crate::{scalar, vec_dot_type, KernelError};
+
+/// A borrowed row-major quantized weight matrix: `rows` rows of `cols` elements, each row
+/// `ty.row_size(cols)` bytes, rows back to back (a GGUF tensor as mapped from the file).
+#[derive(Clone, Copy, Debug)]
+pub struct QMatrix<'a> {
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: &'a [u8],
+}
+
+impl<'a> QMatrix<'a> {
+    /// Checks that `cols` is a whole number of blocks and that `data` holds exactly
+    /// `rows * ty.row_size(cols)` bytes.
+    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, KernelError> {
+        let row_bytes = row_bytes(ty, cols)?;
+        let want = row_bytes.checked_mul(rows).ok_or(KernelError::TooLarge { ty, rows, cols })?;
+        if data.len() != want {
+            return Err(KernelError::MatrixSize { ty, rows, cols, want, got: data.len() });
+        }
+        Ok(QMatrix { ty, rows, cols, row_bytes, data })
+    }
+
+    /// Element type of the weights.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+
+    /// Number of rows (output features).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    /// Elements per row (input features).
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// Bytes of one row.
+    pub fn row_stride(&self) -> usize {
+        self.row_bytes
+    }
+
+    /// The bytes of row `r`. Panics when `r >= rows()`.
+    pub fn row_bytes(&self, r: usize) -> &'a [u8] {
+        assert!(r < self.rows, "row {r} out of range for a matrix of {} rows", self.rows);
+        &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
+    }
+
+    pub(crate) fn data(&self) -> &'a [u8] {
+        self.data
+    }
+}
+
+/// Bytes of `cols` elements of `ty`, or an error naming both when `cols` is not whole blocks.
+pub(crate) fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize, KernelError> {
+    match ty.row_size(cols as u64) {
+        Some(b) => usize::try_from(b).map_err(|_| KernelError::TooLarge { ty, rows: 1, cols }),
+        None => Err(KernelError::PartialBlock { ty, cols, block: ty.block_size() }),
+    }
+}
+
+/// `n` activation rows of `cols` elements, quantized to the `vec_dot_type` of a weight type.
+///
+/// Besides the ggml-format bytes (which the scalar reference reads), a Q8_0 quantization keeps
+/// each block's scale as f32 and the sum of its 32 quants, so the SIMD kernels neither convert
+/// f16 per block nor reduce horizontally to correct for unsigned weight codes. The buffers are
+/// reused: a call allocates only when it needs more room than any before it.
+#[derive(Debug, Default, Clone)]
+pub struct Activations {
+    ty: Option<GgmlType>,
+    n: usize,
+    cols: usize,
+    row_bytes: usize,
+    data: Vec<u8>,
+    /// Q8_0 only: per block `d` as f32, `n * cols / 32` of them.
+    scales: Vec<f32>,
+    /// Q8_0 only: per block the sum of the 32 quants.
+    sums: Vec<i32>,
+}
+
+impl Activations {
+    /// Empty activations; the first [`Activations::quantize_for`] sizes the buffers.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Quantize `n` rows of `cols` values (`x.len() == n * cols`, row-major) to
+    /// `vec_dot_type(weight_ty)`, with ggml's reference rounding.
+    pub fn quantize_for(
+        &mut self,
+        weight_ty: GgmlType,
+        x: &[f32],
+        n: usize,
+        cols: usize,
+    ) -> Result<(), KernelError> {
+        let ty = vec_dot_type(weight_ty).ok_or(KernelError::Unsupported { ty: weight_ty, op: "matmul" })?;
+        let rb = row_bytes(ty, cols)?;
+        let want = n.checked_mul(cols).ok_or(KernelError::TooLarge { ty, rows: n, cols })?;
+        if x.len() != want {
+            return Err(KernelError::InputLen { what: "activations", want, got: x.len() });
+        }
+        let total = rb.checked_mul(n).ok_or(KernelError::TooLarge { ty, rows: n, cols })?;
+        self.data.resize(total, 0);
+        if n > 0 && cols > 0 {
+            for (xr, yr) in x.chunks_exact(cols).zip(self.data.chunks_exact_mut(rb)) {
+                let ok = scalar::quantize(ty, xr, yr);
+                debug_assert!(ok, "vec_dot_type only returns quantizable types");
+            }
+        }
+        self.scales.clear();
+        self.sums.clear();
+        if ty == GgmlType::Q8_0 {
+            for b in self.data.chunks_exact(GgmlType::Q8_0.type_size()) {
+                self.scales.push(scalar::f16_at(b, 0));
+                self.sums.push(b[2..2 + QK].iter().map(|&q| q as i8 as i32).sum());
+            }
+        }
+        self.ty = Some(ty);
+        self.n = n;
+        self.cols = cols;
+        self.row_bytes = rb;
+        Ok(())
+    }
+
+    /// Number of rows (tokens).
+    pub fn n(&self) -> usize {
+        self.n
+    }
+
+    /// Elements per row.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    /// The activation type (F32 before the first quantization).
+    pub fn ty(&self) -> GgmlType {
+        self.ty.unwrap_or(GgmlType::F32)
+    }
+
+    /// The ggml-format bytes of row `t`.
+    pub fn row(&self, t: usize) -> &[u8] {
+        &self.data[t * self.row_bytes..(t + 1) * self.row_bytes]
+    }
+}
+
+/// A validated matmul problem: everything a kernel needs, with sizes already checked, so the
+/// kernels can run unchecked inner loops. Built only by [`Gemm::new`].
+pub(crate) struct Gemm<'a> {
+    pub wty: GgmlType,
+    /// Rows `rows.start..rows.end` of the weight matrix, back to back.
+    pub w: &'a [u8],
+    pub w_stride: usize,
+    pub nrows: usize,
+    pub cols: usize,
+    pub a: &'a [u8],
+    pub a_stride: usize,
+    pub ntok: usize,
+    /// Q8_0 activations: per-block f32 scales and quant sums (`ntok * cols / 32` each).
+    pub a_scales: &'a [f32],
+    pub a_sums: &'a [i32],
+}
+
+impl<'a> Gemm<'a> {
+    pub fn new(
+        w: &QMatrix<'a>,
+        x: &'a Activations,
+        rows: std::ops::Range<usize>,
+        out_len: usize,
+    ) -> Result<Self, KernelError> {
+        let want_ty = vec_dot_type(w.ty()).ok_or(KernelError::Unsupported { ty: w.ty(), op: "matmul" })?;
+        if x.ty != Some(want_ty) {
+            return Err(KernelError::ActivationType { weight: w.ty(), want: want_ty, got: x.ty() });
+        }
+        if x.cols != w.cols() {
+            return Err(KernelError::ColsMismatch { weight: w.cols(), act: x.cols });
+        }
+        if rows.start > rows.end || rows.end > w.rows() {
+            return Err(KernelError::RowRange { start: rows.start, end: rows.end, rows: w.rows() });
+        }
+        let want = x.n * rows.len();
+        if out_len != want {
+            return Err(KernelError::InputLen { what: "matmul output", want, got: out_len });
+        }
+        let rb = w.row_stride();
+        Ok(Gemm {
+            wty: w.ty(),
+            w: &w.data()[rows.start * rb..rows.end * rb],
+            w_stride: rb,
+            nrows: rows.len(),
+            cols: w.cols(),
+            a: &x.data[..x.n * x.row_bytes],
+            a_stride: x.row_bytes,
+            ntok: x.n,
+            a_scales: &x.scales,
+            a_sums: &x.sums,
+        })
+    }
+
+    pub fn w_row(&self, r: usize) -> &'a [u8] {
+        &self.w[r * self.w_stride..(r + 1) * self.w_stride]
+    }
+
+    pub fn act_row(&self, t: usize) -> &'a [u8] {
+        &self.a[t * self.a_stride..(t + 1) * self.a_stride]
+    }
+}

@@ -1,0 +1,636 @@
+//! The reference kernels: plain Rust, written line by line from ggml.
+//!
+//! Dequantizers follow `ggml/src/ggml-quants.c` (`dequantize_row_*`), the activation quantizers
+//! `quantize_row_q8_0_ref` / `quantize_row_q8_K_ref` from the same file, and the dot products
+//! `ggml/src/ggml-cpu/quants.c` (`ggml_vec_dot_*_generic`) and `ggml-cpu/vec.cpp`
+//! (`ggml_vec_dot_f32/f16/bf16`, which accumulate in `ggml_float` = double in their scalar form).
+//! Every SIMD kernel is tested against these. They read only the raw block bytes (never the
+//! side tables that [`crate::Activations`] keeps for the SIMD kernels), so they check those too.
+//!
+//! Block layouts (ggml-common.h), little-endian, no padding:
+//! - `block_q4_0`  { f16 d; u8 qs[16] }                      18 bytes / 32 values
+//! - `block_q4_1`  { f16 d; f16 m; u8 qs[16] }               20 bytes
+//! - `block_q5_0`  { f16 d; u8 qh[4]; u8 qs[16] }            22 bytes
+//! - `block_q5_1`  { f16 d; f16 m; u8 qh[4]; u8 qs[16] }     24 bytes
+//! - `block_q8_0`  { f16 d; i8 qs[32] }                      34 bytes
+//! - `block_q2_K`  { u8 scales[16]; u8 qs[64]; f16 d; f16 dmin }             84 bytes / 256 values
+//! - `block_q3_K`  { u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d }         110 bytes
+//! - `block_q4_K`  { f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }            144 bytes
+//! - `block_q5_K`  { f16 d; f16 dmin; u8 scales[12]; u8 qh[32]; u8 qs[128] } 176 bytes
+//! - `block_q6_K`  { u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d }           210 bytes
+//! - `block_q8_K`  { f32 d; i8 qs[256]; i16 bsums[16] }                      292 bytes
+//! - `block_tq1_0` { u8 qs[48]; u8 qh[4]; f16 d }                            54 bytes
+//! - `block_tq2_0` { u8 qs[64]; f16 d }                                      66 bytes
+
+use crate::quant::{GgmlType, QK, QK_K};
+use half::{bf16, f16};
+
+#[inline(always)]
+pub(crate) fn f16_at(b: &[u8], off: usize) -> f32 {
+    f16::from_bits(u16::from_le_bytes([b[off], b[off + 1]])).to_f32()
+}
+
+#[inline(always)]
+pub(crate) fn f32_at(b: &[u8], off: usize) -> f32 {
+    f32::from_le_bytes([b[off], b[off + 1], b[off + 2], b[off + 3]])
+}
+
+#[inline(always)]
+fn i16_at(b: &[u8], off: usize) -> i16 {
+    i16::from_le_bytes([b[off], b[off + 1]])
+}
+
+#[inline(always)]
+fn bf16_at(b: &[u8], off: usize) -> f32 {
+    bf16::from_bits(u16::from_le_bytes([b[off], b[off + 1]])).to_f32()
+}
+
+/// ggml.c `ggml_compute_fp32_to_bf16`: round to nearest even, NaN kept quiet.
+pub(crate) fn f32_to_bf16_bits(x: f32) -> u16 {
+    let u = x.to_bits();
+    if (u & 0x7fff_ffff) > 0x7f80_0000 {
+        return ((u >> 16) | 64) as u16;
+    }
+    ((u + (0x7fff + ((u >> 16) & 1))) >> 16) as u16
+}
+
+/// ggml-quants.c `get_scale_min_k4`: the 6-bit scale and min of sub-block `j` of a q4_K/q5_K.
+#[inline(always)]
+pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (q[j] & 63, q[j + 4] & 63)
+    } else {
+        (
+            (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4),
+            (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
+        )
+    }
+}
+
+/// ggml-quants.c `dequantize_row_q3_K`: unpack the 12 scale bytes into 16 signed 6-bit scales
+/// (still offset by 32).
+fn q3k_scales(s: &[u8]) -> [i8; 16] {
+    const KMASK1: u32 = 0x0303_0303;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
+    let (a0, a1, tmp) = (w(0), w(1), w(2));
+    let aux = [
+        (a0 & KMASK2) | ((tmp & KMASK1) << 4),
+        (a1 & KMASK2) | (((tmp >> 2) & KMASK1) << 4),
+        ((a0 >> 4) & KMASK2) | (((tmp >> 4) & KMASK1) << 4),
+        ((a1 >> 4) & KMASK2) | (((tmp >> 6) & KMASK1) << 4),
+    ];
+    let mut out = [0i8; 16];
+    for (i, a) in aux.iter().enumerate() {
+        for (k, b) in a.to_le_bytes().iter().enumerate() {
+            out[4 * i + k] = *b as i8;
+        }
+    }
+    out
+}
+
+/// Dequantize whole blocks. `src.len() == ty.row_size(dst.len())` is checked by the caller.
+/// Returns false for types without a dequantizer.
+pub(crate) fn dequantize(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> bool {
+    let ts = ty.type_size();
+    let bs = ty.block_size();
+    match ty {
+        GgmlType::F32 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(4)) {
+                *d = f32_at(s, 0);
+            }
+        }
+        GgmlType::F16 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = f16_at(s, 0);
+            }
+        }
+        GgmlType::BF16 => {
+            for (d, s) in dst.iter_mut().zip(src.chunks_exact(2)) {
+                *d = bf16_at(s, 0);
+            }
+        }
+        _ => {
+            for (b, y) in src.chunks_exact(ts).zip(dst.chunks_exact_mut(bs)) {
+                if !dequantize_block(ty, b, y) {
+                    return false;
+                }
+            }
+        }
+    }
+    true
+}
+
+fn dequantize_block(ty: GgmlType, x: &[u8], y: &mut [f32]) -> bool {
+    match ty {
+        // dequantize_row_q4_0
+        GgmlType::Q4_0 => {
+            let d = f16_at(x, 0);
+            for j in 0..QK / 2 {
+                let q = x[2 + j];
+                y[j] = ((q & 0x0F) as i32 - 8) as f32 * d;
+                y[j + QK / 2] = ((q >> 4) as i32 - 8) as f32 * d;
+            }
+        }
+        // dequantize_row_q4_1
+        GgmlType::Q4_1 => {
+            let (d, m) = (f16_at(x, 0), f16_at(x, 2));
+            for j in 0..QK / 2 {
+                let q = x[4 + j];
+                y[j] = (q & 0x0F) as f32 * d + m;
+                y[j + QK / 2] = (q >> 4) as f32 * d + m;
+            }
+        }
+        // dequantize_row_q5_0
+        GgmlType::Q5_0 => {
+            let d = f16_at(x, 0);
+            let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]);
+            for j in 0..QK / 2 {
+                let q = x[6 + j];
+                let xh0 = (((qh >> j) << 4) & 0x10) as u8;
+                let xh1 = ((qh >> (j + 12)) & 0x10) as u8;
+                y[j] = (((q & 0x0F) | xh0) as i32 - 16) as f32 * d;
+                y[j + QK / 2] = (((q >> 4) | xh1) as i32 - 16) as f32 * d;
+            }
+        }
+        // dequantize_row_q5_1
+        GgmlType::Q5_1 => {
+            let (d, m) = (f16_at(x, 0), f16_at(x, 2));
+            let qh = u32::from_le_bytes([x[4], x[5], x[6], x[7]]);
+            for j in 0..QK / 2 {
+                let q = x[8 + j];
+                let xh0 = (((qh >> j) << 4) & 0x10) as u8;
+                let xh1 = ((qh >> (j + 12)) & 0x10) as u8;
+                y[j] = ((q & 0x0F) | xh0) as f32 * d + m;
+                y[j + QK / 2] = ((q >> 4) | xh1) as f32 * d + m;
+            }
+        }
+        // dequantize_row_q8_0
+        GgmlType::Q8_0 => {
+            let d = f16_at(x, 0);
+            for j in 0..QK {
+                y[j] = (x[2 + j] as i8) as f32 * d;
+            }
+        }
+        // dequantize_row_q8_K
+        GgmlType::Q8_K => {
+            let d = f32_at(x, 0);
+            for j in 0..QK_K {
+                y[j] = d * (x[4 + j] as i8) as f32;
+            }
+        }
+        // dequantize_row_q2_K
+        GgmlType::Q2_K => {
+            let sc = &x[0..16];
+            let qs = &x[16..80];
+            let (d, min) = (f16_at(x, 80), f16_at(x, 82));
+            let mut o = 0;
+            let mut is = 0;
+            for n in 0..2 {
+                let q = &qs[32 * n..];
+                for shift in [0, 2, 4, 6] {
+                    for half in 0..2 {
+                        let s = sc[is];
+                        is += 1;
+                        let dl = d * (s & 0xF) as f32;
+                        let ml = min * (s >> 4) as f32;
+                        for l in 0..16 {
+                            y[o] = dl * ((q[l + 16 * half] >> shift) & 3) as f32 - ml;
+                            o += 1;
+                        }
+                    }
+                }
+            }
+        }
+        // dequantize_row_q3_K
+        GgmlType::Q3_K => {
+            let hm = &x[0..32];
+            let qs = &x[32..96];
+            let scales = q3k_scales(&x[96..108]);
+            let d_all = f16_at(x, 108);
+            let mut o = 0;
+            let mut is = 0;
+            let mut m = 1u8;
+            for n in 0..2 {
+                let q = &qs[32 * n..];
+                for shift in [0, 2, 4, 6] {
+                    for half in 0..2 {
+                        let dl = d_all * (scales[is] as i32 - 32) as f32;
+                        is += 1;
+                        for l in 0..16 {
+                            let i = l + 16 * half;
+                            let v = ((q[i] >> shift) & 3) as i32 - if hm[i] & m != 0 { 0 } else { 4 };
+                            y[o] = dl * v as f32;
+                            o += 1;
+                        }
+                    }
+                    m <<= 1;
+                }
+            }
+        }
+        // dequantize_row_q4_K
+        GgmlType::Q4_K => {
+            let (d, min) = (f16_at(x, 0), f16_at(x, 2));
+            let scales = &x[4..16];
+            let qs = &x[16..144];
+            for j in 0..4 {
+                let (sc1, m1) = scale_min_k4(2 * j, scales);
+                let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+                let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
+                let (d2, m2) = (d * sc2 as f32, min * m2 as f32);
+                let q = &qs[32 * j..32 * j + 32];
+                for l in 0..32 {
+                    y[64 * j + l] = d1 * (q[l] & 0xF) as f32 - m1;
+                    y[64 * j + 32 + l] = d2 * (q[l] >> 4) as f32 - m2;
+                }
+            }
+        }
+        // dequantize_row_q5_K
+        GgmlType::Q5_K => {
+            let (d, min) = (f16_at(x, 0), f16_at(x, 2));
+            let scales = &x[4..16];
+            let qh = &x[16..48];
+            let qs = &x[48..176];
+            for j in 0..4 {
+                let (sc1, m1) = scale_min_k4(2 * j, scales);
+                let (sc2, m2) = scale_min_k4(2 * j + 1, scales);
+                let (d1, m1) = (d * sc1 as f32, min * m1 as f32);
+                let (d2, m2) = (d * sc2 as f32, min * m2 as f32);
+                let (u1, u2) = (1u8 << (2 * j), 2u8 << (2 * j));
+                let q = &qs[32 * j..32 * j + 32];
+                for l in 0..32 {
+                    let h1 = if qh[l] & u1 != 0 { 16 } else { 0 };
+                    let h2 = if qh[l] & u2 != 0 { 16 } else { 0 };
+                    y[64 * j + l] = d1 * ((q[l] & 0xF) + h1) as f32 - m1;
+                    y[64 * j + 32 + l] = d2 * ((q[l] >> 4) + h2) as f32 - m2;
+                }
+            }
+        }
+        // dequantize_row_q6_K
+        GgmlType::Q6_K => {
+            let d = f16_at(x, 208);
+            for n in 0..2 {
+                let ql = &x[64 * n..64 * n + 64];
+                let qh = &x[128 + 32 * n..128 + 32 * n + 32];
+                let sc = &x[192 + 8 * n..192 + 8 * n + 8];
+                let y = &mut y[128 * n..128 * n + 128];
+                for l in 0..32 {
+                    let is = l / 16;
+                    let q1 = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i32 - 32;
+                    let q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i32 - 32;
+                    let q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i32 - 32;
+                    let q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i32 - 32;
+                    y[l] = d * (sc[is] as i8) as f32 * q1 as f32;
+                    y[l + 32] = d * (sc[is + 2] as i8) as f32 * q2 as f32;
+                    y[l + 64] = d * (sc[is + 4] as i8) as f32 * q3 as f32;
+                    y[l + 96] = d * (sc[is + 6] as i8) as f32 * q4 as f32;
+                }
+            }
+        }
+        // dequantize_row_tq1_0
+        GgmlType::TQ1_0 => {
+            const POW3: [u8; 6] = [1, 3, 9, 27, 81, 243];
+            let qs = &x[0..48];
+            let qh = &x[48..52];
+            let d = f16_at(x, 52);
+            let trit = |q: u8, n: usize| -> f32 {
+                let q = q.wrapping_mul(POW3[n]);
+                let xi = ((q as u16 * 3) >> 8) as i16;
+                (xi - 1) as f32 * d
+            };
+            let mut o = 0;
+            for j in (0..32).step_by(32) {
+                for n in 0..5 {
+                    for m in 0..32 {
+                        y[o] = trit(qs[j + m], n);
+                        o += 1;
+                    }
+                }
+            }
+            for j in (32..48).step_by(16) {
+                for n in 0..5 {
+                    for m in 0..16 {
+                        y[o] = trit(qs[j + m], n);
+                        o += 1;
+                    }
+                }
+            }
+            for n in 0..4 {
+                for &q in qh {
+                    y[o] = trit(q, n);
+                    o += 1;
+                }
+            }
+        }
+        // dequantize_row_tq2_0
+        GgmlType::TQ2_0 => {
+            let d = f16_at(x, 64);
+            let mut o = 0;
+            for j in (0..64).step_by(32) {
+                for l in 0..4 {
+                    for m in 0..32 {
+                        let q = ((x[j + m] >> (2 * l)) & 3) as i32;
+                        y[o] = (q - 1) as f32 * d;
+                        o += 1;
+                    }
+                }
+            }
+        }
+        _ => return false,
+    }
+    true
+}
+
+/// ggml-quants.c `nearest_int`: round to nearest, ties to even, via the 1.5·2^23 trick.
+#[inline(always)]
+pub(crate) fn nearest_int(fval: f32) -> i32 {
+    let val = fval + 12582912.0;
+    (val.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
+}
+
+/// ggml-quants.c `quantize_row_q8_0_ref`: one 34-byte block per 32 values.
+pub(crate) fn quantize_q8_0(x: &[f32], y: &mut [u8]) {
+    for (xb, yb) in x.chunks_exact(QK).zip(y.chunks_exact_mut(GgmlType::Q8_0.type_size())) {
+        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        let d = amax / 127.0;
+        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        yb[0..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+        for (q, v) in yb[2..].iter_mut().zip(xb) {
+            // roundf: half away from zero, like f32::round.
+            *q = ((v * id).round() as i8) as u8;
+        }
+    }
+}
+
+/// ggml-quants.c `quantize_row_q8_K_ref`: one 292-byte block per 256 values. The scale is the
+/// signed value of largest magnitude, so its own element quantizes to -127 exactly.
+pub(crate) fn quantize_q8_k(x: &[f32], y: &mut [u8]) {
+    for (xb, yb) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(GgmlType::Q8_K.type_size())) {
+        let mut max = 0.0f32;
+        let mut amax = 0.0f32;
+        for &v in xb {
+            let ax = v.abs();
+            if ax > amax {
+                amax = ax;
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            yb.fill(0);
+            continue;
+        }
+        let iscale = -127.0 / max;
+        for (q, &v) in yb[4..4 + QK_K].iter_mut().zip(xb) {
+            *q = (nearest_int(iscale * v).min(127) as i8) as u8;
+        }
+        for j in 0..QK_K / 16 {
+            let s: i32 = yb[4 + 16 * j..4 + 16 * j + 16].iter().map(|&q| (q as i8) as i32).sum();
+            let o = 4 + QK_K + 2 * j;
+            yb[o..o + 2].copy_from_slice(&(s as i16).to_le_bytes());
+        }
+        yb[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+    }
+}
+
+/// Quantize to an activation type. Returns false for types we cannot produce.
+pub(crate) fn quantize(ty: GgmlType, x: &[f32], y: &mut [u8]) -> bool {
+    match ty {
+        GgmlType::Q8_0 => quantize_q8_0(x, y),
+        GgmlType::Q8_K => quantize_q8_k(x, y),
+        GgmlType::F32 => {
+            for (v, o) in x.iter().zip(y.chunks_exact_mut(4)) {
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        GgmlType::F16 => {
+            for (v, o) in x.iter().zip(y.chunks_exact_mut(2)) {
+                o.copy_from_slice(&f16::from_f32(*v).to_bits().to_le_bytes());
+            }
+        }
+        GgmlType::BF16 => {
+            for (v, o) in x.iter().zip(y.chunks_exact_mut(2)) {
+                o.copy_from_slice(&f32_to_bf16_bits(*v).to_le_bytes());
+            }
+        }
+        _ => return false,
+    }
+    true
+}
+
+// ---------------------------------------------------------------------------------------------
+// Dot products of one weight row with one activation row (both raw bytes, `n` elements).
+
+/// `ggml_vec_dot_f32` (vec.cpp, scalar branch: double accumulation).
+pub(crate) fn vec_dot_f32(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut s = 0f64;
+    for i in 0..n {
+        s += (f32_at(w, 4 * i) * f32_at(a, 4 * i)) as f64;
+    }
+    s as f32
+}
+
+/// `ggml_vec_dot_f16` (vec.cpp, scalar branch).
+pub(crate) fn vec_dot_f16(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut s = 0f64;
+    for i in 0..n {
+        s += (f16_at(w, 2 * i) * f16_at(a, 2 * i)) as f64;
+    }
+    s as f32
+}
+
+/// `ggml_vec_dot_bf16` (vec.cpp, scalar branch).
+pub(crate) fn vec_dot_bf16(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut s = 0f64;
+    for i in 0..n {
+        s += (bf16_at(w, 2 * i) * bf16_at(a, 2 * i)) as f64;
+    }
+    s as f32
+}
+
+/// `ggml_vec_dot_q8_0_q8_0_generic`.
+pub(crate) fn vec_dot_q8_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sumf = 0f32;
+    for (x, y) in w.chunks_exact(34).zip(a.chunks_exact(34)).take(n / QK) {
+        let mut sumi = 0i32;
+        for j in 0..QK {
+            sumi += (x[2 + j] as i8) as i32 * (y[2 + j] as i8) as i32;
+        }
+        sumf += sumi as f32 * (f16_at(x, 0) * f16_at(y, 0));
+    }
+    sumf
+}
+
+/// `ggml_vec_dot_q4_0_q8_0_generic`.
+pub(crate) fn vec_dot_q4_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sumf = 0f32;
+    for (x, y) in w.chunks_exact(18).zip(a.chunks_exact(34)).take(n / QK) {
+        let (mut s0, mut s1) = (0i32, 0i32);
+        for j in 0..QK / 2 {
+            let v0 = (x[2 + j] & 0x0F) as i32 - 8;
+            let v1 = (x[2 + j] >> 4) as i32 - 8;
+            s0 += v0 * (y[2 + j] as i8) as i32;
+            s1 += v1 * (y[2 + j + QK / 2] as i8) as i32;
+        }
+        sumf += (s0 + s1) as f32 * f16_at(x, 0) * f16_at(y, 0);
+    }
+    sumf
+}
+
+/// `ggml_vec_dot_q5_0_q8_0_generic`.
+pub(crate) fn vec_dot_q5_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sumf = 0f32;
+    for (x, y) in w.chunks_exact(22).zip(a.chunks_exact(34)).take(n / QK) {
+        let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]);
+        let (mut s0, mut s1) = (0i32, 0i32);
+        for j in 0..QK / 2 {
+            let xh0 = (((qh >> j) & 1) << 4) as u8;
+            let xh1 = (((qh >> (j + 16)) & 1) << 4) as u8;
+            let x0 = ((x[6 + j] & 0x0F) | xh0) as i32 - 16;
+            let x1 = ((x[6 + j] >> 4) | xh1) as i32 - 16;
+            s0 += x0 * (y[2 + j] as i8) as i32;
+            s1 += x1 * (y[2 + j + QK / 2] as i8) as i32;
+        }
+        sumf += (s0 + s1) as f32 * f16_at(x, 0) * f16_at(y, 0);
+    }
+    sumf
+}
+
+fn q8k_parts(y: &[u8]) -> (f32, &[u8], [i16; 16]) {
+    let mut bsums = [0i16; 16];
+    for (j, b) in bsums.iter_mut().enumerate() {
+        *b = i16_at(y, 4 + QK_K + 2 * j);
+    }
+    (f32_at(y, 0), &y[4..4 + QK_K], bsums)
+}
+
+/// `ggml_vec_dot_q4_K_q8_K_generic` and `ggml_vec_dot_q5_K_q8_K_generic` (5-bit when `q5`).
+fn vec_dot_qk45(n: usize, w: &[u8], a: &[u8], q5: bool) -> f32 {
+    let ts = if q5 { 176 } else { 144 };
+    let mut sums = [0f32; 8];
+    let mut sumf = 0f32;
+    for (x, y) in w.chunks_exact(ts).zip(a.chunks_exact(292)).take(n / QK_K) {
+        let (yd, q8, bsums) = q8k_parts(y);
+        let scales = &x[4..16];
+        let qs = if q5 { &x[48..176] } else { &x[16..144] };
+        let mut aux8 = [0i8; QK_K];
+        for j in 0..4 {
+            for l in 0..32 {
+                let mut lo = qs[32 * j + l] & 0xF;
+                let mut hi = qs[32 * j + l] >> 4;
+                if q5 {
+                    let qh = x[16 + l];
+                    lo += if qh & (1 << (2 * j)) != 0 { 16 } else { 0 };
+                    hi += if qh & (2 << (2 * j)) != 0 { 16 } else { 0 };
+                }
+                aux8[64 * j + l] = lo as i8;
+                aux8[64 * j + 32 + l] = hi as i8;
+            }
+        }
+        let mut sumi = 0i32;
+        for (j, b) in bsums.iter().enumerate() {
+            sumi += *b as i32 * scale_min_k4(j / 2, scales).1 as i32;
+        }
+        let mut aux32 = [0i32; 8];
+        for j in 0..QK_K / 32 {
+            let scale = scale_min_k4(j, scales).0 as i32;
+            for k in 0..4 {
+                for l in 0..8 {
+                    let i = 32 * j + 8 * k + l;
+                    aux32[l] += scale * (q8[i] as i8 as i32 * aux8[i] as i32);
+                }
+            }
+        }
+        let d = f16_at(x, 0) * yd;
+        for l in 0..8 {
+            sums[l] += d * aux32[l] as f32;
+        }
+        let dmin = f16_at(x, 2) * yd;
+        sumf -= dmin * sumi as f32;
+    }
+    sumf + sums.iter().sum::<f32>()
+}
+
+/// `ggml_vec_dot_q4_K_q8_K_generic`.
+pub(crate) fn vec_dot_q4_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_qk45(n, w, a, false)
+}
+
+/// `ggml_vec_dot_q5_K_q8_K_generic`.
+pub(crate) fn vec_dot_q5_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    vec_dot_qk45(n, w, a, true)
+}
+
+/// `ggml_vec_dot_q6_K_q8_K_generic`.
+pub(crate) fn vec_dot_q6_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut sums = [0f32; 8];
+    for (x, y) in w.chunks_exact(210).zip(a.chunks_exact(292)).take(n / QK_K) {
+        let (yd, q8, _) = q8k_parts(y);
+        let mut aux8 = [0i8; QK_K];
+        for h in 0..2 {
+            let ql = &x[64 * h..];
+            let qh = &x[128 + 32 * h..];
+            let a = &mut aux8[128 * h..];
+            for l in 0..32 {
+                a[l] = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
+                a[l + 32] = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
+                a[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
+                a[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+            }
+        }
+        let mut aux32 = [0i32; 8];
+        for j in 0..QK_K / 16 {
+            let scale = (x[192 + j] as i8) as i32;
+            for k in 0..2 {
+                for l in 0..8 {
+                    let i = 16 * j + 8 * k + l;
+                    aux32[l] += scale * (q8[i] as i8 as i32 * aux8[i] as i32);
+                }
+            }
+        }
+        let d = f16_at(x, 208) * yd;
+        for l in 0..8 {
+            sums[l] += d * aux32[l] as f32;
+        }
+    }
+    sums.iter().sum()
+}
+
+/// The reference dot product for a weight type against its `vec_dot_type` activations.
+pub(crate) fn vec_dot_fn(w: GgmlType) -> Option<fn(usize, &[u8], &[u8]) -> f32> {
+    Some(match w {
+        GgmlType::F32 => vec_dot_f32,
+        GgmlType::F16 => vec_dot_f16,
+        GgmlType::BF16 => vec_dot_bf16,
+        GgmlType::Q8_0 => vec_dot_q8_0_q8_0,
+        GgmlType::Q4_0 => vec_dot_q4_0_q8_0,
+        GgmlType::Q5_0 => vec_dot_q5_0_q8_0,
+        GgmlType::Q4_K => vec_dot_q4_k_q8_k,
+        GgmlType::Q5_K => vec_dot_q5_k_q8_k,
+        GgmlType::Q6_K => vec_dot_q6_k_q8_k,
+        _ => return None,
+    })
+}
+
+/// Reference matmul: one `vec_dot` per (row, token). Same contract as the SIMD kernels.
+pub(crate) fn matmul(g: &crate::matmul::Gemm<'_>, out: &mut [f32]) {
+    let dot = vec_dot_fn(g.wty).expect("Gemm is only built for weight types with a vec_dot");
+    for t in 0..g.ntok {
+        let a = g.act_row(t);
+        for r in 0..g.nrows {
+            out[t * g.nrows + r] = dot(g.cols, g.w_row(r), a);
+        }
+    }
+}
+
+/// `ggml_vec_dot_f32` over f32 slices (double accumulation, like the scalar ggml path).
+pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    a.iter().zip(b).map(|(x, y)| (x * y) as f64).sum::<f64>() as f32
+}
+
+/// `ggml_vec_dot_f16` over f16 slices.
+pub(crate) fn dot_f16(a: &[f16], b: &[f16]) -> f32 {
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x.to_f32() * y.to_f32()) as f64)
+        .sum::<f64>() as f32
+}

@@ -1,0 +1,433 @@
+//! Crate tests: every SIMD path against the scalar reference, the scalar reference against
+//! gguf-py goldens (scripts/make-kernel-goldens.py), activation quantization against ggml's
+//! reference, the dispatcher, and the registry's completeness.
+
+use crate::dispatch::{choose, kernels_for, Isa};
+use crate::*;
+use half::f16;
+
+/// splitmix64: a small seeded generator, so failures reproduce.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn f32(&mut self) -> f32 {
+        (self.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn normalish(&mut self) -> f32 {
+        (self.f32() + self.f32() + self.f32()) * 1.5
+    }
+}
+
+/// Byte offsets of the f16 scale fields in one block (ggml-common.h).
+fn f16_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        GgmlType::TQ1_0 => &[52],
+        GgmlType::TQ2_0 => &[64],
+        _ => &[],
+    }
+}
+
+/// `n` random, valid elements of `ty`: random bytes with finite scales (2^-10..2^1).
+fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
+    let bytes = ty.row_size(n as u64).unwrap() as usize;
+    match ty {
+        GgmlType::F32 => (0..n).flat_map(|_| rng.normalish().to_le_bytes()).collect(),
+        GgmlType::F16 => (0..n).flat_map(|_| f16::from_f32(rng.normalish()).to_bits().to_le_bytes()).collect(),
+        GgmlType::BF16 => (0..n).flat_map(|_| half::bf16::from_f32(rng.normalish()).to_bits().to_le_bytes()).collect(),
+        _ => {
+            let mut v: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
+            for b in v.chunks_exact_mut(ty.type_size()) {
+                for &off in f16_fields(ty) {
+                    let mag = (2f32).powf(rng.f32() * 5.5 - 4.5);
+                    let s = if rng.next() & 1 == 0 { mag } else { -mag };
+                    b[off..off + 2].copy_from_slice(&f16::from_f32(s).to_bits().to_le_bytes());
+                }
+            }
+            v
+        }
+    }
+}
+
+const MATMUL_TYPES: [GgmlType; 9] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q8_0,
+    GgmlType::Q4_0,
+    GgmlType::Q5_0,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+];
+
+fn col_shapes(ty: GgmlType) -> &'static [usize] {
+    match ty.block_size() {
+        1 => &[1, 7, 16, 33, 200],
+        32 => &[32, 64, 96, 640],
+        _ => &[256, 1024],
+    }
+}
+
+/// Σ|w_i·a_i| from the dequantized operands: the scale of the rounding error of a dot.
+fn abs_dot(w: &[f32], a: &[f32]) -> f32 {
+    w.iter().zip(a).map(|(x, y)| (x * y).abs()).sum()
+}
+
+#[test]
+fn every_simd_matmul_matches_scalar() {
+    let mut rng = Rng(0x5EED);
+    let mut checked = 0;
+    for ty in MATMUL_TYPES {
+        for &cols in col_shapes(ty) {
+            for &(nrows, start) in &[(1usize, 0usize), (5, 1), (9, 2)] {
+                let total_rows = start + nrows + 1;
+                let w = random_weights(ty, cols * total_rows, &mut rng);
+                // Misalign: the matrix starts 1 byte into a larger buffer.
+                let mut buf = vec![0u8; w.len() + 1];
+                buf[1..].copy_from_slice(&w);
+                let m = QMatrix::new(ty, total_rows, cols, &buf[1..]).unwrap();
+                let mut wf = vec![0f32; cols * total_rows];
+                dequantize_row(ty, &w, &mut wf).unwrap();
+                for &n in &[1usize, 3, 5, 17] {
+                    let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+                    let mut act = Activations::new();
+                    act.quantize_for(ty, &x, n, cols).unwrap();
+                    let mut af = vec![0f32; n * cols];
+                    for t in 0..n {
+                        dequantize_row(act.ty(), act.row(t), &mut af[t * cols..(t + 1) * cols]).unwrap();
+                    }
+                    let rows = start..start + nrows;
+                    let mut want = vec![0f32; n * nrows];
+                    matmul_with(Isa::Scalar, &m, &act, rows.clone(), &mut want).unwrap();
+                    for isa in [Isa::Avx2, Isa::Avx512] {
+                        if !isa.is_available() {
+                            continue;
+                        }
+                        let mut got = vec![f32::NAN; n * nrows];
+                        matmul_with(isa, &m, &act, rows.clone(), &mut got).unwrap();
+                        for t in 0..n {
+                            for r in 0..nrows {
+                                let i = t * nrows + r;
+                                let wr = &wf[(start + r) * cols..(start + r + 1) * cols];
+                                let scale = abs_dot(wr, &af[t * cols..(t + 1) * cols]);
+                                let tol = 2e-5 * scale + 1e-30;
+                                assert!(
+                                    (got[i] - want[i]).abs() <= tol,
+                                    "{isa:?} {ty:?} cols={cols} rows={rows:?} n={n} (t={t}, r={r}): got {} want {} tol {tol}",
+                                    got[i],
+                                    want[i]
+                                );
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 1000, "only {checked} comparisons ran");
+}
+
+#[test]
+fn scalar_matmul_equals_dequantized_dot() {
+    // Independent of the ggml-style integer path: dequantize both operands and dot in f64.
+    let mut rng = Rng(7);
+    for ty in MATMUL_TYPES {
+        let cols = col_shapes(ty)[1];
+        let w = random_weights(ty, cols * 3, &mut rng);
+        let m = QMatrix::new(ty, 3, cols, &w).unwrap();
+        let x: Vec<f32> = (0..2 * cols).map(|_| rng.normalish()).collect();
+        let mut act = Activations::new();
+        act.quantize_for(ty, &x, 2, cols).unwrap();
+        let mut got = vec![0f32; 6];
+        matmul_with(Isa::Scalar, &m, &act, 0..3, &mut got).unwrap();
+        let mut wf = vec![0f32; 3 * cols];
+        dequantize_row(ty, &w, &mut wf).unwrap();
+        for t in 0..2 {
+            let mut af = vec![0f32; cols];
+            dequantize_row(act.ty(), act.row(t), &mut af).unwrap();
+            for r in 0..3 {
+                let wr = &wf[r * cols..(r + 1) * cols];
+                let want: f64 = wr.iter().zip(&af).map(|(a, b)| *a as f64 * *b as f64).sum();
+                let tol = 1e-4 * abs_dot(wr, &af) as f64;
+                assert!((got[t * 3 + r] as f64 - want).abs() <= tol, "{ty:?} t={t} r={r}: {} vs {want}", got[t * 3 + r]);
+            }
+        }
+    }
+}
+
+#[test]
+fn dot_helpers_match_scalar_on_every_isa() {
+    let mut rng = Rng(11);
+    for n in [0usize, 1, 7, 8, 15, 16, 17, 63, 64, 65, 256, 1000] {
+        let a: Vec<f32> = (0..n).map(|_| rng.normalish()).collect();
+        let b: Vec<f32> = (0..n).map(|_| rng.normalish()).collect();
+        let ah: Vec<f16> = a.iter().map(|v| f16::from_f32(*v)).collect();
+        let bh: Vec<f16> = b.iter().map(|v| f16::from_f32(*v)).collect();
+        let scale: f32 = a.iter().zip(&b).map(|(x, y)| (x * y).abs()).sum::<f32>() + 1e-30;
+        let want32 = scalar::dot_f32(&a, &b);
+        let want16 = scalar::dot_f16(&ah, &bh);
+        for isa in Isa::ALL {
+            let Some(k) = kernels_for(isa) else { continue };
+            assert!(((k.dot_f32)(&a, &b) - want32).abs() <= 1e-5 * scale, "{isa:?} dot_f32 n={n}");
+            assert!(((k.dot_f16)(&ah, &bh) - want16).abs() <= 1e-5 * scale, "{isa:?} dot_f16 n={n}");
+        }
+    }
+    // The public entry points run the selected ISA.
+    assert_eq!(dot_f32(&[1.0, 2.0, 3.0], &[4.0, 5.0, 6.0]), 32.0);
+    let h = |v: f32| f16::from_f32(v);
+    assert_eq!(dot_f16(&[h(1.0), h(-2.0)], &[h(0.5), h(4.0)]), -7.5);
+}
+
+#[test]
+fn override_parsing() {
+    let all = |_: Isa| true;
+    let no512 = |i: Isa| i != Isa::Avx512;
+    let scalar_only = |i: Isa| i == Isa::Scalar;
+    assert_eq!(choose(None, all), (Isa::Avx512, None));
+    assert_eq!(choose(None, no512), (Isa::Avx2, None));
+    assert_eq!(choose(None, scalar_only), (Isa::Scalar, None));
+    assert_eq!(choose(Some(""), all), (Isa::Avx512, None));
+    assert_eq!(choose(Some("scalar"), all), (Isa::Scalar, None));
+    assert_eq!(choose(Some(" AVX2 "), all), (Isa::Avx2, None));
+    assert_eq!(choose(Some("avx512"), all), (Isa::Avx512, None));
+    assert_eq!(choose(Some("avx512-vnni"), all), (Isa::Avx512, None));
+    let (isa, note) = choose(Some("avx512"), no512);
+    assert_eq!(isa, Isa::Avx2);
+    assert!(note.unwrap().contains("lacks"));
+    let (isa, note) = choose(Some("neon"), no512);
+    assert_eq!(isa, Isa::Avx2);
+    let note = note.unwrap();
+    assert!(note.contains("\"neon\"") && note.contains("expected scalar, avx2 or avx512"), "{note}");
+    // The process-wide choice is consistent with itself.
+    assert_eq!(isa_name(), crate::isa().name());
+    assert!(crate::isa().is_available());
+}
+
+#[test]
+fn registry_is_complete() {
+    // Every weight type with a vec_dot_type has a scalar, AVX2 and AVX-512 matmul and a
+    // dequantizer, and its activation type can be produced by quantize_row.
+    let mut n = 0;
+    for ty in GgmlType::ALL {
+        let Some(act) = vec_dot_type(ty) else { continue };
+        n += 1;
+        assert!(can_dequantize(ty), "{ty:?} has no dequantizer");
+        assert!(can_dequantize(act), "{act:?} has no dequantizer");
+        let mut buf = vec![0u8; act.row_size(QK_K as u64).unwrap() as usize];
+        quantize_row(act, &[0.5; QK_K], &mut buf).unwrap();
+        for isa in Isa::ALL {
+            // Scalar always exists; the SIMD ones must exist whenever the CPU has them.
+            if let Some(k) = kernels_for(isa) {
+                assert!(k.matmul(ty).is_some(), "{isa:?} has no matmul for {ty:?}");
+            }
+        }
+        assert!(crate::scalar::vec_dot_fn(ty).is_some());
+        #[cfg(target_arch = "x86_64")]
+        {
+            // Independently of this CPU: the tables list the type.
+            assert!(crate::x86_64::avx2::has_matmul(ty), "avx2 table lacks {ty:?}");
+            assert!(crate::x86_64::avx512::has_matmul(ty), "avx512 table lacks {ty:?}");
+        }
+    }
+    assert_eq!(n, MATMUL_TYPES.len());
+    for ty in MATMUL_TYPES {
+        assert!(vec_dot_type(ty).is_some());
+    }
+}
+
+fn le_f32(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+}
+
+macro_rules! golden {
+    ($name:literal) => {
+        (
+            &include_bytes!(concat!("../tests/data/", $name, ".bin"))[..],
+            &include_bytes!(concat!("../tests/data/", $name, ".f32"))[..],
+        )
+    };
+}
+
+#[test]
+fn dequantize_matches_gguf_py_goldens() {
+    let cases: [(GgmlType, (&[u8], &[u8])); 14] = [
+        (GgmlType::F16, golden!("f16")),
+        (GgmlType::BF16, golden!("bf16")),
+        (GgmlType::Q4_0, golden!("q4_0")),
+        (GgmlType::Q4_1, golden!("q4_1")),
+        (GgmlType::Q5_0, golden!("q5_0")),
+        (GgmlType::Q5_1, golden!("q5_1")),
+        (GgmlType::Q8_0, golden!("q8_0")),
+        (GgmlType::Q2_K, golden!("q2_k")),
+        (GgmlType::Q3_K, golden!("q3_k")),
+        (GgmlType::Q4_K, golden!("q4_k")),
+        (GgmlType::Q5_K, golden!("q5_k")),
+        (GgmlType::Q6_K, golden!("q6_k")),
+        (GgmlType::TQ1_0, golden!("tq1_0")),
+        (GgmlType::TQ2_0, golden!("tq2_0")),
+    ];
+    for (ty, (raw, want)) in cases {
+        let want = le_f32(want);
+        assert!(!want.is_empty());
+        let mut got = vec![0f32; want.len()];
+        dequantize_row(ty, raw, &mut got).unwrap();
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            // gguf-py may round an intermediate product differently: allow 1 ulp.
+            let ulps = (g.to_bits() as i64 - w.to_bits() as i64).abs();
+            assert!(g == w || ulps <= 1, "{ty:?}[{i}]: got {g} want {w}");
+        }
+    }
+}
+
+#[test]
+fn quantize_q8_0_matches_gguf_py() {
+    let x = le_f32(include_bytes!("../tests/data/q8_0_quant_in.f32"));
+    let want = include_bytes!("../tests/data/q8_0_quant.bin");
+    let mut got = vec![0u8; want.len()];
+    quantize_row(GgmlType::Q8_0, &x, &mut got).unwrap();
+    for (b, (g, w)) in got.chunks(34).zip(want.chunks(34)).enumerate() {
+        assert_eq!(g, w, "q8_0 block {b}");
+    }
+}
+
+/// ggml-quants.c `quantize_row_q8_K_ref`, transcribed independently of `scalar.rs` (round via
+/// `f32::round_ties_even`, the documented effect of ggml's `nearest_int`).
+fn q8k_ref(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for xb in x.chunks(QK_K) {
+        let (mut max, mut amax) = (0f32, 0f32);
+        for &v in xb {
+            if v.abs() > amax {
+                amax = v.abs();
+                max = v;
+            }
+        }
+        if amax == 0.0 {
+            out.extend(std::iter::repeat_n(0u8, 292));
+            continue;
+        }
+        let iscale = -127.0 / max;
+        let qs: Vec<i8> = xb.iter().map(|v| ((iscale * v).round_ties_even() as i32).min(127) as i8).collect();
+        out.extend((1.0 / iscale).to_le_bytes());
+        out.extend(qs.iter().map(|q| *q as u8));
+        for j in 0..16 {
+            let s: i16 = qs[16 * j..16 * j + 16].iter().map(|q| *q as i16).sum();
+            out.extend(s.to_le_bytes());
+        }
+    }
+    out
+}
+
+#[test]
+fn quantize_q8_k_matches_ggml_reference_and_round_trips() {
+    let mut rng = Rng(3);
+    let mut x: Vec<f32> = (0..QK_K * 6).map(|_| rng.normalish()).collect();
+    x[QK_K..2 * QK_K].fill(0.0);
+    for (i, v) in x[2 * QK_K..3 * QK_K].iter_mut().enumerate() {
+        *v = i as f32 - 127.5; // max |v| = 128.5 at the end: scaled ties
+    }
+    x[4 * QK_K + 3] = 1e6; // one outlier
+    let mut got = vec![0u8; 6 * 292];
+    quantize_row(GgmlType::Q8_K, &x, &mut got).unwrap();
+    assert_eq!(got, q8k_ref(&x));
+    let mut back = vec![0f32; x.len()];
+    dequantize_row(GgmlType::Q8_K, &got, &mut back).unwrap();
+    for (b, (xb, yb)) in x.chunks(QK_K).zip(back.chunks(QK_K)).enumerate() {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (v, y) in xb.iter().zip(yb) {
+            assert!((v - y).abs() <= amax / 127.0 * 0.5001 + 1e-30, "block {b}: {v} -> {y}");
+        }
+    }
+}
+
+#[test]
+fn quantize_q8_0_round_trips_within_half_step() {
+    let mut rng = Rng(5);
+    let x: Vec<f32> = (0..QK * 40).map(|_| rng.normalish() * 10.0).collect();
+    let mut q = vec![0u8; 40 * 34];
+    quantize_row(GgmlType::Q8_0, &x, &mut q).unwrap();
+    let mut back = vec![0f32; x.len()];
+    dequantize_row(GgmlType::Q8_0, &q, &mut back).unwrap();
+    for (xb, yb) in x.chunks(QK).zip(back.chunks(QK)) {
+        let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
+        for (v, y) in xb.iter().zip(yb) {
+            // d is rounded to f16 (rel. 2^-11), so allow a little over half a step.
+            assert!((v - y).abs() <= amax / 127.0 * 0.5 + amax * 1e-3, "{v} -> {y}");
+        }
+    }
+}
+
+#[test]
+fn float_activation_conversions_are_round_to_nearest_even() {
+    let x = [1.0f32, 1.0 + 2f32.powi(-11), 1.0 + 3.0 * 2f32.powi(-11), -0.0, 65504.0, 1.0 + 2f32.powi(-8)];
+    let mut h = vec![0u8; 12];
+    quantize_row(GgmlType::F16, &x, &mut h).unwrap();
+    let bits: Vec<u16> = h.chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+    assert_eq!(bits, [0x3C00, 0x3C00, 0x3C02, 0x8000, 0x7BFF, 0x3C04]);
+    let mut b = vec![0u8; 12];
+    quantize_row(GgmlType::BF16, &x, &mut b).unwrap();
+    let bits: Vec<u16> = b.chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+    // 1 + 2^-8 is exactly halfway between two bf16 values: ties to even (0x3F80).
+    assert_eq!(bits, [0x3F80, 0x3F80, 0x3F80, 0x8000, 0x4780, 0x3F80]);
+}
+
+#[test]
+fn sizes_are_validated_with_clear_errors() {
+    let e = dequantize_row(GgmlType::Q4_K, &[0u8; 10], &mut [0f32; 100]).unwrap_err();
+    assert!(matches!(e, KernelError::PartialBlock { cols: 100, block: 256, .. }), "{e}");
+    let e = dequantize_row(GgmlType::Q4_0, &[0u8; 17], &mut [0f32; 32]).unwrap_err();
+    assert_eq!(e.to_string(), "Q4_0: 32 elements take 18 bytes, got 17");
+    let e = QMatrix::new(GgmlType::Q8_0, 2, 64, &[0u8; 135]).unwrap_err();
+    assert!(e.to_string().contains("needs 136 bytes, got 135"), "{e}");
+    let w = vec![0u8; 2 * 68];
+    let m = QMatrix::new(GgmlType::Q8_0, 2, 64, &w).unwrap();
+    let mut act = Activations::new();
+    act.quantize_for(GgmlType::Q4_K, &[0.0; 256], 1, 256).unwrap();
+    let e = matmul(&m, &act, 0..2, &mut [0.0; 2]).unwrap_err();
+    assert!(matches!(e, KernelError::ActivationType { want: GgmlType::Q8_0, got: GgmlType::Q8_K, .. }), "{e}");
+    act.quantize_for(GgmlType::Q8_0, &[0.0; 128], 2, 64).unwrap();
+    assert_eq!(matmul(&m, &act, 1..3, &mut [0.0; 4]).unwrap_err(), KernelError::RowRange { start: 1, end: 3, rows: 2 });
+    assert!(matches!(matmul(&m, &act, 0..2, &mut [0.0; 3]).unwrap_err(), KernelError::InputLen { want: 4, got: 3, .. }));
+    matmul(&m, &act, 0..2, &mut [0.0; 4]).unwrap();
+    matmul(&m, &act, 1..1, &mut []).unwrap();
+    let e = act.quantize_for(GgmlType::Q2_K, &[0.0; 256], 1, 256).unwrap_err();
+    assert!(matches!(e, KernelError::Unsupported { ty: GgmlType::Q2_K, .. }));
+    assert!(act.quantize_for(GgmlType::Q8_0, &[0.0; 10], 1, 64).is_err());
+    assert!(quantize_row(GgmlType::Q4_0, &[0.0; 32], &mut [0u8; 18]).is_err());
+    assert!(dequantize_row(GgmlType::I32, &[0u8; 4], &mut [0f32; 1]).is_err());
+}
+
+#[test]
+fn activations_reuse_their_buffers() {
+    let mut act = Activations::new();
+    act.quantize_for(GgmlType::Q8_0, &vec![1.0; 8 * 640], 8, 640).unwrap();
+    let p = act.row(0).as_ptr();
+    act.quantize_for(GgmlType::Q5_0, &vec![2.0; 640], 1, 640).unwrap();
+    assert_eq!(act.row(0).as_ptr(), p, "a smaller quantization reallocated");
+    assert_eq!((act.n(), act.cols(), act.ty()), (1, 640, GgmlType::Q8_0));
+}
+
+#[test]
+fn matmul_n_zero_and_empty_ranges_are_fine() {
+    let mut rng = Rng(9);
+    let w = random_weights(GgmlType::Q6_K, 256 * 4, &mut rng);
+    let m = QMatrix::new(GgmlType::Q6_K, 4, 256, &w).unwrap();
+    let mut act = Activations::new();
+    act.quantize_for(GgmlType::Q6_K, &[], 0, 256).unwrap();
+    for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+        matmul_with(isa, &m, &act, 0..4, &mut []).unwrap();
+    }
+}

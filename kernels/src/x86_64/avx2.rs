@@ -1,0 +1,479 @@
+//! AVX2 (+FMA, F16C) kernels, for x86 nodes without AVX-512.
+//!
+//! Same structure as `avx512.rs` with 256-bit registers: one 32-value block per register for
+//! the legacy types, 32 values per step for the k-quants. Without VNNI the integer dot is
+//! `vpmaddubsw` + `vpmaddwd`; the unsigned operand is again the weight code (q8_0 uses
+//! ggml's `abs`/`sign` trick instead, because `x + 128` would overflow `vpmaddubsw`'s i16
+//! pairs). Only 16 vector registers: tiles are smaller than AVX-512's.
+
+use super::{drive, k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset};
+use super::{BF16, F16, F32, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
+use crate::dispatch::{Isa, Kernels, MatmulFn};
+use crate::matmul::Gemm;
+use crate::quant::{GgmlType, QK, QK_K};
+use core::arch::x86_64::*;
+use half::f16;
+
+/// Proof that this CPU has AVX2, FMA and F16C. Only [`Avx2::new`] makes one.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx2(());
+
+impl Avx2 {
+    pub fn new() -> Option<Self> {
+        let ok = is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        ok.then_some(Avx2(()))
+    }
+
+    pub fn kernels(self) -> Kernels {
+        Kernels { isa: Isa::Avx2, matmul_for, dot_f32, dot_f16 }
+    }
+}
+
+// The safe entry points below are private to this module and only handed out through
+// `Avx2::kernels`, which needs a token, which exists only if `Avx2::new` saw the features:
+// that is the SAFETY argument of every `unsafe` call in them.
+
+fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
+    Some(match ty {
+        GgmlType::Q8_0 => mm_q8_0,
+        GgmlType::Q4_0 => mm_q4_0,
+        GgmlType::Q5_0 => mm_q5_0,
+        GgmlType::Q4_K => mm_q4_k,
+        GgmlType::Q5_K => mm_q5_k,
+        GgmlType::Q6_K => mm_q6_k,
+        GgmlType::F32 => mm_f32,
+        GgmlType::F16 => mm_f16,
+        GgmlType::BF16 => mm_bf16,
+        _ => return None,
+    })
+}
+
+macro_rules! entry {
+    ($name:ident, $inner:ident, $kind:ident) => {
+        fn $name(g: &Gemm<'_>, out: &mut [f32]) {
+            // SAFETY: reachable only through a table built from an `Avx2` token (see above);
+            // `g` was validated by `Gemm::new`, which is what the tiles rely on.
+            unsafe { $inner::<$kind>(g, out) }
+        }
+    };
+}
+
+entry!(mm_q8_0, run_legacy, Q8_0);
+entry!(mm_q4_0, run_legacy, Q4_0);
+entry!(mm_q5_0, run_legacy, Q5_0);
+entry!(mm_q4_k, run_k, Q4_K);
+entry!(mm_q5_k, run_k, Q5_K);
+entry!(mm_q6_k, run_k, Q6_K);
+entry!(mm_f32, run_float, F32);
+entry!(mm_f16, run_float, F16);
+entry!(mm_bf16, run_float, BF16);
+
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    // SAFETY: token-gated as above; both slices have `n` elements.
+    unsafe { dot_raw::<F32>(a.as_ptr().cast(), b.as_ptr().cast(), a.len().min(b.len())) }
+}
+
+fn dot_f16(a: &[f16], b: &[f16]) -> f32 {
+    // SAFETY: as `dot_f32`.
+    unsafe { dot_raw::<F16>(a.as_ptr().cast(), b.as_ptr().cast(), a.len().min(b.len())) }
+}
+
+/// # Safety
+/// The CPU has AVX2, FMA, F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
+/// g.nrows` and `g.wty` of kind `KIND`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        drive!(g, out, tile_legacy, 4, 1, KIND);
+    } else {
+        drive!(g, out, tile_legacy, 2, 4, KIND);
+    }
+}
+
+/// # Safety
+/// As [`run_legacy`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        drive!(g, out, tile_k, 2, 1, KIND);
+    } else {
+        drive!(g, out, tile_k, 2, 4, KIND);
+    }
+}
+
+/// # Safety
+/// As [`run_legacy`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        drive!(g, out, tile_float, 4, 1, KIND);
+    } else {
+        drive!(g, out, tile_float, 2, 4, KIND);
+    }
+}
+
+/// # Safety
+/// AVX2 available.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn hsum(v: __m256) -> f32 {
+    let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    _mm_cvtss_f32(s)
+}
+
+/// # Safety
+/// AVX2 available; `p` readable for 2 bytes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn f16_splat(p: *const u8) -> __m256 {
+    // SAFETY: 2 readable bytes at `p`.
+    let bits = unsafe { p.cast::<i16>().read_unaligned() };
+    _mm256_cvtph_ps(_mm_set1_epi16(bits))
+}
+
+/// # Safety
+/// As `store` in avx512.rs: `r0 + R <= g.nrows`, `t0 + T <= g.ntok`, `out.len() == ntok*nrows`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn store<const R: usize, const T: usize>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    acc: &[[__m256; T]; R],
+    out: &mut [f32],
+) {
+    for r in 0..R {
+        for t in 0..T {
+            // SAFETY: in bounds by the contract above.
+            unsafe { *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) = hsum(acc[r][t]) };
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Legacy 32-value blocks.
+
+/// 32 weight codes of the block at `p` in value order: unsigned (q4_0, q5_0) or signed (q8_0).
+///
+/// # Safety
+/// AVX2 available; `p` readable for one `KIND` block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_legacy<const KIND: u8>(p: *const u8) -> __m256i {
+    // SAFETY (whole body): reads within the block.
+    unsafe {
+        if KIND == Q8_0 {
+            return _mm256_loadu_si256(p.add(2).cast());
+        }
+        let qoff = if KIND == Q4_0 { 2 } else { 6 };
+        let q = _mm_loadu_si128(p.add(qoff).cast());
+        let lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+        let hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
+        let mut u = _mm256_set_m128i(hi, lo);
+        if KIND == Q5_0 {
+            // ggml's bytes_from_bits_32: byte i = 0xFF where bit i of qh is set.
+            let qh = p.add(2).cast::<i32>().read_unaligned();
+            let shuf = _mm256_set_epi64x(
+                0x0303_0303_0303_0303,
+                0x0202_0202_0202_0202,
+                0x0101_0101_0101_0101,
+                0,
+            );
+            let bytes = _mm256_shuffle_epi8(_mm256_set1_epi32(qh), shuf);
+            let bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbf_dfef_f7fb_fdfe));
+            let set = _mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1));
+            u = _mm256_or_si256(u, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+        }
+        u
+    }
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of a legacy-type matmul.
+///
+/// # Safety
+/// AVX2 available; `g` validated, `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let nb = g.cols / QK;
+    let bs = legacy_block_bytes(KIND);
+    let k = legacy_offset(KIND);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // SAFETY (whole body): offsets within rows r0..r0+R / tokens t0..t0+T (nb blocks each)
+    // and side-table indices below `g.ntok * nb`.
+    unsafe {
+        for b in 0..nb {
+            let mut av = [_mm256_setzero_si256(); T];
+            let mut cv = [_mm256_setzero_si256(); T];
+            let mut dav = [_mm256_setzero_ps(); T];
+            for t in 0..T {
+                let i = (t0 + t) * nb + b;
+                let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * 34);
+                av[t] = _mm256_loadu_si256(ap.add(2).cast());
+                dav[t] = _mm256_set1_ps(*g.a_scales.as_ptr().add(i));
+                if KIND != Q8_0 {
+                    cv[t] = _mm256_setr_epi32(-k * *g.a_sums.as_ptr().add(i), 0, 0, 0, 0, 0, 0, 0);
+                }
+            }
+            for r in 0..R {
+                let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * bs);
+                let u = unpack_legacy::<KIND>(wp);
+                let dw = f16_splat(wp);
+                let au = if KIND == Q8_0 { _mm256_sign_epi8(u, u) } else { u };
+                for t in 0..T {
+                    let a = if KIND == Q8_0 { _mm256_sign_epi8(av[t], u) } else { av[t] };
+                    let p = _mm256_madd_epi16(_mm256_maddubs_epi16(au, a), ones);
+                    let p = if KIND == Q8_0 { p } else { _mm256_add_epi32(p, cv[t]) };
+                    let s = _mm256_mul_ps(dw, dav[t]);
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r][t]);
+                }
+            }
+        }
+        store(g, r0, t0, &acc, out);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// k-quants.
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of a k-quant matmul.
+///
+/// # Safety
+/// As [`tile_legacy`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let nsb = g.cols / QK_K;
+    let wbs = k_block_bytes(KIND);
+    let low4 = _mm256_set1_epi8(0x0F);
+    let m30 = _mm256_set1_epi8(0x30);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // SAFETY (whole body): offsets within rows r0..r0+R and tokens t0..t0+T, nsb super-blocks
+    // each (q8_K: f32 d at 0, qs at 4, bsums at 260).
+    unsafe {
+        for sb in 0..nsb {
+            let mut ap = [core::ptr::null::<u8>(); T];
+            for t in 0..T {
+                ap[t] = g.a.as_ptr().add((t0 + t) * g.a_stride + sb * 292);
+            }
+            for r in 0..R {
+                let p = g.w.as_ptr().add((r0 + r) * g.w_stride + sb * wbs);
+                let mut isum = [_mm256_setzero_si256(); T];
+                let (d, dmin, bsum_w);
+                if KIND == Q6_K {
+                    d = _mm256_cvtph_ps(_mm_set1_epi16(p.add(208).cast::<i16>().read_unaligned()));
+                    dmin = _mm256_setzero_ps();
+                    bsum_w = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192).cast()));
+                    let sc = p.add(192).cast::<i8>();
+                    for h in 0..2 {
+                        let ql0 = _mm256_loadu_si256(p.add(64 * h).cast());
+                        let ql1 = _mm256_loadu_si256(p.add(64 * h + 32).cast());
+                        let qh = _mm256_loadu_si256(p.add(128 + 32 * h).cast());
+                        let qs = [
+                            _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
+                            _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
+                                _mm256_and_si256(qh, m30),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(_mm256_srli_epi16(ql1, 4), low4),
+                                _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30),
+                            ),
+                        ];
+                        for (c, u) in qs.iter().enumerate() {
+                            let j = 8 * h + 2 * c;
+                            let s = _mm256_set_m128i(
+                                _mm_set1_epi16(*sc.add(j + 1) as i16),
+                                _mm_set1_epi16(*sc.add(j) as i16),
+                            );
+                            for t in 0..T {
+                                let a = _mm256_loadu_si256(ap[t].add(4 + 128 * h + 32 * c).cast());
+                                let pr = _mm256_madd_epi16(_mm256_maddubs_epi16(*u, a), s);
+                                isum[t] = _mm256_add_epi32(isum[t], pr);
+                            }
+                        }
+                    }
+                } else {
+                    d = f16_splat(p);
+                    dmin = f16_splat(p.add(2));
+                    let (scales, mins) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
+                    let m = _mm_cvtsi64_si128(mins as i64);
+                    bsum_w = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
+                    let qs = if KIND == Q5_K { p.add(48) } else { p.add(16) };
+                    let qh = if KIND == Q5_K {
+                        _mm256_loadu_si256(p.add(16).cast())
+                    } else {
+                        _mm256_setzero_si256()
+                    };
+                    for c in 0..4 {
+                        let q = _mm256_loadu_si256(qs.add(32 * c).cast());
+                        let mut lo = _mm256_and_si256(q, low4);
+                        let mut hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), low4);
+                        if KIND == Q5_K {
+                            let b0 = _mm256_set1_epi8(1 << (2 * c));
+                            let b1 = _mm256_set1_epi8((2u8 << (2 * c)) as i8);
+                            let h0 = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b0), b0);
+                            let h1 = _mm256_cmpeq_epi8(_mm256_and_si256(qh, b1), b1);
+                            lo = _mm256_or_si256(lo, _mm256_and_si256(h0, _mm256_set1_epi8(16)));
+                            hi = _mm256_or_si256(hi, _mm256_and_si256(h1, _mm256_set1_epi8(16)));
+                        }
+                        let s0 = _mm256_set1_epi16(((scales >> (16 * c)) & 0xFF) as i16);
+                        let s1 = _mm256_set1_epi16(((scales >> (16 * c + 8)) & 0xFF) as i16);
+                        for t in 0..T {
+                            let a0 = _mm256_loadu_si256(ap[t].add(4 + 64 * c).cast());
+                            let a1 = _mm256_loadu_si256(ap[t].add(36 + 64 * c).cast());
+                            let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), s0);
+                            let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), s1);
+                            isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(p0, p1));
+                        }
+                    }
+                }
+                for t in 0..T {
+                    let ad = _mm256_set1_ps(ap[t].cast::<f32>().read_unaligned());
+                    let bsums = _mm256_loadu_si256(ap[t].add(4 + QK_K).cast());
+                    let corr = _mm256_madd_epi16(bsums, bsum_w);
+                    if KIND == Q6_K {
+                        let i = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(corr, 5));
+                        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, ad), acc[r][t]);
+                    } else {
+                        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, ad), acc[r][t]);
+                        acc[r][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_mul_ps(dmin, ad), acc[r][t]);
+                    }
+                }
+            }
+        }
+        store(g, r0, t0, &acc, out);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Float weights.
+
+/// Load 8 values of `KIND` at `p` as f32.
+///
+/// # Safety
+/// AVX2 available; 8 elements readable at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn load_f<const KIND: u8>(p: *const u8) -> __m256 {
+    // SAFETY: 8 readable elements.
+    unsafe {
+        match KIND {
+            F32 => _mm256_loadu_ps(p.cast()),
+            F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+            _ => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())), 16)),
+        }
+    }
+}
+
+/// One value of `KIND` at `p` as f32.
+///
+/// # Safety
+/// The element at `p` is readable.
+unsafe fn load_one<const KIND: u8>(p: *const u8) -> f32 {
+    // SAFETY: readable element.
+    unsafe {
+        match KIND {
+            F32 => p.cast::<f32>().read_unaligned(),
+            F16 => f16::from_bits(p.cast::<u16>().read_unaligned()).to_f32(),
+            _ => half::bf16::from_bits(p.cast::<u16>().read_unaligned()).to_f32(),
+        }
+    }
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of a float matmul.
+///
+/// # Safety
+/// As [`tile_legacy`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let esz = if KIND == F32 { 4 } else { 2 };
+    let n = g.cols;
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // SAFETY (whole body): element offsets below `n` within validated rows and tokens.
+    unsafe {
+        let mut i = 0;
+        while i + 8 <= n {
+            let mut av = [_mm256_setzero_ps(); T];
+            for t in 0..T {
+                av[t] = load_f::<KIND>(g.a.as_ptr().add((t0 + t) * g.a_stride + i * esz));
+            }
+            for r in 0..R {
+                let w = load_f::<KIND>(g.w.as_ptr().add((r0 + r) * g.w_stride + i * esz));
+                for t in 0..T {
+                    acc[r][t] = _mm256_fmadd_ps(w, av[t], acc[r][t]);
+                }
+            }
+            i += 8;
+        }
+        store(g, r0, t0, &acc, out);
+        for r in 0..R {
+            for t in 0..T {
+                let mut s = 0f32;
+                for j in i..n {
+                    let w = load_one::<KIND>(g.w.as_ptr().add((r0 + r) * g.w_stride + j * esz));
+                    let a = load_one::<KIND>(g.a.as_ptr().add((t0 + t) * g.a_stride + j * esz));
+                    s += w * a;
+                }
+                *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) += s;
+            }
+        }
+    }
+}
+
+/// Dot product of `n` elements of `KIND` (f32 or f16) with four accumulators.
+///
+/// # Safety
+/// AVX2 available; `a` and `b` readable for `n` elements.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dot_raw<const KIND: u8>(a: *const u8, b: *const u8, n: usize) -> f32 {
+    let esz = if KIND == F32 { 4 } else { 2 };
+    let mut acc = [_mm256_setzero_ps(); 4];
+    let mut s = 0f32;
+    // SAFETY (whole body): offsets below `n` elements.
+    unsafe {
+        let mut i = 0;
+        while i + 32 <= n {
+            for (k, v) in acc.iter_mut().enumerate() {
+                let o = (i + 8 * k) * esz;
+                *v = _mm256_fmadd_ps(load_f::<KIND>(a.add(o)), load_f::<KIND>(b.add(o)), *v);
+            }
+            i += 32;
+        }
+        while i + 8 <= n {
+            acc[0] = _mm256_fmadd_ps(load_f::<KIND>(a.add(i * esz)), load_f::<KIND>(b.add(i * esz)), acc[0]);
+            i += 8;
+        }
+        while i < n {
+            s += load_one::<KIND>(a.add(i * esz)) * load_one::<KIND>(b.add(i * esz));
+            i += 1;
+        }
+        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+        s + hsum(v)
+    }
+}
+
+/// Whether this module has a matmul for `ty` (the registry completeness test).
+#[cfg(test)]
+pub(crate) fn has_matmul(ty: GgmlType) -> bool {
+    matmul_for(ty).is_some()
+}

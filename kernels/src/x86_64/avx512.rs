@@ -1,0 +1,542 @@
+//! AVX-512 (F, BW, VL, VNNI) kernels.
+//!
+//! Integer products use VNNI with the *unsigned* operand on the weight side: every weight code
+//! is made non-negative (`q8_0` by `x ^ 0x80` = `x + 128`, `q4_0`/`q5_0`/`q*_K` are stored
+//! unsigned with an implicit offset), and the offset is removed exactly by starting the i32
+//! accumulator at `-offset * Σ activations` (the per-block sums `Activations` keeps, or the
+//! q8_K `bsums`). So no `sign`/`abs` work per row, and every block's integer dot equals ggml's.
+//!
+//! Legacy types (32-value blocks) take two blocks per 512-bit register and apply the f32
+//! scales per lane; k-quants fold the 6-bit sub-block scales in with `vpdpwssd` and convert to
+//! f32 once per 256 values. A tile of R weight rows × T tokens shares every activation load
+//! across the rows and every weight unpack across the tokens; the f32 accumulators are reduced
+//! once per (row, token) at the end.
+
+use super::{drive, k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset};
+use super::{BF16, F16, F32, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
+use crate::dispatch::{Isa, Kernels, MatmulFn};
+use crate::matmul::Gemm;
+use crate::quant::{GgmlType, QK, QK_K};
+use core::arch::x86_64::*;
+use half::f16;
+
+/// Proof that this CPU has the features of this module. Only [`Avx512::new`] makes one.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Avx512(());
+
+impl Avx512 {
+    pub fn new() -> Option<Self> {
+        let ok = is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c");
+        ok.then_some(Avx512(()))
+    }
+
+    pub fn kernels(self) -> Kernels {
+        Kernels { isa: Isa::Avx512, matmul_for, dot_f32, dot_f16 }
+    }
+}
+
+// The safe entry points below are private to this module and only handed out through
+// `Avx512::kernels`, which needs a token, which exists only if `Avx512::new` saw the features:
+// that is the SAFETY argument of every `unsafe` call in them.
+
+fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
+    Some(match ty {
+        GgmlType::Q8_0 => mm_q8_0,
+        GgmlType::Q4_0 => mm_q4_0,
+        GgmlType::Q5_0 => mm_q5_0,
+        GgmlType::Q4_K => mm_q4_k,
+        GgmlType::Q5_K => mm_q5_k,
+        GgmlType::Q6_K => mm_q6_k,
+        GgmlType::F32 => mm_f32,
+        GgmlType::F16 => mm_f16,
+        GgmlType::BF16 => mm_bf16,
+        _ => return None,
+    })
+}
+
+macro_rules! entry {
+    ($name:ident, $inner:ident, $tile:ident, $kind:ident) => {
+        fn $name(g: &Gemm<'_>, out: &mut [f32]) {
+            // SAFETY: reachable only through a table built from an `Avx512` token (see above);
+            // `g` was validated by `Gemm::new`, which is what the tiles rely on.
+            unsafe { $inner::<$kind>(g, out) }
+        }
+    };
+}
+
+entry!(mm_q8_0, run_legacy, tile_legacy, Q8_0);
+entry!(mm_q4_0, run_legacy, tile_legacy, Q4_0);
+entry!(mm_q5_0, run_legacy, tile_legacy, Q5_0);
+entry!(mm_q4_k, run_k, tile_k, Q4_K);
+entry!(mm_q5_k, run_k, tile_k, Q5_K);
+entry!(mm_q6_k, run_k, tile_k, Q6_K);
+entry!(mm_f32, run_float, tile_float, F32);
+entry!(mm_f16, run_float, tile_float, F16);
+entry!(mm_bf16, run_float, tile_float, BF16);
+
+fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
+    // SAFETY: token-gated as above; both slices have `n` elements (checked by the caller).
+    unsafe { dot_raw::<F32>(a.as_ptr().cast(), b.as_ptr().cast(), a.len().min(b.len())) }
+}
+
+fn dot_f16(a: &[f16], b: &[f16]) -> f32 {
+    // SAFETY: as `dot_f32`.
+    unsafe { dot_raw::<F16>(a.as_ptr().cast(), b.as_ptr().cast(), a.len().min(b.len())) }
+}
+
+/// # Safety
+/// The CPU has this module's features; `g` comes from `Gemm::new` with `out.len() ==
+/// g.ntok * g.nrows` and `g.wty` of kind `KIND`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        drive!(g, out, tile_legacy, 4, 1, KIND);
+    } else {
+        drive!(g, out, tile_legacy, 4, 4, KIND);
+    }
+}
+
+/// # Safety
+/// As [`run_legacy`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        drive!(g, out, tile_k, 4, 1, KIND);
+    } else {
+        drive!(g, out, tile_k, 4, 4, KIND);
+    }
+}
+
+/// # Safety
+/// As [`run_legacy`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        drive!(g, out, tile_float, 4, 1, KIND);
+    } else {
+        drive!(g, out, tile_float, 4, 4, KIND);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Legacy 32-value blocks: q8_0, q4_0, q5_0 against q8_0.
+
+/// Unpack the two consecutive blocks at `p` into 64 unsigned codes and the per-lane weight
+/// scales. Byte order: q8_0 `[b0 0..32, b1 0..32]`; q4_0/q5_0 `[b0 0..16, b1 0..16, b0 16..32,
+/// b1 16..32]` (nibble order), so i32 lanes of block 1 are 8..16 (q8_0) or 4..8, 12..16.
+///
+/// # Safety
+/// Features as the module; `p` is readable for two blocks of `KIND`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_legacy<const KIND: u8>(p: *const u8) -> (__m512i, __m512) {
+    let bs = legacy_block_bytes(KIND);
+    // SAFETY (whole body): reads stay within the two blocks at `p`.
+    unsafe {
+        let d0 = p.cast::<u16>().read_unaligned() as u64 * 0x0001_0001_0001_0001;
+        let d1 = p.add(bs).cast::<u16>().read_unaligned() as u64 * 0x0001_0001_0001_0001;
+        let dh = if KIND == Q8_0 {
+            _mm256_setr_epi64x(d0 as i64, d0 as i64, d1 as i64, d1 as i64)
+        } else {
+            _mm256_setr_epi64x(d0 as i64, d1 as i64, d0 as i64, d1 as i64)
+        };
+        let dw = _mm512_cvtph_ps(dh);
+        let u = if KIND == Q8_0 {
+            let lo = _mm256_loadu_si256(p.add(2).cast());
+            let hi = _mm256_loadu_si256(p.add(2 + bs).cast());
+            let v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            _mm512_xor_si512(v, _mm512_set1_epi8(-128))
+        } else {
+            let qoff = if KIND == Q4_0 { 2 } else { 6 };
+            let q0 = _mm_loadu_si128(p.add(qoff).cast());
+            let q1 = _mm_loadu_si128(p.add(qoff + bs).cast());
+            let q = _mm256_inserti128_si256(_mm256_castsi128_si256(q0), q1, 1);
+            let qq = _mm512_broadcast_i64x4(q);
+            let sh = _mm512_mask_srli_epi16(qq, 0xFFFF_0000, qq, 4);
+            let mut u = _mm512_and_si512(sh, _mm512_set1_epi8(0x0F));
+            if KIND == Q5_0 {
+                let h0 = p.add(2).cast::<u32>().read_unaligned() as u64;
+                let h1 = p.add(2 + bs).cast::<u32>().read_unaligned() as u64;
+                let m = (h0 & 0xFFFF) | ((h1 & 0xFFFF) << 16) | ((h0 >> 16) << 32) | ((h1 >> 16) << 48);
+                u = _mm512_mask_add_epi8(u, m, u, _mm512_set1_epi8(16));
+            }
+            u
+        };
+        (u, dw)
+    }
+}
+
+/// Accumulate the products of two consecutive blocks for R rows × T tokens.
+///
+/// # Safety
+/// Features as the module; `w[r]` readable for two `KIND` blocks, `a[t]` for two q8_0 blocks.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn legacy_pair<const R: usize, const T: usize, const KIND: u8>(
+    w: &[*const u8; R],
+    a: &[*const u8; T],
+    da: &[[f32; 2]; T],
+    sa: &[[i32; 2]; T],
+    acc: &mut [[__m512; T]; R],
+) {
+    let k = legacy_offset(KIND);
+    let (hi_mask, lane1): (u16, u32) = if KIND == Q8_0 { (0xFF00, 8) } else { (0xF0F0, 4) };
+    let mut av = [_mm512_setzero_si512(); T];
+    let mut cv = [_mm512_setzero_si512(); T];
+    let mut dav = [_mm512_setzero_ps(); T];
+    // SAFETY: reads of two q8_0 blocks at `a[t]` and two weight blocks at `w[r]`.
+    unsafe {
+        for t in 0..T {
+            let lo = _mm256_loadu_si256(a[t].add(2).cast());
+            let hi = _mm256_loadu_si256(a[t].add(36).cast());
+            let v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+            av[t] = if KIND == Q8_0 {
+                v
+            } else {
+                _mm512_permutexvar_epi64(_mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0), v)
+            };
+            let c0 = _mm512_maskz_set1_epi32(1, -k * sa[t][0]);
+            cv[t] = _mm512_mask_set1_epi32(c0, 1 << lane1, -k * sa[t][1]);
+            dav[t] = _mm512_mask_blend_ps(hi_mask, _mm512_set1_ps(da[t][0]), _mm512_set1_ps(da[t][1]));
+        }
+        for r in 0..R {
+            let (u, dw) = unpack_legacy::<KIND>(w[r]);
+            for t in 0..T {
+                let isum = _mm512_dpbusd_epi32(cv[t], u, av[t]);
+                acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dav[t]), acc[r][t]);
+            }
+        }
+    }
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of a legacy-type matmul.
+///
+/// # Safety
+/// Features as the module; `g` validated, `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let nb = g.cols / QK;
+    let bs = legacy_block_bytes(KIND);
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    let mut wp = [core::ptr::null::<u8>(); R];
+    let mut ap = [core::ptr::null::<u8>(); T];
+    // SAFETY (whole body): pointer offsets stay within rows r0..r0+R of `g.w` (nb blocks each)
+    // and tokens t0..t0+T of `g.a`, and side-table indices below `g.ntok * nb`, as validated.
+    unsafe {
+        for r in 0..R {
+            wp[r] = g.w.as_ptr().add((r0 + r) * g.w_stride);
+        }
+        for t in 0..T {
+            ap[t] = g.a.as_ptr().add((t0 + t) * g.a_stride);
+        }
+        let sc = g.a_scales.as_ptr();
+        let su = g.a_sums.as_ptr();
+        let mut b = 0;
+        while b + 2 <= nb {
+            let mut da = [[0f32; 2]; T];
+            let mut sa = [[0i32; 2]; T];
+            let mut w = [core::ptr::null::<u8>(); R];
+            let mut a = [core::ptr::null::<u8>(); T];
+            for t in 0..T {
+                let i = (t0 + t) * nb + b;
+                da[t] = [*sc.add(i), *sc.add(i + 1)];
+                sa[t] = [*su.add(i), *su.add(i + 1)];
+                a[t] = ap[t].add(b * 34);
+            }
+            for r in 0..R {
+                w[r] = wp[r].add(b * bs);
+            }
+            legacy_pair::<R, T, KIND>(&w, &a, &da, &sa, &mut acc);
+            b += 2;
+        }
+        if b < nb {
+            // Odd block count: pair the last block with a zero block (scale 0, sum 0) in
+            // stack copies, so the pair code never reads past the row.
+            let mut wbuf = [[0u8; 68]; R];
+            let mut abuf = [[0u8; 68]; T];
+            let mut da = [[0f32; 2]; T];
+            let mut sa = [[0i32; 2]; T];
+            let mut w = [core::ptr::null::<u8>(); R];
+            let mut a = [core::ptr::null::<u8>(); T];
+            for r in 0..R {
+                core::ptr::copy_nonoverlapping(wp[r].add(b * bs), wbuf[r].as_mut_ptr(), bs);
+                w[r] = wbuf[r].as_ptr();
+            }
+            for t in 0..T {
+                let i = (t0 + t) * nb + b;
+                da[t] = [*sc.add(i), 0.0];
+                sa[t] = [*su.add(i), 0];
+                core::ptr::copy_nonoverlapping(ap[t].add(b * 34), abuf[t].as_mut_ptr(), 34);
+                a[t] = abuf[t].as_ptr();
+            }
+            legacy_pair::<R, T, KIND>(&w, &a, &da, &sa, &mut acc);
+        }
+        store(g, r0, t0, &acc, out);
+    }
+}
+
+/// Reduce and write the tile's results.
+///
+/// # Safety
+/// Features as the module; `r0 + R <= g.nrows`, `t0 + T <= g.ntok`, `out.len() == ntok*nrows`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn store<const R: usize, const T: usize>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    acc: &[[__m512; T]; R],
+    out: &mut [f32],
+) {
+    for r in 0..R {
+        for t in 0..T {
+            // SAFETY: in bounds by the contract above.
+            unsafe { *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) = _mm512_reduce_add_ps(acc[r][t]) };
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// k-quants: q4_K, q5_K, q6_K against q8_K.
+
+/// One unpacked weight super-block: 4 × 64 unsigned codes in value order, the sub-block scales
+/// as i16 lanes matching `vpmaddubsw` output, f32 `d` and `dmin`, and the i16 vector that
+/// multiplies the q8_K `bsums` (mins, duplicated per pair of 16, for q4_K/q5_K; the scales for
+/// q6_K, whose codes carry an offset of 32).
+struct KBlock {
+    u: [__m512i; 4],
+    sc: [__m512i; 4],
+    d: f32,
+    dmin: f32,
+    bsum_w: __m256i,
+}
+
+/// # Safety
+/// Features as the module; `p` readable for one `KIND` super-block.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_k<const KIND: u8>(p: *const u8) -> KBlock {
+    // SAFETY (whole body): reads within the super-block at `p` (layouts in scalar.rs).
+    unsafe {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let mut u = [_mm512_setzero_si512(); 4];
+        let mut sc = [_mm512_setzero_si512(); 4];
+        if KIND == Q6_K {
+            let d = f16_to_f32(p.add(208));
+            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192).cast()));
+            let k = 0x0001_0001_0001_0001i64;
+            let idx0 = _mm512_set_epi64(3 * k, 3 * k, 2 * k, 2 * k, k, k, 0, 0);
+            let sc512 = _mm512_castsi256_si512(sc16);
+            let sl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+            let sr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+            let m30 = _mm512_set1_epi8(0x30);
+            for h in 0..2 {
+                let ql = _mm512_loadu_si512(p.add(64 * h).cast());
+                let hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h).cast()));
+                let ha = _mm512_and_si512(_mm512_sllv_epi16(hb, sl), m30);
+                let hbb = _mm512_and_si512(_mm512_srlv_epi16(hb, sr), m30);
+                u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4), ha);
+                u[2 * h + 1] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), hbb);
+            }
+            for (c, s) in sc.iter_mut().enumerate() {
+                let idx = _mm512_add_epi16(idx0, _mm512_set1_epi16(4 * c as i16));
+                *s = _mm512_permutexvar_epi16(idx, sc512);
+            }
+            KBlock { u, sc, d, dmin: 0.0, bsum_w: sc16 }
+        } else {
+            let d = f16_to_f32(p);
+            let dmin = f16_to_f32(p.add(2));
+            let (scales, mins) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
+            let sc512 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64)));
+            let m = _mm_cvtsi64_si128(mins as i64);
+            let bsum_w = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
+            let idx0 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(1), 1);
+            let qs = if KIND == Q5_K { p.add(48) } else { p.add(16) };
+            let hb = if KIND == Q5_K {
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16).cast()))
+            } else {
+                _mm512_setzero_si512()
+            };
+            let bit0 = _mm512_inserti64x4(_mm512_set1_epi8(1), _mm256_set1_epi8(2), 1);
+            for c in 0..4 {
+                let qq = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * c).cast()));
+                let sh = _mm512_mask_srli_epi16(qq, 0xFFFF_0000, qq, 4);
+                u[c] = _mm512_and_si512(sh, low4);
+                if KIND == Q5_K {
+                    let bits = _mm512_sllv_epi16(bit0, _mm512_set1_epi16(2 * c as i16));
+                    let hm = _mm512_test_epi8_mask(hb, bits);
+                    u[c] = _mm512_mask_add_epi8(u[c], hm, u[c], _mm512_set1_epi8(16));
+                }
+                let idx = _mm512_add_epi16(idx0, _mm512_set1_epi16(2 * c as i16));
+                sc[c] = _mm512_permutexvar_epi16(idx, sc512);
+            }
+            KBlock { u, sc, d, dmin, bsum_w }
+        }
+    }
+}
+
+/// # Safety
+/// Features as the module; `p` readable for 2 bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn f16_to_f32(p: *const u8) -> f32 {
+    // SAFETY: 2 readable bytes at `p`.
+    let bits = unsafe { p.cast::<u16>().read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of a k-quant matmul.
+///
+/// # Safety
+/// As [`tile_legacy`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let nsb = g.cols / QK_K;
+    let wbs = k_block_bytes(KIND);
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY (whole body): offsets stay within rows r0..r0+R and tokens t0..t0+T, nsb
+    // super-blocks each (q8_K: f32 d at 0, qs at 4, bsums at 260).
+    unsafe {
+        for sb in 0..nsb {
+            let mut ap = [core::ptr::null::<u8>(); T];
+            let mut ad = [0f32; T];
+            let mut bsums = [_mm256_setzero_si256(); T];
+            for t in 0..T {
+                ap[t] = g.a.as_ptr().add((t0 + t) * g.a_stride + sb * 292);
+                ad[t] = ap[t].cast::<f32>().read_unaligned();
+                bsums[t] = _mm256_loadu_si256(ap[t].add(4 + QK_K).cast());
+            }
+            for r in 0..R {
+                let kb = unpack_k::<KIND>(g.w.as_ptr().add((r0 + r) * g.w_stride + sb * wbs));
+                for t in 0..T {
+                    let mut isum = _mm512_setzero_si512();
+                    for c in 0..4 {
+                        let a = _mm512_loadu_si512(ap[t].add(4 + 64 * c).cast());
+                        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(kb.u[c], a), kb.sc[c]);
+                    }
+                    let corr = _mm256_madd_epi16(bsums[t], kb.bsum_w);
+                    if KIND == Q6_K {
+                        isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(corr, 5)));
+                        let s = _mm512_set1_ps(kb.d * ad[t]);
+                        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r][t]);
+                    } else {
+                        let s = _mm512_set1_ps(kb.d * ad[t]);
+                        acc[r][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, acc[r][t]);
+                        let m = _mm512_set1_ps(kb.dmin * ad[t]);
+                        let mins = _mm512_cvtepi32_ps(_mm512_zextsi256_si512(corr));
+                        acc[r][t] = _mm512_fnmadd_ps(mins, m, acc[r][t]);
+                    }
+                }
+            }
+        }
+        store(g, r0, t0, &acc, out);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Float weights: f32, f16, bf16 against the same type.
+
+/// Load up to 16 values (`m` selects them) of `KIND` at `p` as f32.
+///
+/// # Safety
+/// Features as the module; the selected elements at `p` are readable.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn load_f<const KIND: u8>(p: *const u8, m: u16) -> __m512 {
+    // SAFETY: masked loads touch only the selected elements.
+    unsafe {
+        match KIND {
+            F32 => _mm512_maskz_loadu_ps(m, p.cast()),
+            F16 => _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p.cast())),
+            _ => {
+                let h = _mm256_maskz_loadu_epi16(m, p.cast());
+                _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))
+            }
+        }
+    }
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of a float matmul.
+///
+/// # Safety
+/// As [`tile_legacy`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let esz = if KIND == F32 { 4 } else { 2 };
+    let n = g.cols;
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY (whole body): element offsets below `n` within validated rows and tokens.
+    unsafe {
+        let mut i = 0;
+        while i < n {
+            let m: u16 = if n - i >= 16 { 0xFFFF } else { (1u16 << (n - i)) - 1 };
+            let mut av = [_mm512_setzero_ps(); T];
+            for t in 0..T {
+                av[t] = load_f::<KIND>(g.a.as_ptr().add((t0 + t) * g.a_stride + i * esz), m);
+            }
+            for r in 0..R {
+                let w = load_f::<KIND>(g.w.as_ptr().add((r0 + r) * g.w_stride + i * esz), m);
+                for t in 0..T {
+                    acc[r][t] = _mm512_fmadd_ps(w, av[t], acc[r][t]);
+                }
+            }
+            i += 16;
+        }
+        store(g, r0, t0, &acc, out);
+    }
+}
+
+/// Dot product of `n` elements of `KIND` (f32 or f16) with four independent accumulators.
+///
+/// # Safety
+/// Features as the module; `a` and `b` readable for `n` elements.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn dot_raw<const KIND: u8>(a: *const u8, b: *const u8, n: usize) -> f32 {
+    let esz = if KIND == F32 { 4 } else { 2 };
+    let mut acc = [_mm512_setzero_ps(); 4];
+    // SAFETY (whole body): offsets below `n` elements.
+    unsafe {
+        let mut i = 0;
+        while i + 64 <= n {
+            for (k, s) in acc.iter_mut().enumerate() {
+                let o = (i + 16 * k) * esz;
+                *s = _mm512_fmadd_ps(load_f::<KIND>(a.add(o), 0xFFFF), load_f::<KIND>(b.add(o), 0xFFFF), *s);
+            }
+            i += 64;
+        }
+        while i < n {
+            let m: u16 = if n - i >= 16 { 0xFFFF } else { (1u16 << (n - i)) - 1 };
+            acc[0] = _mm512_fmadd_ps(load_f::<KIND>(a.add(i * esz), m), load_f::<KIND>(b.add(i * esz), m), acc[0]);
+            i += 16;
+        }
+    }
+    let s = _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3]));
+    _mm512_reduce_add_ps(s)
+}
+
+/// Whether this module has a matmul for `ty` (the registry completeness test).
+#[cfg(test)]
+pub(crate) fn has_matmul(ty: GgmlType) -> bool {
+    matmul_for(ty).is_some()
+}

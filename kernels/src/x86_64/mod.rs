@@ -1,0 +1,108 @@
+//! x86-64 kernels. Each submodule exposes a token type whose constructor checks the CPU
+//! features at run time; only a token can hand out that module's kernel table, so the
+//! `#[target_feature]` functions are reachable only after the check (see `crate::dispatch`).
+
+pub(crate) mod avx2;
+pub(crate) mod avx512;
+
+/// Cover `g.nrows` × `g.ntok` with tiles of R rows × T tokens (edges with 1-row / 1-token
+/// tiles). Expanded inside a `#[target_feature]` function of the module whose tiles it calls.
+macro_rules! drive {
+    ($g:expr, $out:expr, $tile:ident, $R:literal, $T:literal $(, $extra:ident)*) => {{
+        let g: &$crate::matmul::Gemm<'_> = $g;
+        let out: &mut [f32] = $out;
+        // Token block: keep the activations of one block in L2 (~256 KiB) while every row tile
+        // of this call streams past them; rows of a tile stay in L1 across the token tiles.
+        let tb = ((256 * 1024) / g.a_stride.max(1)).max($T) / $T * $T;
+        let mut t0 = 0;
+        while t0 < g.ntok {
+            let t1 = (t0 + tb).min(g.ntok);
+            let mut r = 0;
+            while r + $R <= g.nrows {
+                let mut t = t0;
+                while t + $T <= t1 {
+                    // SAFETY: r + R <= nrows, t + T <= ntok by the loop bounds; the caller has the features.
+                    unsafe { $tile::<$R, $T $(, $extra)*>(g, r, t, out) };
+                    t += $T;
+                }
+                while t < t1 {
+                    // SAFETY: r + R <= nrows, t + T <= ntok by the loop bounds; the caller has the features.
+                    unsafe { $tile::<$R, 1 $(, $extra)*>(g, r, t, out) };
+                    t += 1;
+                }
+                r += $R;
+            }
+            while r < g.nrows {
+                let mut t = t0;
+                while t + $T <= t1 {
+                    // SAFETY: r + R <= nrows, t + T <= ntok by the loop bounds; the caller has the features.
+                    unsafe { $tile::<1, $T $(, $extra)*>(g, r, t, out) };
+                    t += $T;
+                }
+                while t < t1 {
+                    // SAFETY: r + R <= nrows, t + T <= ntok by the loop bounds; the caller has the features.
+                    unsafe { $tile::<1, 1 $(, $extra)*>(g, r, t, out) };
+                    t += 1;
+                }
+                r += 1;
+            }
+            t0 = t1;
+        }
+    }};
+}
+pub(crate) use drive;
+
+// Kinds of weight block, as const-generic parameters of the tile functions.
+pub(crate) const Q8_0: u8 = 0;
+pub(crate) const Q4_0: u8 = 1;
+pub(crate) const Q5_0: u8 = 2;
+pub(crate) const Q4_K: u8 = 3;
+pub(crate) const Q5_K: u8 = 4;
+pub(crate) const Q6_K: u8 = 5;
+pub(crate) const F32: u8 = 6;
+pub(crate) const F16: u8 = 7;
+pub(crate) const BF16: u8 = 8;
+
+/// Bytes per block of a legacy (32-value) kind.
+pub(crate) const fn legacy_block_bytes(kind: u8) -> usize {
+    match kind {
+        Q8_0 => 34,
+        Q4_0 => 18,
+        _ => 22,
+    }
+}
+
+/// The unsigned code of a legacy kind is `value + OFFSET`.
+pub(crate) const fn legacy_offset(kind: u8) -> i32 {
+    match kind {
+        Q8_0 => 128,
+        Q4_0 => 8,
+        _ => 16,
+    }
+}
+
+/// Bytes per super-block of a k-quant kind.
+pub(crate) const fn k_block_bytes(kind: u8) -> usize {
+    match kind {
+        Q4_K => 144,
+        Q5_K => 176,
+        _ => 210,
+    }
+}
+
+/// The q4_K/q5_K 6-bit scales and mins of one super-block, unpacked as
+/// `ggml_vec_dot_q4_K_q8_K_generic` does with its `utmp` words: (8 scales, 8 mins) as bytes.
+#[inline(always)]
+pub(crate) fn k4_scales_mins(s: &[u8; 12]) -> (u64, u64) {
+    const KMASK1: u32 = 0x3f3f_3f3f;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    const KMASK3: u32 = 0x0303_0303;
+    let u0 = u32::from_le_bytes([s[0], s[1], s[2], s[3]]);
+    let u1 = u32::from_le_bytes([s[4], s[5], s[6], s[7]]);
+    let u2 = u32::from_le_bytes([s[8], s[9], s[10], s[11]]);
+    let t3 = ((u2 >> 4) & KMASK2) | (((u1 >> 6) & KMASK3) << 4);
+    let t2 = u1 & KMASK1;
+    let t1 = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
+    let t0 = u0 & KMASK1;
+    ((t0 as u64) | ((t1 as u64) << 32), (t2 as u64) | ((t3 as u64) << 32))
+}

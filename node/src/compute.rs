@@ -1,0 +1,152 @@
+//! Threaded matrix products over weights that live in a memory-mapped model file.
+
+use std::ops::Range;
+use std::sync::Arc;
+
+use rayon::prelude::*;
+use ternfleet_kernels::{Activations, GgmlType, KernelError, QMatrix};
+use ternfleet_shared::gguf::{GgufFile, TensorInfo};
+
+/// Errors from building or running a [`Linear`].
+#[derive(Debug, thiserror::Error)]
+pub enum ComputeError {
+    #[error("tensor {name}: {msg}")]
+    Tensor { name: String, msg: String },
+    #[error("shape mismatch: {0}")]
+    Shape(String),
+    #[error(transparent)]
+    Kernel(#[from] KernelError),
+}
+
+/// A 2-D weight matrix (`rows` outputs × `cols` inputs, ggml row-major) borrowed from a mapped
+/// file. Holding the `Arc<GgufFile>` keeps the mapping alive.
+#[derive(Clone)]
+pub struct Linear {
+    file: Arc<GgufFile>,
+    name: String,
+    ty: GgmlType,
+    rows: usize,
+    cols: usize,
+    bytes: Range<usize>,
+}
+
+impl std::fmt::Debug for Linear {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Linear({} {:?} {}x{})", self.name, self.ty, self.rows, self.cols)
+    }
+}
+
+impl Linear {
+    /// Wraps tensor `t` of `file` as a matrix with `t.dims[0]` columns. Errors when the tensor
+    /// has more than two non-trivial dimensions or its type has no kernel.
+    pub fn new(file: &Arc<GgufFile>, t: &TensorInfo) -> Result<Linear, ComputeError> {
+        let err = |msg: String| ComputeError::Tensor { name: t.name.clone(), msg };
+        if t.dims.iter().skip(2).any(|&d| d != 1) {
+            return Err(err(format!("expected a 2-D matrix, got dims {:?}", t.dims)));
+        }
+        if ternfleet_kernels::vec_dot_type(t.ty).is_none() {
+            return Err(err(format!("type {} has no matmul kernel", t.ty.name())));
+        }
+        let cols = usize::try_from(t.cols()).map_err(|_| err("too many columns".into()))?;
+        let rows = usize::try_from(t.rows()).map_err(|_| err("too many rows".into()))?;
+        let start = usize::try_from(t.offset).map_err(|_| err("offset too large".into()))?;
+        let len = usize::try_from(t.size).map_err(|_| err("size too large".into()))?;
+        let end = start.checked_add(len).ok_or_else(|| err("offset + size overflows".into()))?;
+        if end > file.data().len() {
+            return Err(err(format!("data {start}..{end} past end of file")));
+        }
+        let lin = Linear { file: file.clone(), name: t.name.clone(), ty: t.ty, rows, cols, bytes: start..end };
+        // Validate the geometry once; later `matrix()` calls cannot fail.
+        QMatrix::new(lin.ty, rows, cols, lin.data()).map_err(|e| err(e.to_string()))?;
+        Ok(lin)
+    }
+
+    /// The tensor name in the model file.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+    /// Element type of the weights.
+    pub fn ty(&self) -> GgmlType {
+        self.ty
+    }
+    /// Output features.
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+    /// Input features.
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+    /// Raw weight bytes.
+    pub fn data(&self) -> &[u8] {
+        &self.file.data()[self.bytes.clone()]
+    }
+    /// Bytes of one row.
+    pub fn row_bytes(&self) -> usize {
+        self.bytes.len() / self.rows.max(1)
+    }
+
+    /// The kernel view of this matrix.
+    pub fn matrix(&self) -> QMatrix<'_> {
+        QMatrix::new(self.ty, self.rows, self.cols, self.data())
+            .expect("Linear geometry was validated in Linear::new")
+    }
+
+    /// Dequantizes row `r` into `out` (`out.len() == cols`): embedding lookups.
+    pub fn dequantize_row(&self, r: usize, out: &mut [f32]) -> Result<(), ComputeError> {
+        let rb = self.row_bytes();
+        let src = &self.data()[r * rb..(r + 1) * rb];
+        ternfleet_kernels::dequantize_row(self.ty, src, out)?;
+        Ok(())
+    }
+
+    /// `out[t * rows + r] = W[r] · x[t]` for every token `t` of `x`, rows split across the rayon
+    /// pool. `x` must have been quantized for `self.ty()`.
+    pub fn forward(&self, x: &Activations, out: &mut [f32]) -> Result<(), ComputeError> {
+        matmul_par(&self.matrix(), x, out)
+    }
+}
+
+/// Rows per parallel task: a multiple of 16 so SIMD kernels that take several rows at once get
+/// whole groups, small enough to balance 2–16 threads.
+fn rows_per_task(rows: usize, threads: usize) -> usize {
+    let tasks = threads.max(1) * 4;
+    rows.div_ceil(tasks).next_multiple_of(16).max(16)
+}
+
+/// Runs `matmul` over all rows of `w`, split across the current rayon pool. For one token the
+/// output chunks are written in place; for several, each task writes a token-major tile that is
+/// scattered into `out` (the tile costs far less than the GEMM that fills it).
+pub fn matmul_par(w: &QMatrix<'_>, x: &Activations, out: &mut [f32]) -> Result<(), ComputeError> {
+    let rows = w.rows();
+    let n = x.n();
+    if out.len() != rows * n {
+        return Err(ComputeError::Shape(format!(
+            "matmul output has {} floats, need {rows} rows x {n} tokens",
+            out.len()
+        )));
+    }
+    let chunk = rows_per_task(rows, rayon::current_num_threads());
+    if n == 1 {
+        out.par_chunks_mut(chunk).enumerate().try_for_each(|(i, o)| {
+            let r0 = i * chunk;
+            ternfleet_kernels::matmul(w, x, r0..r0 + o.len(), o)
+        })?;
+        return Ok(());
+    }
+    let tiles: Vec<(usize, Vec<f32>)> = (0..rows.div_ceil(chunk))
+        .into_par_iter()
+        .map(|i| {
+            let r = i * chunk..((i + 1) * chunk).min(rows);
+            let mut tile = vec![0f32; r.len() * n];
+            ternfleet_kernels::matmul(w, x, r.clone(), &mut tile).map(|_| (r.start, tile))
+        })
+        .collect::<Result<_, _>>()?;
+    for (r0, tile) in tiles {
+        let len = tile.len() / n;
+        for t in 0..n {
+            out[t * rows + r0..t * rows + r0 + len].copy_from_slice(&tile[t * len..(t + 1) * len]);
+        }
+    }
+    Ok(())
+}

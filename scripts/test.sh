@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# The README's test command: installs what the tests need (Python gguf/numpy for the gguf-py
+# interop tests, the real model for the llama.cpp parity tests), then runs format, lint and
+# every test of the workspace. .ci/run calls exactly this.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+python3 -c "import gguf, numpy" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check numpy gguf
+./scripts/fetch-model.sh
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+cargo test --workspace 2>&1 | tee target/test.log
+# Benches must keep compiling and running (criterion --test mode runs each once).
+cargo bench --workspace --quiet -- --test >/dev/null
+grep -E "^test result:" target/test.log | awk '{p+=$4; f+=$6; i+=$8} END {printf "tests: %d passed, %d failed, %d ignored\n", p, f, i}'

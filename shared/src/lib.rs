@@ -1,0 +1,17 @@
+//! Formats and types shared by every ternfleet process.
+//!
+//! [`gguf`] is the one GGUF reader every process uses and the writer that builds bundles and
+//! fixtures. Its principal types:
+//!
+//! - [`gguf::GgufFile`]: a model file opened read-only (memory-mapped, private) and validated
+//!   once at open, by the coordinator when it plans placement and by each node when it loads
+//!   its layers; after open, every tensor's bytes are in bounds, aligned and disjoint.
+//! - [`gguf::TensorInfo`]: one tensor's name, shape (ggml `ne` order), type and byte range.
+//! - [`gguf::Value`] / [`gguf::ArrayValue`]: metadata values, read through typed getters that
+//!   convert integers with checks.
+//! - [`gguf::GgufWriter`]: builds GGUF v3 files (bundles, test fixtures).
+//! - [`gguf::GgufError`]: every way a file can be wrong, with offsets and names; hostile input
+//!   (TESTING.md "GGUF and bundles: hostile files") never panics and never drives an
+//!   allocation beyond the file's own size.
+
+pub mod gguf;
