@@ -10,7 +10,9 @@
 #
 # A ternfleet command that fails is reported as FAILED with its exit status and the last lines of
 # its stderr; the llama.cpp numbers are still printed. On a busy machine (load average above the
-# thread count) the numbers are noisy: the script prints the load before and after.
+# thread count) the numbers are noisy, and llama.cpp's more than ours: its OpenMP workers spin at
+# every barrier: on 2 shared cores under load, its -t 2 tg128 read 4.5 to 23 t/s while -t 1 read 50.
+# The script prints the load before and after; trust only runs on an otherwise idle machine.
 #
 # usage: [TERNFLEET=bin] benches/compare-llama-cpp.sh [-m MODEL] [-t THREADS] [-r REPS] [--no-build]
 #   defaults: -m models/gemma-3-270m-q4_k_m.gguf -t 2 -r 3

@@ -21,5 +21,5 @@ cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release 
   -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=ON \
   -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
 cmake --build "$dir/build" -j"$(nproc)" --target llama-simple llama-tokenize llama-perplexity \
-  llama-bench test-backend-ops llama-cli 2>&1 | tail -n 3
+  llama-bench test-backend-ops llama-quantize 2>&1 | tail -n 3
 echo "llama.cpp: $bin"

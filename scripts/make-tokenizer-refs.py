@@ -15,7 +15,9 @@ list on stdout. The tool's own defaults are parse_special = true (LLAMA_EXAMPLE_
 common/arg.cpp) and add_special = the model's add_bos flag (it calls
 common_tokenize(vocab, text, add_bos, parse_special)), so a test must call
 encode(text, add_special = tokenizer.add_bos() && !no_bos, parse_special). We record three
-configurations per string: the defaults, --no-parse-special, and --no-bos --no-parse-special.
+configurations per string: the defaults, --no-parse-special, and --no-bos --no-parse-special;
+for the defaults also each token's piece (the tool's non---ids output prints
+common_token_to_piece(ctx, id), i.e. llama_token_to_piece with special = true) as hex bytes.
 
 The "mini" vocabularies are real byte-level BPE vocabularies cut down to < 1 MB so that a
 committed fixture exercises the BPE path: llama.cpp's own models/ggml-vocab-{llama-bpe,qwen2}.gguf
@@ -56,20 +58,44 @@ CONFIGS = [
 ]
 
 
-def tokenize(model, text, flags):
+def run_tokenize(model, text, flags):
     with tempfile.NamedTemporaryFile("wb", suffix=".txt", delete=False) as f:
         f.write(text.encode("utf-8"))
         path = f.name
     try:
-        cmd = [os.path.join(LLAMA_BIN, "llama-tokenize"), "-m", model, "-f", path, "--ids",
+        cmd = [os.path.join(LLAMA_BIN, "llama-tokenize"), "-m", model, "-f", path,
                "--log-disable", "--no-escape"] + flags
         out = subprocess.run(cmd, capture_output=True, timeout=120)
         if out.returncode != 0:
             sys.exit(f"{' '.join(cmd)} failed: {out.stderr.decode(errors='replace')[-2000:]}")
-        line = out.stdout.decode().strip().splitlines()[-1]
-        return json.loads(line)
+        return out.stdout
     finally:
         os.unlink(path)
+
+
+def tokenize(model, text, flags):
+    """Token ids (--ids prints one Python-style list)."""
+    line = run_tokenize(model, text, flags + ["--ids"]).decode().strip().splitlines()[-1]
+    return json.loads(line)
+
+
+def pieces(model, text, flags, ids):
+    """Each token's piece as raw bytes, from the tool's `%6d -> '%s'` lines, which print
+    common_token_to_piece(ctx, id) with special = true; `ids` (from --ids) delimit them."""
+    out = run_tokenize(model, text, flags)
+    result, pos = [], 0
+    for k, tid in enumerate(ids):
+        head = b"%6d -> '" % tid
+        if not out.startswith(head, pos):
+            sys.exit(f"unexpected llama-tokenize output at {pos}: {out[pos:pos + 40]!r}")
+        pos += len(head)
+        end_mark = b"'\n" + (b"%6d -> '" % ids[k + 1] if k + 1 < len(ids) else b"")
+        end = out.find(end_mark, pos) if k + 1 < len(ids) else len(out) - 2
+        if end < 0 or (k + 1 == len(ids) and not out.endswith(b"'\n")):
+            sys.exit(f"cannot delimit piece {k} in {out!r}")
+        result.append(out[pos:end].hex())
+        pos = end + 2
+    return result
 
 
 def refs(names):
@@ -86,6 +112,13 @@ def refs(names):
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
             ids = list(pool.map(lambda j: tokenize(model, strings[j[0]], j[1]["flags"]), jobs))
         cases = [{"string": i, "config": c["name"], "ids": t} for (i, c), t in zip(jobs, ids)]
+        # pieces (token_to_piece with special = true) for the default configuration's ids
+        default = [c for c in cases if c["config"] == "default"]
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
+            hexes = list(pool.map(lambda c: pieces(model, strings[c["string"]], [], c["ids"]),
+                                  default))
+        for c, h in zip(default, hexes):
+            c["pieces_hex"] = h
         doc = {
             "model": name,
             "path": rel,

@@ -18,7 +18,13 @@ pub struct BenchResult {
 }
 
 /// Runs the benchmark; `batch` is the prompt tokens per forward pass.
-pub fn bench(model: &Model, n_prompt: usize, n_gen: usize, batch: usize, reps: usize) -> Result<BenchResult, ForwardError> {
+pub fn bench(
+    model: &Model,
+    n_prompt: usize,
+    n_gen: usize,
+    batch: usize,
+    reps: usize,
+) -> Result<BenchResult, ForwardError> {
     let n_vocab = model.cfg.n_vocab as u64;
     let mut rng = 0x2545_F491_4F6C_DD1Du64;
     let mut rand_tok = move || {

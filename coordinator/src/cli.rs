@@ -167,14 +167,22 @@ pub struct BenchArgs {
 }
 
 fn init(args: &ModelArgs) -> Result<Model> {
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let _ = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).try_init();
-    let threads = args.threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let threads = args
+        .threads
+        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if threads == 0 {
         bail!("--threads must be at least 1");
     }
     // Ignore the error of a second initialisation (tests call `run` repeatedly in one process).
-    let _ = rayon::ThreadPoolBuilder::new().num_threads(threads).build_global();
+    let _ = rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build_global();
     tracing::info!("kernels: {}", ternfleet_kernels::isa_name());
     if let Some(note) = ternfleet_kernels::isa_note() {
         tracing::warn!("kernels: {note}");
@@ -232,13 +240,25 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     let need = prompt_tokens.len() + a.n.saturating_sub(1);
     let n_ctx = a.ctx.unwrap_or(need.max(1));
     if need > n_ctx {
-        bail!("prompt ({} tokens) + {} new tokens exceed --ctx {n_ctx}", prompt_tokens.len(), a.n);
+        bail!(
+            "prompt ({} tokens) + {} new tokens exceed --ctx {n_ctx}",
+            prompt_tokens.len(),
+            a.n
+        );
     }
     if n_ctx > model.cfg.n_ctx_train {
-        tracing::warn!("context {n_ctx} exceeds the model's training context {}", model.cfg.n_ctx_train);
+        tracing::warn!(
+            "context {n_ctx} exceeds the model's training context {}",
+            model.cfg.n_ctx_train
+        );
     }
     let mut cache = model.new_cache(n_ctx);
-    let req = GenerateRequest { prompt_tokens: prompt_tokens.clone(), max_tokens: a.n, batch: a.batch, stop_at_eog: !a.ignore_eos };
+    let req = GenerateRequest {
+        prompt_tokens: prompt_tokens.clone(),
+        max_tokens: a.n,
+        batch: a.batch,
+        stop_at_eog: !a.ignore_eos,
+    };
     let stdout = std::io::stdout();
     let mut pending: Vec<u8> = Vec::new();
     let json = a.json;
@@ -259,7 +279,8 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     })?;
     let text = model.tokenizer.decode(&g.tokens);
     if json {
-        let obj = serde_json::json!({ "prompt_tokens": prompt_tokens, "tokens": g.tokens, "text": text });
+        let obj =
+            serde_json::json!({ "prompt_tokens": prompt_tokens, "tokens": g.tokens, "text": text });
         println!("{obj}");
     } else {
         if !pending.is_empty() {
@@ -281,7 +302,9 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
 
 fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
     let model = init(&a.model)?;
-    let ids = model.tokenizer.encode(&a.prompt, !a.no_bos, !a.no_parse_special);
+    let ids = model
+        .tokenizer
+        .encode(&a.prompt, !a.no_bos, !a.no_parse_special);
     if a.json {
         println!("{}", serde_json::json!({ "ids": ids }));
     } else {
@@ -295,25 +318,35 @@ fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
 
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let model = init(&a.model)?;
-    let text = std::fs::read_to_string(&a.file).with_context(|| format!("reading {}", a.file.display()))?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
-        indicatif::ProgressStyle::with_template("perplexity {bar:40} {pos}/{len} chunks, {msg} [{elapsed_precise}<{eta_precise}]")
-            .expect("static progress template is valid"),
+        indicatif::ProgressStyle::with_template(
+            "perplexity {bar:40} {pos}/{len} chunks, {msg} [{elapsed_precise}<{eta_precise}]",
+        )
+        .expect("static progress template is valid"),
     );
     let mut last = 0.0;
-    let r = crate::perplexity::perplexity(&model, &text, a.ctx, a.batch, a.chunks, |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-        last = done as f64;
-    });
+    let r =
+        crate::perplexity::perplexity(&model, &text, a.ctx, a.batch, a.chunks, |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+            last = done as f64;
+        });
     bar.finish_and_clear();
     let r = r?;
     let _ = last;
     if a.json {
-        println!("{}", serde_json::json!({ "ppl": r.ppl, "chunks": r.chunks, "tokens": r.tokens, "ctx": a.ctx, "ppl_chunks": r.ppl_chunks }));
+        println!(
+            "{}",
+            serde_json::json!({ "ppl": r.ppl, "chunks": r.chunks, "tokens": r.tokens, "ctx": a.ctx, "ppl_chunks": r.ppl_chunks })
+        );
     } else {
-        println!("perplexity: {:.4} ({} chunks of {} tokens, {} tokens in the text)", r.ppl, r.chunks, a.ctx, r.tokens);
+        println!(
+            "perplexity: {:.4} ({} chunks of {} tokens, {} tokens in the text)",
+            r.ppl, r.chunks, a.ctx, r.tokens
+        );
     }
     Ok(())
 }
@@ -342,7 +375,10 @@ fn cmd_info(a: ModelArgs) -> Result<()> {
         e.1 += t.size;
     }
     for (ty, (n, bytes)) in by_type {
-        println!("{ty:>6}: {n:>4} tensors, {:.1} MiB", bytes as f64 / (1 << 20) as f64);
+        println!(
+            "{ty:>6}: {n:>4} tensors, {:.1} MiB",
+            bytes as f64 / (1 << 20) as f64
+        );
     }
     Ok(())
 }

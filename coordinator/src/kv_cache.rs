@@ -6,8 +6,14 @@ use half::f16;
 /// Errors of the cache.
 #[derive(Debug, thiserror::Error)]
 pub enum KvError {
-    #[error("context full: {used} positions used + {adding} new > capacity {capacity} (raise --ctx)")]
-    Full { used: usize, adding: usize, capacity: usize },
+    #[error(
+        "context full: {used} positions used + {adding} new > capacity {capacity} (raise --ctx)"
+    )]
+    Full {
+        used: usize,
+        adding: usize,
+        capacity: usize,
+    },
 }
 
 /// Keys and values of one sequence. Memory grows with use, up to `capacity` positions.
@@ -23,7 +29,14 @@ pub struct KvCache {
 impl KvCache {
     /// A cache for `n_layer` layers of `k_dim`/`v_dim` wide rows, up to `capacity` positions.
     pub fn new(n_layer: usize, k_dim: usize, v_dim: usize, capacity: usize) -> KvCache {
-        KvCache { k: vec![Vec::new(); n_layer], v: vec![Vec::new(); n_layer], k_dim, v_dim, len: 0, capacity }
+        KvCache {
+            k: vec![Vec::new(); n_layer],
+            v: vec![Vec::new(); n_layer],
+            k_dim,
+            v_dim,
+            len: 0,
+            capacity,
+        }
     }
 
     /// Positions filled.
@@ -49,7 +62,11 @@ impl KvCache {
     /// Checks that `n` more positions fit.
     pub fn reserve(&self, n: usize) -> Result<(), KvError> {
         if self.len + n > self.capacity {
-            return Err(KvError::Full { used: self.len, adding: n, capacity: self.capacity });
+            return Err(KvError::Full {
+                used: self.len,
+                adding: n,
+                capacity: self.capacity,
+            });
         }
         Ok(())
     }

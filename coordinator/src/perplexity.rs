@@ -21,8 +21,14 @@ pub struct Perplexity {
 /// Errors of a perplexity run.
 #[derive(Debug, thiserror::Error)]
 pub enum PerplexityError {
-    #[error("the text has {tokens} tokens; perplexity at ctx {n_ctx} needs at least {need} (2 × ctx)")]
-    TooShort { tokens: usize, n_ctx: usize, need: usize },
+    #[error(
+        "the text has {tokens} tokens; perplexity at ctx {n_ctx} needs at least {need} (2 × ctx)"
+    )]
+    TooShort {
+        tokens: usize,
+        n_ctx: usize,
+        need: usize,
+    },
     #[error("ctx must be at least 8, got {0}")]
     BadCtx(usize),
     #[error(transparent)]
@@ -42,9 +48,15 @@ pub fn perplexity(
     if n_ctx < 8 {
         return Err(PerplexityError::BadCtx(n_ctx));
     }
+    // llama-perplexity reads the file and drops one trailing newline before tokenizing.
+    let text = text.strip_suffix('\n').unwrap_or(text);
     let tokens = model.tokenizer.encode(text, true, false);
     if tokens.len() < 2 * n_ctx {
-        return Err(PerplexityError::TooShort { tokens: tokens.len(), n_ctx, need: 2 * n_ctx });
+        return Err(PerplexityError::TooShort {
+            tokens: tokens.len(),
+            n_ctx,
+            need: 2 * n_ctx,
+        });
     }
     let mut n_chunk = tokens.len() / n_ctx;
     if let Some(m) = max_chunks {
@@ -86,5 +98,10 @@ pub fn perplexity(
         ppl_chunks.push((nll / count as f64).exp());
         progress(c + 1, n_chunk);
     }
-    Ok(Perplexity { ppl: (nll / count as f64).exp(), chunks: n_chunk, tokens: tokens.len(), ppl_chunks })
+    Ok(Perplexity {
+        ppl: (nll / count as f64).exp(),
+        chunks: n_chunk,
+        tokens: tokens.len(),
+        ppl_chunks,
+    })
 }

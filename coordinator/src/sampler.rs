@@ -21,7 +21,15 @@ pub struct SamplerParams {
 
 impl Default for SamplerParams {
     fn default() -> Self {
-        SamplerParams { temperature: 0.8, top_k: 40, top_p: 0.95, min_p: 0.05, repeat_penalty: 1.0, repeat_last_n: 64, seed: 0 }
+        SamplerParams {
+            temperature: 0.8,
+            top_k: 40,
+            top_p: 0.95,
+            min_p: 0.05,
+            repeat_penalty: 1.0,
+            repeat_last_n: 64,
+            seed: 0,
+        }
     }
 }
 
@@ -37,7 +45,13 @@ pub struct ParamError {
 impl SamplerParams {
     /// Rejects NaN, infinities and out-of-range values.
     pub fn validate(&self) -> Result<(), ParamError> {
-        let bad = |name, value: f32, rule| Err(ParamError { name, value: value.to_string(), rule });
+        let bad = |name, value: f32, rule| {
+            Err(ParamError {
+                name,
+                value: value.to_string(),
+                rule,
+            })
+        };
         if !self.temperature.is_finite() || self.temperature < 0.0 {
             return bad("temperature", self.temperature, "must be finite and >= 0");
         }
@@ -48,7 +62,11 @@ impl SamplerParams {
             return bad("min_p", self.min_p, "must be in [0, 1]");
         }
         if !self.repeat_penalty.is_finite() || self.repeat_penalty <= 0.0 {
-            return bad("repeat_penalty", self.repeat_penalty, "must be finite and > 0");
+            return bad(
+                "repeat_penalty",
+                self.repeat_penalty,
+                "must be finite and > 0",
+            );
         }
         Ok(())
     }
@@ -106,14 +124,22 @@ impl Sampler {
             for &t in &history[start..] {
                 if (t as usize) < l.len() && seen.insert(t) {
                     let v = &mut l[t as usize];
-                    *v = if *v <= 0.0 { *v * p.repeat_penalty } else { *v / p.repeat_penalty };
+                    *v = if *v <= 0.0 {
+                        *v * p.repeat_penalty
+                    } else {
+                        *v / p.repeat_penalty
+                    };
                 }
             }
         }
         if p.temperature == 0.0 {
             return argmax(&logits);
         }
-        let mut cand: Vec<(u32, f32)> = logits.iter().enumerate().map(|(i, &l)| (i as u32, l)).collect();
+        let mut cand: Vec<(u32, f32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| (i as u32, l))
+            .collect();
         cand.sort_unstable_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
         if p.top_k > 0 {
             cand.truncate(p.top_k.max(1));
@@ -166,16 +192,30 @@ mod tests {
     #[test]
     fn greedy_takes_first_maximum() {
         assert_eq!(argmax(&[0.0, 3.0, 3.0, -1.0]), 1);
-        let mut s = Sampler::new(SamplerParams { temperature: 0.0, ..Default::default() }).unwrap();
+        let mut s = Sampler::new(SamplerParams {
+            temperature: 0.0,
+            ..Default::default()
+        })
+        .unwrap();
         assert_eq!(s.sample(&[0.0, 1.0, 5.0], &[]), 2);
     }
 
     #[test]
     fn same_seed_same_draws_and_top_k_one_is_greedy() {
         let logits: Vec<f32> = (0..50).map(|i| ((i * 37) % 11) as f32 * 0.3).collect();
-        let p = SamplerParams { temperature: 1.0, seed: 7, ..Default::default() };
-        let a: Vec<u32> = { let mut s = Sampler::new(p.clone()).unwrap(); (0..20).map(|_| s.sample(&logits, &[])).collect() };
-        let b: Vec<u32> = { let mut s = Sampler::new(p.clone()).unwrap(); (0..20).map(|_| s.sample(&logits, &[])).collect() };
+        let p = SamplerParams {
+            temperature: 1.0,
+            seed: 7,
+            ..Default::default()
+        };
+        let a: Vec<u32> = {
+            let mut s = Sampler::new(p.clone()).unwrap();
+            (0..20).map(|_| s.sample(&logits, &[])).collect()
+        };
+        let b: Vec<u32> = {
+            let mut s = Sampler::new(p.clone()).unwrap();
+            (0..20).map(|_| s.sample(&logits, &[])).collect()
+        };
         assert_eq!(a, b);
         let mut s = Sampler::new(SamplerParams { top_k: 1, ..p }).unwrap();
         assert_eq!(s.sample(&logits, &[]), argmax(&logits));
@@ -183,17 +223,34 @@ mod tests {
 
     #[test]
     fn repetition_penalty_demotes_seen_tokens() {
-        let mut s = Sampler::new(SamplerParams { temperature: 0.0, repeat_penalty: 2.0, ..Default::default() }).unwrap();
+        let mut s = Sampler::new(SamplerParams {
+            temperature: 0.0,
+            repeat_penalty: 2.0,
+            ..Default::default()
+        })
+        .unwrap();
         assert_eq!(s.sample(&[3.0, 2.0], &[0]), 1);
     }
 
     #[test]
     fn invalid_parameters_are_rejected() {
         for p in [
-            SamplerParams { temperature: f32::NAN, ..Default::default() },
-            SamplerParams { top_p: 0.0, ..Default::default() },
-            SamplerParams { min_p: 1.5, ..Default::default() },
-            SamplerParams { repeat_penalty: f32::INFINITY, ..Default::default() },
+            SamplerParams {
+                temperature: f32::NAN,
+                ..Default::default()
+            },
+            SamplerParams {
+                top_p: 0.0,
+                ..Default::default()
+            },
+            SamplerParams {
+                min_p: 1.5,
+                ..Default::default()
+            },
+            SamplerParams {
+                repeat_penalty: f32::INFINITY,
+                ..Default::default()
+            },
         ] {
             assert!(Sampler::new(p).is_err());
         }

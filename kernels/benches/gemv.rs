@@ -19,18 +19,63 @@ struct Case {
 }
 
 const GEMV: [Case; 5] = [
-    Case { ty: GgmlType::Q8_0, rows: 262144, cols: 640, n: 1 },
-    Case { ty: GgmlType::Q5_0, rows: 2048, cols: 640, n: 1 },
-    Case { ty: GgmlType::Q4_K, rows: 4096, cols: 4096, n: 1 },
-    Case { ty: GgmlType::Q6_K, rows: 4096, cols: 4096, n: 1 },
-    Case { ty: GgmlType::Q5_K, rows: 4096, cols: 4096, n: 1 },
+    Case {
+        ty: GgmlType::Q8_0,
+        rows: 262144,
+        cols: 640,
+        n: 1,
+    },
+    Case {
+        ty: GgmlType::Q5_0,
+        rows: 2048,
+        cols: 640,
+        n: 1,
+    },
+    Case {
+        ty: GgmlType::Q4_K,
+        rows: 4096,
+        cols: 4096,
+        n: 1,
+    },
+    Case {
+        ty: GgmlType::Q6_K,
+        rows: 4096,
+        cols: 4096,
+        n: 1,
+    },
+    Case {
+        ty: GgmlType::Q5_K,
+        rows: 4096,
+        cols: 4096,
+        n: 1,
+    },
 ];
 
 const GEMM: [Case; 4] = [
-    Case { ty: GgmlType::Q8_0, rows: 4096, cols: 640, n: 64 },
-    Case { ty: GgmlType::Q5_0, rows: 2048, cols: 640, n: 64 },
-    Case { ty: GgmlType::Q4_K, rows: 4096, cols: 4096, n: 64 },
-    Case { ty: GgmlType::Q6_K, rows: 4096, cols: 4096, n: 64 },
+    Case {
+        ty: GgmlType::Q8_0,
+        rows: 4096,
+        cols: 640,
+        n: 64,
+    },
+    Case {
+        ty: GgmlType::Q5_0,
+        rows: 2048,
+        cols: 640,
+        n: 64,
+    },
+    Case {
+        ty: GgmlType::Q4_K,
+        rows: 4096,
+        cols: 4096,
+        n: 64,
+    },
+    Case {
+        ty: GgmlType::Q6_K,
+        rows: 4096,
+        cols: 4096,
+        n: 64,
+    },
 ];
 
 /// Random weights with small finite f16 scales (xorshift, fixed seed).
@@ -65,7 +110,10 @@ fn label(c: &Case) -> String {
 }
 
 fn isas() -> Vec<Isa> {
-    [Isa::Scalar, Isa::Avx2, Isa::Avx512].into_iter().filter(|i| i.is_available()).collect()
+    [Isa::Scalar, Isa::Avx2, Isa::Avx512]
+        .into_iter()
+        .filter(|i| i.is_available())
+        .collect()
 }
 
 /// Best-of time of one matmul over the whole matrix.
@@ -83,29 +131,53 @@ fn time_one(isa: Isa, m: &QMatrix, x: &Activations, out: &mut [f32], budget: Dur
 }
 
 fn summary() {
-    let roof: f64 = std::env::var("ROOFLINE_GBS").ok().and_then(|v| v.parse().ok()).unwrap_or(27.0);
-    println!("kernels: selected {} ; roofline {roof} GB/s (one core)", ternfleet_kernels::isa_name());
+    let roof: f64 = std::env::var("ROOFLINE_GBS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(27.0);
+    println!(
+        "kernels: selected {} ; roofline {roof} GB/s (one core)",
+        ternfleet_kernels::isa_name()
+    );
     // KERNELS_CASE=Q8_0:2048:640:1 (type:rows:cols:n) measures just that shape.
     let custom: Vec<Case> = std::env::var("KERNELS_CASE")
         .ok()
         .and_then(|v| {
             let p: Vec<&str> = v.split(':').collect();
             let name = *p.first()?;
-            let ty = GgmlType::ALL.into_iter().find(|t| format!("{t:?}").eq_ignore_ascii_case(name))?;
-            Some(vec![Case { ty, rows: p.get(1)?.parse().ok()?, cols: p.get(2)?.parse().ok()?, n: p.get(3)?.parse().ok()? }])
+            let ty = GgmlType::ALL
+                .into_iter()
+                .find(|t| format!("{t:?}").eq_ignore_ascii_case(name))?;
+            Some(vec![Case {
+                ty,
+                rows: p.get(1)?.parse().ok()?,
+                cols: p.get(2)?.parse().ok()?,
+                n: p.get(3)?.parse().ok()?,
+            }])
         })
         .unwrap_or_default();
-    let cases: Vec<&Case> = if custom.is_empty() { GEMV.iter().chain(GEMM.iter()).collect() } else { custom.iter().collect() };
+    let cases: Vec<&Case> = if custom.is_empty() {
+        GEMV.iter().chain(GEMM.iter()).collect()
+    } else {
+        custom.iter().collect()
+    };
     for c in cases {
         let w = weights(c.ty, c.rows, c.cols);
         let m = QMatrix::new(c.ty, c.rows, c.cols, &w).expect("valid matrix");
-        let x: Vec<f32> = (0..c.n * c.cols).map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0).collect();
+        let x: Vec<f32> = (0..c.n * c.cols)
+            .map(|i| ((i * 7919) % 1000) as f32 / 500.0 - 1.0)
+            .collect();
         let mut a = Activations::new();
-        a.quantize_for(c.ty, &x, c.n, c.cols).expect("valid activations");
+        a.quantize_for(c.ty, &x, c.n, c.cols)
+            .expect("valid activations");
         let mut out = vec![0f32; c.n * c.rows];
         let mut scalar_t = None;
         for isa in isas() {
-            let budget = if isa == Isa::Scalar { Duration::from_millis(300) } else { Duration::from_millis(700) };
+            let budget = if isa == Isa::Scalar {
+                Duration::from_millis(300)
+            } else {
+                Duration::from_millis(700)
+            };
             let t = time_one(isa, &m, &a, &mut out, budget);
             let scalar = *scalar_t.get_or_insert(t);
             let gbs = w.len() as f64 / t / 1e9;
@@ -131,13 +203,17 @@ fn bench(cr: &mut Criterion) {
     }
     for (name, cases) in [("gemv", &GEMV[..]), ("gemm", &GEMM[..])] {
         let mut group = cr.benchmark_group(name);
-        group.sample_size(10).warm_up_time(Duration::from_millis(200)).measurement_time(Duration::from_secs(1));
+        group
+            .sample_size(10)
+            .warm_up_time(Duration::from_millis(200))
+            .measurement_time(Duration::from_secs(1));
         for c in cases {
             let w = weights(c.ty, c.rows, c.cols);
             let m = QMatrix::new(c.ty, c.rows, c.cols, &w).expect("valid matrix");
             let x: Vec<f32> = (0..c.n * c.cols).map(|i| (i % 17) as f32 - 8.0).collect();
             let mut a = Activations::new();
-            a.quantize_for(c.ty, &x, c.n, c.cols).expect("valid activations");
+            a.quantize_for(c.ty, &x, c.n, c.cols)
+                .expect("valid activations");
             let mut out = vec![0f32; c.n * c.rows];
             group.throughput(Throughput::BytesDecimal(w.len() as u64));
             for isa in isas() {
@@ -145,7 +221,10 @@ fn bench(cr: &mut Criterion) {
                     continue; // measured in the summary; too slow for criterion's sampling
                 }
                 group.bench_function(BenchmarkId::new(label(c), isa.name()), |b| {
-                    b.iter(|| matmul_with(isa, &m, &a, 0..m.rows(), &mut out).expect("valid bench problem"))
+                    b.iter(|| {
+                        matmul_with(isa, &m, &a, 0..m.rows(), &mut out)
+                            .expect("valid bench problem")
+                    })
                 });
             }
         }

@@ -48,6 +48,10 @@ pub(crate) struct Kernels {
     pub matmul_for: fn(GgmlType) -> Option<MatmulFn>,
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
     pub dot_f16: fn(&[f16], &[f16]) -> f32,
+    /// `y[i] = f16(x[i] * v + y[i])`, one f32 FMA then round-to-nearest-even (equal lengths).
+    pub mad_f16: fn(&mut [f16], &[f16], f32),
+    /// `y[i] = f16(y[i] * v)`.
+    pub scale_f16: fn(&mut [f16], f32),
 }
 
 /// A matmul over a validated problem; `out.len() == g.ntok * g.nrows`.
@@ -68,6 +72,8 @@ const SCALAR: Kernels = Kernels {
     matmul_for: scalar_matmul_for,
     dot_f32: crate::scalar::dot_f32,
     dot_f16: crate::scalar::dot_f16,
+    mad_f16: crate::scalar::mad_f16,
+    scale_f16: crate::scalar::scale_f16,
 };
 
 /// The kernels of `isa`, or `None` when this CPU lacks its features.
@@ -85,9 +91,17 @@ pub(crate) fn kernels_for(isa: Isa) -> Option<Kernels> {
 
 /// Choose an implementation from the value of `TERNFLEET_KERNELS` (if set) and a predicate
 /// telling which are available. Returns the choice and, when the request was ignored, why.
-pub(crate) fn choose(request: Option<&str>, available: impl Fn(Isa) -> bool) -> (Isa, Option<String>) {
-    let best = Isa::ALL.into_iter().find(|i| available(*i)).unwrap_or(Isa::Scalar);
-    let Some(raw) = request else { return (best, None) };
+pub(crate) fn choose(
+    request: Option<&str>,
+    available: impl Fn(Isa) -> bool,
+) -> (Isa, Option<String>) {
+    let best = Isa::ALL
+        .into_iter()
+        .find(|i| available(*i))
+        .unwrap_or(Isa::Scalar);
+    let Some(raw) = request else {
+        return (best, None);
+    };
     let want = match raw.trim().to_ascii_lowercase().as_str() {
         "" => return (best, None),
         "scalar" => Isa::Scalar,

@@ -34,23 +34,54 @@ pub use quant::{GgmlType, QK, QK_K};
 #[derive(thiserror::Error, Debug, Clone, PartialEq, Eq)]
 pub enum KernelError {
     #[error("{ty:?}: {cols} elements is not a whole number of {block}-element blocks")]
-    PartialBlock { ty: GgmlType, cols: usize, block: usize },
+    PartialBlock {
+        ty: GgmlType,
+        cols: usize,
+        block: usize,
+    },
     #[error("{ty:?} matrix of {rows} rows x {cols} columns needs {want} bytes, got {got}")]
-    MatrixSize { ty: GgmlType, rows: usize, cols: usize, want: usize, got: usize },
+    MatrixSize {
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        want: usize,
+        got: usize,
+    },
     #[error("{ty:?} tensor of {rows} rows x {cols} columns: byte size overflows usize")]
-    TooLarge { ty: GgmlType, rows: usize, cols: usize },
+    TooLarge {
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+    },
     #[error("{ty:?} is not supported by {op} (supported: F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K)")]
     Unsupported { ty: GgmlType, op: &'static str },
     #[error("{what}: expected {want} elements, got {got}")]
-    InputLen { what: &'static str, want: usize, got: usize },
+    InputLen {
+        what: &'static str,
+        want: usize,
+        got: usize,
+    },
     #[error("{ty:?}: {n} elements take {want} bytes, got {got}")]
-    RowBytes { ty: GgmlType, n: usize, want: usize, got: usize },
+    RowBytes {
+        ty: GgmlType,
+        n: usize,
+        want: usize,
+        got: usize,
+    },
     #[error("activations are {got:?} but {weight:?} weights need {want:?}: call Activations::quantize_for({weight:?}, ..)")]
-    ActivationType { weight: GgmlType, want: GgmlType, got: GgmlType },
+    ActivationType {
+        weight: GgmlType,
+        want: GgmlType,
+        got: GgmlType,
+    },
     #[error("weight matrix has {weight} columns but the activations have {act}")]
     ColsMismatch { weight: usize, act: usize },
     #[error("row range {start}..{end} is outside a matrix of {rows} rows")]
-    RowRange { start: usize, end: usize, rows: usize },
+    RowRange {
+        start: usize,
+        end: usize,
+        rows: usize,
+    },
     #[error("kernels for {isa:?} are not available on this CPU")]
     IsaUnavailable { isa: Isa },
 }
@@ -72,7 +103,12 @@ pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
 pub fn can_dequantize(ty: GgmlType) -> bool {
     !matches!(
         ty,
-        GgmlType::Q8_1 | GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64 | GgmlType::F64
+        GgmlType::Q8_1
+            | GgmlType::I8
+            | GgmlType::I16
+            | GgmlType::I32
+            | GgmlType::I64
+            | GgmlType::F64
     )
 }
 
@@ -80,11 +116,19 @@ pub fn can_dequantize(ty: GgmlType) -> bool {
 /// `ty.row_size(dst.len())`.
 pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), KernelError> {
     if !can_dequantize(ty) {
-        return Err(KernelError::Unsupported { ty, op: "dequantize_row" });
+        return Err(KernelError::Unsupported {
+            ty,
+            op: "dequantize_row",
+        });
     }
     let want = matmul::row_bytes(ty, dst.len())?;
     if src.len() != want {
-        return Err(KernelError::RowBytes { ty, n: dst.len(), want, got: src.len() });
+        return Err(KernelError::RowBytes {
+            ty,
+            n: dst.len(),
+            want,
+            got: src.len(),
+        });
     }
     let ok = scalar::dequantize(ty, src, dst);
     debug_assert!(ok, "can_dequantize and scalar::dequantize agree");
@@ -99,11 +143,19 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Ker
         ty,
         GgmlType::Q8_0 | GgmlType::Q8_K | GgmlType::F16 | GgmlType::BF16 | GgmlType::F32
     ) {
-        return Err(KernelError::Unsupported { ty, op: "quantize_row" });
+        return Err(KernelError::Unsupported {
+            ty,
+            op: "quantize_row",
+        });
     }
     let want = matmul::row_bytes(ty, src.len())?;
     if dst.len() != want {
-        return Err(KernelError::RowBytes { ty, n: src.len(), want, got: dst.len() });
+        return Err(KernelError::RowBytes {
+            ty,
+            n: src.len(),
+            want,
+            got: dst.len(),
+        });
     }
     scalar::quantize(ty, src, dst);
     Ok(())
@@ -123,7 +175,12 @@ pub fn matmul(
     out: &mut [f32],
 ) -> Result<(), KernelError> {
     let g = matmul::Gemm::new(w, x, rows, out.len())?;
-    let f = dispatch::selected().matmul(g.wty).ok_or(KernelError::Unsupported { ty: g.wty, op: "matmul" })?;
+    let f = dispatch::selected()
+        .matmul(g.wty)
+        .ok_or(KernelError::Unsupported {
+            ty: g.wty,
+            op: "matmul",
+        })?;
     f(&g, out);
     Ok(())
 }
@@ -139,19 +196,23 @@ pub fn matmul_with(
 ) -> Result<(), KernelError> {
     let k = dispatch::kernels_for(isa).ok_or(KernelError::IsaUnavailable { isa })?;
     let g = matmul::Gemm::new(w, x, rows, out.len())?;
-    let f = k.matmul(g.wty).ok_or(KernelError::Unsupported { ty: g.wty, op: "matmul" })?;
+    let f = k.matmul(g.wty).ok_or(KernelError::Unsupported {
+        ty: g.wty,
+        op: "matmul",
+    })?;
     f(&g, out);
     Ok(())
 }
 
-/// `Σ a[i]·b[i]` in f32 (SIMD, several accumulators). Panics when the lengths differ.
+/// `Σ a[i]·b[i]` summed in the order of ggml's AVX-512 `ggml_vec_dot_f32` on every ISA (see
+/// `scalar::ggml_order_dot`). Panics when the lengths differ.
 pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len(), "dot_f32 of slices of different lengths");
     (dispatch::selected().dot_f32)(a, b)
 }
 
-/// `ggml_vec_dot_f16`: products of f16 values accumulated in f32. Panics when the lengths
-/// differ.
+/// `ggml_vec_dot_f16`: products of f16 values accumulated in f32, bit-identical to llama.cpp's
+/// AVX-512 build on every ISA. Panics when the lengths differ.
 pub fn dot_f16(a: &[half::f16], b: &[half::f16]) -> f32 {
     assert_eq!(a.len(), b.len(), "dot_f16 of slices of different lengths");
     (dispatch::selected().dot_f16)(a, b)
@@ -159,3 +220,16 @@ pub fn dot_f16(a: &[half::f16], b: &[half::f16]) -> f32 {
 
 #[cfg(test)]
 mod tests;
+
+/// `y[i] = f16(x[i] * v + y[i])` with one f32 rounding before the f16 one: llama.cpp's
+/// `ggml_vec_mad_f16` (AVX-512 build: widen, `_mm512_fmadd_ps`, narrow with round-to-nearest-
+/// even), the V accumulation of its flash-attention decode path. Panics when lengths differ.
+pub fn mad_f16(y: &mut [half::f16], x: &[half::f16], v: f32) {
+    assert_eq!(y.len(), x.len(), "mad_f16 of slices of different lengths");
+    (dispatch::selected().mad_f16)(y, x, v)
+}
+
+/// `y[i] = f16(y[i] * v)`: llama.cpp's `ggml_vec_scale_f16`.
+pub fn scale_f16(y: &mut [half::f16], v: f32) {
+    (dispatch::selected().scale_f16)(y, v)
+}

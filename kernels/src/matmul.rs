@@ -18,13 +18,32 @@ pub struct QMatrix<'a> {
 impl<'a> QMatrix<'a> {
     /// Checks that `cols` is a whole number of blocks and that `data` holds exactly
     /// `rows * ty.row_size(cols)` bytes.
-    pub fn new(ty: GgmlType, rows: usize, cols: usize, data: &'a [u8]) -> Result<Self, KernelError> {
+    pub fn new(
+        ty: GgmlType,
+        rows: usize,
+        cols: usize,
+        data: &'a [u8],
+    ) -> Result<Self, KernelError> {
         let row_bytes = row_bytes(ty, cols)?;
-        let want = row_bytes.checked_mul(rows).ok_or(KernelError::TooLarge { ty, rows, cols })?;
+        let want = row_bytes
+            .checked_mul(rows)
+            .ok_or(KernelError::TooLarge { ty, rows, cols })?;
         if data.len() != want {
-            return Err(KernelError::MatrixSize { ty, rows, cols, want, got: data.len() });
+            return Err(KernelError::MatrixSize {
+                ty,
+                rows,
+                cols,
+                want,
+                got: data.len(),
+            });
         }
-        Ok(QMatrix { ty, rows, cols, row_bytes, data })
+        Ok(QMatrix {
+            ty,
+            rows,
+            cols,
+            row_bytes,
+            data,
+        })
     }
 
     /// Element type of the weights.
@@ -49,7 +68,11 @@ impl<'a> QMatrix<'a> {
 
     /// The bytes of row `r`. Panics when `r >= rows()`.
     pub fn row_bytes(&self, r: usize) -> &'a [u8] {
-        assert!(r < self.rows, "row {r} out of range for a matrix of {} rows", self.rows);
+        assert!(
+            r < self.rows,
+            "row {r} out of range for a matrix of {} rows",
+            self.rows
+        );
         &self.data[r * self.row_bytes..(r + 1) * self.row_bytes]
     }
 
@@ -62,7 +85,11 @@ impl<'a> QMatrix<'a> {
 pub(crate) fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize, KernelError> {
     match ty.row_size(cols as u64) {
         Some(b) => usize::try_from(b).map_err(|_| KernelError::TooLarge { ty, rows: 1, cols }),
-        None => Err(KernelError::PartialBlock { ty, cols, block: ty.block_size() }),
+        None => Err(KernelError::PartialBlock {
+            ty,
+            cols,
+            block: ty.block_size(),
+        }),
     }
 }
 
@@ -100,13 +127,24 @@ impl Activations {
         n: usize,
         cols: usize,
     ) -> Result<(), KernelError> {
-        let ty = vec_dot_type(weight_ty).ok_or(KernelError::Unsupported { ty: weight_ty, op: "matmul" })?;
+        let ty = vec_dot_type(weight_ty).ok_or(KernelError::Unsupported {
+            ty: weight_ty,
+            op: "matmul",
+        })?;
         let rb = row_bytes(ty, cols)?;
-        let want = n.checked_mul(cols).ok_or(KernelError::TooLarge { ty, rows: n, cols })?;
+        let want = n
+            .checked_mul(cols)
+            .ok_or(KernelError::TooLarge { ty, rows: n, cols })?;
         if x.len() != want {
-            return Err(KernelError::InputLen { what: "activations", want, got: x.len() });
+            return Err(KernelError::InputLen {
+                what: "activations",
+                want,
+                got: x.len(),
+            });
         }
-        let total = rb.checked_mul(n).ok_or(KernelError::TooLarge { ty, rows: n, cols })?;
+        let total = rb
+            .checked_mul(n)
+            .ok_or(KernelError::TooLarge { ty, rows: n, cols })?;
         self.data.resize(total, 0);
         if n > 0 && cols > 0 {
             for (xr, yr) in x.chunks_exact(cols).zip(self.data.chunks_exact_mut(rb)) {
@@ -119,7 +157,8 @@ impl Activations {
         if ty == GgmlType::Q8_0 {
             for b in self.data.chunks_exact(GgmlType::Q8_0.type_size()) {
                 self.scales.push(scalar::f16_at(b, 0));
-                self.sums.push(b[2..2 + QK].iter().map(|&q| q as i8 as i32).sum());
+                self.sums
+                    .push(b[2..2 + QK].iter().map(|&q| q as i8 as i32).sum());
             }
         }
         self.ty = Some(ty);
@@ -174,19 +213,37 @@ impl<'a> Gemm<'a> {
         rows: std::ops::Range<usize>,
         out_len: usize,
     ) -> Result<Self, KernelError> {
-        let want_ty = vec_dot_type(w.ty()).ok_or(KernelError::Unsupported { ty: w.ty(), op: "matmul" })?;
+        let want_ty = vec_dot_type(w.ty()).ok_or(KernelError::Unsupported {
+            ty: w.ty(),
+            op: "matmul",
+        })?;
         if x.ty != Some(want_ty) {
-            return Err(KernelError::ActivationType { weight: w.ty(), want: want_ty, got: x.ty() });
+            return Err(KernelError::ActivationType {
+                weight: w.ty(),
+                want: want_ty,
+                got: x.ty(),
+            });
         }
         if x.cols != w.cols() {
-            return Err(KernelError::ColsMismatch { weight: w.cols(), act: x.cols });
+            return Err(KernelError::ColsMismatch {
+                weight: w.cols(),
+                act: x.cols,
+            });
         }
         if rows.start > rows.end || rows.end > w.rows() {
-            return Err(KernelError::RowRange { start: rows.start, end: rows.end, rows: w.rows() });
+            return Err(KernelError::RowRange {
+                start: rows.start,
+                end: rows.end,
+                rows: w.rows(),
+            });
         }
         let want = x.n * rows.len();
         if out_len != want {
-            return Err(KernelError::InputLen { what: "matmul output", want, got: out_len });
+            return Err(KernelError::InputLen {
+                what: "matmul output",
+                want,
+                got: out_len,
+            });
         }
         let rb = w.row_stride();
         Ok(Gemm {

@@ -22,6 +22,10 @@
 //! - `block_tq1_0` { u8 qs[48]; u8 qh[4]; f16 d }                            54 bytes
 //! - `block_tq2_0` { u8 qs[64]; f16 d }                                      66 bytes
 
+// Tile loops index several per-row / per-token arrays with the same counter, and the
+// transcriptions of ggml keep its index arithmetic: iterator chains would obscure both.
+#![allow(clippy::needless_range_loop)]
+
 use crate::quant::{GgmlType, QK, QK_K};
 use half::{bf16, f16};
 
@@ -219,7 +223,8 @@ fn dequantize_block(ty: GgmlType, x: &[u8], y: &mut [f32]) -> bool {
                         is += 1;
                         for l in 0..16 {
                             let i = l + 16 * half;
-                            let v = ((q[i] >> shift) & 3) as i32 - if hm[i] & m != 0 { 0 } else { 4 };
+                            let v =
+                                ((q[i] >> shift) & 3) as i32 - if hm[i] & m != 0 { 0 } else { 4 };
                             y[o] = dl * v as f32;
                             o += 1;
                         }
@@ -350,14 +355,21 @@ pub(crate) fn nearest_int(fval: f32) -> i32 {
 
 /// ggml-quants.c `quantize_row_q8_0_ref`: one 34-byte block per 32 values.
 pub(crate) fn quantize_q8_0(x: &[f32], y: &mut [u8]) {
-    for (xb, yb) in x.chunks_exact(QK).zip(y.chunks_exact_mut(GgmlType::Q8_0.type_size())) {
+    // What llama.cpp runs on x86 (ggml-cpu/arch/x86/quants.c `quantize_row_q8_0`, AVX path):
+    // multiply by 127/amax and round half to even (`_mm256_round_ps(_MM_ROUND_NEAREST)`).
+    // The portable reference (`quantize_row_q8_0_ref`, and gguf-py) multiplies by 1/d and
+    // rounds half away from zero; the two differ on ties and 1-ulp products. Activations are
+    // never stored, so we follow the engine we must match token for token.
+    for (xb, yb) in x
+        .chunks_exact(QK)
+        .zip(y.chunks_exact_mut(GgmlType::Q8_0.type_size()))
+    {
         let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
         let d = amax / 127.0;
-        let id = if d != 0.0 { 1.0 / d } else { 0.0 };
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         yb[0..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
         for (q, v) in yb[2..].iter_mut().zip(xb) {
-            // roundf: half away from zero, like f32::round.
-            *q = ((v * id).round() as i8) as u8;
+            *q = ((v * id).round_ties_even() as i8) as u8;
         }
     }
 }
@@ -365,7 +377,10 @@ pub(crate) fn quantize_q8_0(x: &[f32], y: &mut [u8]) {
 /// ggml-quants.c `quantize_row_q8_K_ref`: one 292-byte block per 256 values. The scale is the
 /// signed value of largest magnitude, so its own element quantizes to -127 exactly.
 pub(crate) fn quantize_q8_k(x: &[f32], y: &mut [u8]) {
-    for (xb, yb) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(GgmlType::Q8_K.type_size())) {
+    for (xb, yb) in x
+        .chunks_exact(QK_K)
+        .zip(y.chunks_exact_mut(GgmlType::Q8_K.type_size()))
+    {
         let mut max = 0.0f32;
         let mut amax = 0.0f32;
         for &v in xb {
@@ -384,7 +399,10 @@ pub(crate) fn quantize_q8_k(x: &[f32], y: &mut [u8]) {
             *q = (nearest_int(iscale * v).min(127) as i8) as u8;
         }
         for j in 0..QK_K / 16 {
-            let s: i32 = yb[4 + 16 * j..4 + 16 * j + 16].iter().map(|&q| (q as i8) as i32).sum();
+            let s: i32 = yb[4 + 16 * j..4 + 16 * j + 16]
+                .iter()
+                .map(|&q| (q as i8) as i32)
+                .sum();
             let o = 4 + QK_K + 2 * j;
             yb[o..o + 2].copy_from_slice(&(s as i16).to_le_bytes());
         }
@@ -595,8 +613,11 @@ pub(crate) fn vec_dot_q6_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
     sums.iter().sum()
 }
 
+/// `dot(n, weight row bytes, activation row bytes)`.
+pub(crate) type VecDotFn = fn(usize, &[u8], &[u8]) -> f32;
+
 /// The reference dot product for a weight type against its `vec_dot_type` activations.
-pub(crate) fn vec_dot_fn(w: GgmlType) -> Option<fn(usize, &[u8], &[u8]) -> f32> {
+pub(crate) fn vec_dot_fn(w: GgmlType) -> Option<VecDotFn> {
     Some(match w {
         GgmlType::F32 => vec_dot_f32,
         GgmlType::F16 => vec_dot_f16,
@@ -624,13 +645,60 @@ pub(crate) fn matmul(g: &crate::matmul::Gemm<'_>, out: &mut [f32]) {
 
 /// `ggml_vec_dot_f32` over f32 slices (double accumulation, like the scalar ggml path).
 pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
-    a.iter().zip(b).map(|(x, y)| (x * y) as f64).sum::<f64>() as f32
+    ggml_order_dot(a.len().min(b.len()), |i| (a[i], b[i]))
 }
 
-/// `ggml_vec_dot_f16` over f16 slices.
+/// `ggml_vec_dot_f16` as llama.cpp's AVX-512 build sums it (ggml-cpu/vec.cpp with the
+/// simd-mappings.h AVX-512 macros): four 16-lane FMA accumulators over 64-element steps,
+/// reduced `(a0+a2)+(a1+a3)`, then across lanes pairwise (i+8, i+4, i+2, i+1) like
+/// `_mm512_reduce_add_ps`, in f64 from there on with the tail's f32 products. Every ISA follows
+/// this order, because attention scores decide greedy parity with llama.cpp.
 pub(crate) fn dot_f16(a: &[f16], b: &[f16]) -> f32 {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x.to_f32() * y.to_f32()) as f64)
-        .sum::<f64>() as f32
+    ggml_order_dot(a.len().min(b.len()), |i| (a[i].to_f32(), b[i].to_f32()))
+}
+
+/// `y[i] = f16(x[i] * v + y[i])`: widen, one f32 fused multiply-add, narrow with
+/// round-to-nearest-even (llama.cpp's AVX-512 `ggml_vec_mad_f16`). Every ISA is bit-identical.
+pub(crate) fn mad_f16(y: &mut [f16], x: &[f16], v: f32) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y = f16::from_f32(x.to_f32().mul_add(v, y.to_f32()));
+    }
+}
+
+/// `y[i] = f16(y[i] * v)` (`ggml_vec_scale_f16`).
+pub(crate) fn scale_f16(y: &mut [f16], v: f32) {
+    for y in y.iter_mut() {
+        *y = f16::from_f32(y.to_f32() * v);
+    }
+}
+
+/// The summation order of [`dot_f16`], for any element source.
+pub(crate) fn ggml_order_dot(n: usize, at: impl Fn(usize) -> (f32, f32)) -> f32 {
+    let np = n & !63;
+    let mut acc = [[0f32; 16]; 4];
+    for i in (0..np).step_by(64) {
+        for (k, lanes) in acc.iter_mut().enumerate() {
+            for (l, v) in lanes.iter_mut().enumerate() {
+                let (x, y) = at(i + 16 * k + l);
+                *v = x.mul_add(y, *v);
+            }
+        }
+    }
+    let mut v = [0f32; 16];
+    for l in 0..16 {
+        v[l] = (acc[0][l] + acc[2][l]) + (acc[1][l] + acc[3][l]);
+    }
+    let mut width = 8;
+    while width > 0 {
+        for l in 0..width {
+            v[l] += v[l + width];
+        }
+        width /= 2;
+    }
+    let mut sum = v[0] as f64;
+    for i in np..n {
+        let (x, y) = at(i);
+        sum += (x * y) as f64;
+    }
+    sum as f32
 }

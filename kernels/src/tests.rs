@@ -44,8 +44,16 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     let bytes = ty.row_size(n as u64).unwrap() as usize;
     match ty {
         GgmlType::F32 => (0..n).flat_map(|_| rng.normalish().to_le_bytes()).collect(),
-        GgmlType::F16 => (0..n).flat_map(|_| f16::from_f32(rng.normalish()).to_bits().to_le_bytes()).collect(),
-        GgmlType::BF16 => (0..n).flat_map(|_| half::bf16::from_f32(rng.normalish()).to_bits().to_le_bytes()).collect(),
+        GgmlType::F16 => (0..n)
+            .flat_map(|_| f16::from_f32(rng.normalish()).to_bits().to_le_bytes())
+            .collect(),
+        GgmlType::BF16 => (0..n)
+            .flat_map(|_| {
+                half::bf16::from_f32(rng.normalish())
+                    .to_bits()
+                    .to_le_bytes()
+            })
+            .collect(),
         _ => {
             let mut v: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
             for b in v.chunks_exact_mut(ty.type_size()) {
@@ -75,7 +83,8 @@ const MATMUL_TYPES: [GgmlType; 9] = [
 fn col_shapes(ty: GgmlType) -> &'static [usize] {
     match ty.block_size() {
         1 => &[1, 7, 16, 33, 200],
-        32 => &[32, 64, 96, 640],
+        // 4128 and 4160: wider than the AVX-512 GEMV's 64-pair column chunk (odd and even).
+        32 => &[32, 64, 96, 640, 4128, 4160],
         _ => &[256, 1024],
     }
 }
@@ -106,7 +115,8 @@ fn every_simd_matmul_matches_scalar() {
                     act.quantize_for(ty, &x, n, cols).unwrap();
                     let mut af = vec![0f32; n * cols];
                     for t in 0..n {
-                        dequantize_row(act.ty(), act.row(t), &mut af[t * cols..(t + 1) * cols]).unwrap();
+                        dequantize_row(act.ty(), act.row(t), &mut af[t * cols..(t + 1) * cols])
+                            .unwrap();
                     }
                     let rows = start..start + nrows;
                     let mut want = vec![0f32; n * nrows];
@@ -162,7 +172,11 @@ fn scalar_matmul_equals_dequantized_dot() {
                 let wr = &wf[r * cols..(r + 1) * cols];
                 let want: f64 = wr.iter().zip(&af).map(|(a, b)| *a as f64 * *b as f64).sum();
                 let tol = 1e-4 * abs_dot(wr, &af) as f64;
-                assert!((got[t * 3 + r] as f64 - want).abs() <= tol, "{ty:?} t={t} r={r}: {} vs {want}", got[t * 3 + r]);
+                assert!(
+                    (got[t * 3 + r] as f64 - want).abs() <= tol,
+                    "{ty:?} t={t} r={r}: {} vs {want}",
+                    got[t * 3 + r]
+                );
             }
         }
     }
@@ -181,14 +195,91 @@ fn dot_helpers_match_scalar_on_every_isa() {
         let want16 = scalar::dot_f16(&ah, &bh);
         for isa in Isa::ALL {
             let Some(k) = kernels_for(isa) else { continue };
-            assert!(((k.dot_f32)(&a, &b) - want32).abs() <= 1e-5 * scale, "{isa:?} dot_f32 n={n}");
-            assert!(((k.dot_f16)(&ah, &bh) - want16).abs() <= 1e-5 * scale, "{isa:?} dot_f16 n={n}");
+            // Every ISA sums in ggml's AVX-512 order: bit-identical results.
+            assert_eq!(
+                (k.dot_f32)(&a, &b).to_bits(),
+                want32.to_bits(),
+                "{isa:?} dot_f32 n={n}"
+            );
+            assert_eq!(
+                (k.dot_f16)(&ah, &bh).to_bits(),
+                want16.to_bits(),
+                "{isa:?} dot_f16 n={n}"
+            );
+            // ... and that order is a faithful dot product.
+            let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+            assert!(
+                (want32 as f64 - exact).abs() <= 1e-5 * scale as f64,
+                "dot_f32 n={n}"
+            );
         }
     }
     // The public entry points run the selected ISA.
     assert_eq!(dot_f32(&[1.0, 2.0, 3.0], &[4.0, 5.0, 6.0]), 32.0);
     let h = |v: f32| f16::from_f32(v);
     assert_eq!(dot_f16(&[h(1.0), h(-2.0)], &[h(0.5), h(4.0)]), -7.5);
+}
+
+#[test]
+fn f16_mad_and_scale_are_bit_identical_on_every_isa() {
+    let mut rng = Rng(23);
+    // Random f16 bit patterns cover subnormals, infinities and NaNs; normal-ish values and
+    // factors that overflow or underflow exercise the rounding on the way back to f16.
+    let value = |rng: &mut Rng| match rng.next() % 4 {
+        0 => f16::from_bits(rng.next() as u16),
+        _ => f16::from_f32(rng.normalish() * 4.0),
+    };
+    for n in [0usize, 1, 7, 8, 9, 15, 16, 17, 31, 33, 64, 256, 257, 1000] {
+        let x: Vec<f16> = (0..n).map(|_| value(&mut rng)).collect();
+        let y0: Vec<f16> = (0..n).map(|_| value(&mut rng)).collect();
+        for v in [0.0f32, 1.0, -0.3, 1.7e-3, 3.1e4, 1e-9, rng.normalish()] {
+            let mut want_mad = y0.clone();
+            scalar::mad_f16(&mut want_mad, &x, v);
+            let mut want_scale = y0.clone();
+            scalar::scale_f16(&mut want_scale, v);
+            for isa in Isa::ALL {
+                let Some(k) = kernels_for(isa) else { continue };
+                // Unaligned sub-slices too: the SIMD loads must not assume alignment.
+                for off in [0usize, 1] {
+                    if off > n {
+                        continue;
+                    }
+                    let mut got = y0.clone();
+                    (k.mad_f16)(&mut got[off..], &x[off..], v);
+                    let mut want = y0.clone();
+                    scalar::mad_f16(&mut want[off..], &x[off..], v);
+                    let bits = |s: &[f16]| s.iter().map(|h| h.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{isa:?} mad_f16 n={n} off={off} v={v}"
+                    );
+                    let mut got = y0.clone();
+                    (k.scale_f16)(&mut got[off..], v);
+                    let mut want = y0.clone();
+                    scalar::scale_f16(&mut want[off..], v);
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{isa:?} scale_f16 n={n} off={off} v={v}"
+                    );
+                }
+            }
+            // The public entry points run the selected ISA with the same results.
+            let mut got = y0.clone();
+            mad_f16(&mut got, &x, v);
+            assert!(got
+                .iter()
+                .zip(&want_mad)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+            let mut got = y0.clone();
+            scale_f16(&mut got, v);
+            assert!(got
+                .iter()
+                .zip(&want_scale)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
+        }
+    }
 }
 
 #[test]
@@ -210,7 +301,10 @@ fn override_parsing() {
     let (isa, note) = choose(Some("neon"), no512);
     assert_eq!(isa, Isa::Avx2);
     let note = note.unwrap();
-    assert!(note.contains("\"neon\"") && note.contains("expected scalar, avx2 or avx512"), "{note}");
+    assert!(
+        note.contains("\"neon\"") && note.contains("expected scalar, avx2 or avx512"),
+        "{note}"
+    );
     // The process-wide choice is consistent with itself.
     assert_eq!(isa_name(), crate::isa().name());
     assert!(crate::isa().is_available());
@@ -222,7 +316,9 @@ fn registry_is_complete() {
     // dequantizer, and its activation type can be produced by quantize_row.
     let mut n = 0;
     for ty in GgmlType::ALL {
-        let Some(act) = vec_dot_type(ty) else { continue };
+        let Some(act) = vec_dot_type(ty) else {
+            continue;
+        };
         n += 1;
         assert!(can_dequantize(ty), "{ty:?} has no dequantizer");
         assert!(can_dequantize(act), "{act:?} has no dequantizer");
@@ -238,8 +334,14 @@ fn registry_is_complete() {
         #[cfg(target_arch = "x86_64")]
         {
             // Independently of this CPU: the tables list the type.
-            assert!(crate::x86_64::avx2::has_matmul(ty), "avx2 table lacks {ty:?}");
-            assert!(crate::x86_64::avx512::has_matmul(ty), "avx512 table lacks {ty:?}");
+            assert!(
+                crate::x86_64::avx2::has_matmul(ty),
+                "avx2 table lacks {ty:?}"
+            );
+            assert!(
+                crate::x86_64::avx512::has_matmul(ty),
+                "avx512 table lacks {ty:?}"
+            );
         }
     }
     assert_eq!(n, MATMUL_TYPES.len());
@@ -249,7 +351,9 @@ fn registry_is_complete() {
 }
 
 fn le_f32(b: &[u8]) -> Vec<f32> {
-    b.chunks_exact(4).map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect()
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
 }
 
 macro_rules! golden {
@@ -263,7 +367,8 @@ macro_rules! golden {
 
 #[test]
 fn dequantize_matches_gguf_py_goldens() {
-    let cases: [(GgmlType, (&[u8], &[u8])); 14] = [
+    type Golden = (&'static [u8], &'static [u8]);
+    let cases: [(GgmlType, Golden); 14] = [
         (GgmlType::F16, golden!("f16")),
         (GgmlType::BF16, golden!("bf16")),
         (GgmlType::Q4_0, golden!("q4_0")),
@@ -292,14 +397,54 @@ fn dequantize_matches_gguf_py_goldens() {
     }
 }
 
+/// ggml-cpu/arch/x86/quants.c `quantize_row_q8_0` (AVX2 path), transcribed independently:
+/// scale 127/amax, round half to even.
+fn q8_0_x86(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for xb in x.chunks(QK) {
+        let amax = xb.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        out.extend(half::f16::from_f32(amax / 127.0).to_bits().to_le_bytes());
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        out.extend(xb.iter().map(|v| (v * id).round_ties_even() as i8 as u8));
+    }
+    out
+}
+
 #[test]
-fn quantize_q8_0_matches_gguf_py() {
+fn quantize_q8_0_matches_llama_cpp_x86_and_gguf_py_within_one_step() {
     let x = le_f32(include_bytes!("../tests/data/q8_0_quant_in.f32"));
     let want = include_bytes!("../tests/data/q8_0_quant.bin");
     let mut got = vec![0u8; want.len()];
     quantize_row(GgmlType::Q8_0, &x, &mut got).unwrap();
-    for (b, (g, w)) in got.chunks(34).zip(want.chunks(34)).enumerate() {
-        assert_eq!(g, w, "q8_0 block {b}");
+    assert_eq!(
+        got,
+        q8_0_x86(&x),
+        "bit-exact with llama.cpp's x86 quantize_row_q8_0"
+    );
+    // gguf-py follows the portable reference (1/d, ties away from zero): same scale, and
+    // quants at most one step apart (only on ties / 1-ulp products).
+    for (b, ((g, w), xb)) in got
+        .chunks(34)
+        .zip(want.chunks(34))
+        .zip(x.chunks(QK))
+        .enumerate()
+    {
+        assert_eq!(g[..2], w[..2], "q8_0 block {b} scale");
+        let amax = xb.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        for (i, (a, c)) in g[2..].iter().zip(&w[2..]).enumerate() {
+            if a != c {
+                // Only a value that scales to (almost) exactly k + 0.5 may round differently.
+                let t = (xb[i] * 127.0 / amax).abs();
+                assert!(
+                    ((t - t.trunc()) - 0.5).abs() < 1e-3
+                        && (*a as i8 as i32 - *c as i8 as i32).abs() == 1,
+                    "q8_0 block {b}[{i}]: {} vs gguf-py {} for {}",
+                    *a as i8,
+                    *c as i8,
+                    xb[i]
+                );
+            }
+        }
     }
 }
 
@@ -316,11 +461,14 @@ fn q8k_ref(x: &[f32]) -> Vec<u8> {
             }
         }
         if amax == 0.0 {
-            out.extend(std::iter::repeat_n(0u8, 292));
+            out.extend([0u8; 292]);
             continue;
         }
         let iscale = -127.0 / max;
-        let qs: Vec<i8> = xb.iter().map(|v| ((iscale * v).round_ties_even() as i32).min(127) as i8).collect();
+        let qs: Vec<i8> = xb
+            .iter()
+            .map(|v| ((iscale * v).round_ties_even() as i32).min(127) as i8)
+            .collect();
         out.extend((1.0 / iscale).to_le_bytes());
         out.extend(qs.iter().map(|q| *q as u8));
         for j in 0..16 {
@@ -348,7 +496,10 @@ fn quantize_q8_k_matches_ggml_reference_and_round_trips() {
     for (b, (xb, yb)) in x.chunks(QK_K).zip(back.chunks(QK_K)).enumerate() {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         for (v, y) in xb.iter().zip(yb) {
-            assert!((v - y).abs() <= amax / 127.0 * 0.5001 + 1e-30, "block {b}: {v} -> {y}");
+            assert!(
+                (v - y).abs() <= amax / 127.0 * 0.5001 + 1e-30,
+                "block {b}: {v} -> {y}"
+            );
         }
     }
 }
@@ -365,21 +516,37 @@ fn quantize_q8_0_round_trips_within_half_step() {
         let amax = xb.iter().fold(0f32, |m, v| m.max(v.abs()));
         for (v, y) in xb.iter().zip(yb) {
             // d is rounded to f16 (rel. 2^-11), so allow a little over half a step.
-            assert!((v - y).abs() <= amax / 127.0 * 0.5 + amax * 1e-3, "{v} -> {y}");
+            assert!(
+                (v - y).abs() <= amax / 127.0 * 0.5 + amax * 1e-3,
+                "{v} -> {y}"
+            );
         }
     }
 }
 
 #[test]
 fn float_activation_conversions_are_round_to_nearest_even() {
-    let x = [1.0f32, 1.0 + 2f32.powi(-11), 1.0 + 3.0 * 2f32.powi(-11), -0.0, 65504.0, 1.0 + 2f32.powi(-8)];
+    let x = [
+        1.0f32,
+        1.0 + 2f32.powi(-11),
+        1.0 + 3.0 * 2f32.powi(-11),
+        -0.0,
+        65504.0,
+        1.0 + 2f32.powi(-8),
+    ];
     let mut h = vec![0u8; 12];
     quantize_row(GgmlType::F16, &x, &mut h).unwrap();
-    let bits: Vec<u16> = h.chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+    let bits: Vec<u16> = h
+        .chunks(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect();
     assert_eq!(bits, [0x3C00, 0x3C00, 0x3C02, 0x8000, 0x7BFF, 0x3C04]);
     let mut b = vec![0u8; 12];
     quantize_row(GgmlType::BF16, &x, &mut b).unwrap();
-    let bits: Vec<u16> = b.chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect();
+    let bits: Vec<u16> = b
+        .chunks(2)
+        .map(|c| u16::from_le_bytes([c[0], c[1]]))
+        .collect();
     // 1 + 2^-8 is exactly halfway between two bf16 values: ties to even (0x3F80).
     assert_eq!(bits, [0x3F80, 0x3F80, 0x3F80, 0x8000, 0x4780, 0x3F80]);
 }
@@ -387,7 +554,17 @@ fn float_activation_conversions_are_round_to_nearest_even() {
 #[test]
 fn sizes_are_validated_with_clear_errors() {
     let e = dequantize_row(GgmlType::Q4_K, &[0u8; 10], &mut [0f32; 100]).unwrap_err();
-    assert!(matches!(e, KernelError::PartialBlock { cols: 100, block: 256, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            KernelError::PartialBlock {
+                cols: 100,
+                block: 256,
+                ..
+            }
+        ),
+        "{e}"
+    );
     let e = dequantize_row(GgmlType::Q4_0, &[0u8; 17], &mut [0f32; 32]).unwrap_err();
     assert_eq!(e.to_string(), "Q4_0: 32 elements take 18 bytes, got 17");
     let e = QMatrix::new(GgmlType::Q8_0, 2, 64, &[0u8; 135]).unwrap_err();
@@ -395,16 +572,50 @@ fn sizes_are_validated_with_clear_errors() {
     let w = vec![0u8; 2 * 68];
     let m = QMatrix::new(GgmlType::Q8_0, 2, 64, &w).unwrap();
     let mut act = Activations::new();
-    act.quantize_for(GgmlType::Q4_K, &[0.0; 256], 1, 256).unwrap();
+    act.quantize_for(GgmlType::Q4_K, &[0.0; 256], 1, 256)
+        .unwrap();
     let e = matmul(&m, &act, 0..2, &mut [0.0; 2]).unwrap_err();
-    assert!(matches!(e, KernelError::ActivationType { want: GgmlType::Q8_0, got: GgmlType::Q8_K, .. }), "{e}");
-    act.quantize_for(GgmlType::Q8_0, &[0.0; 128], 2, 64).unwrap();
-    assert_eq!(matmul(&m, &act, 1..3, &mut [0.0; 4]).unwrap_err(), KernelError::RowRange { start: 1, end: 3, rows: 2 });
-    assert!(matches!(matmul(&m, &act, 0..2, &mut [0.0; 3]).unwrap_err(), KernelError::InputLen { want: 4, got: 3, .. }));
+    assert!(
+        matches!(
+            e,
+            KernelError::ActivationType {
+                want: GgmlType::Q8_0,
+                got: GgmlType::Q8_K,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    act.quantize_for(GgmlType::Q8_0, &[0.0; 128], 2, 64)
+        .unwrap();
+    assert_eq!(
+        matmul(&m, &act, 1..3, &mut [0.0; 4]).unwrap_err(),
+        KernelError::RowRange {
+            start: 1,
+            end: 3,
+            rows: 2
+        }
+    );
+    assert!(matches!(
+        matmul(&m, &act, 0..2, &mut [0.0; 3]).unwrap_err(),
+        KernelError::InputLen {
+            want: 4,
+            got: 3,
+            ..
+        }
+    ));
     matmul(&m, &act, 0..2, &mut [0.0; 4]).unwrap();
     matmul(&m, &act, 1..1, &mut []).unwrap();
-    let e = act.quantize_for(GgmlType::Q2_K, &[0.0; 256], 1, 256).unwrap_err();
-    assert!(matches!(e, KernelError::Unsupported { ty: GgmlType::Q2_K, .. }));
+    let e = act
+        .quantize_for(GgmlType::Q2_K, &[0.0; 256], 1, 256)
+        .unwrap_err();
+    assert!(matches!(
+        e,
+        KernelError::Unsupported {
+            ty: GgmlType::Q2_K,
+            ..
+        }
+    ));
     assert!(act.quantize_for(GgmlType::Q8_0, &[0.0; 10], 1, 64).is_err());
     assert!(quantize_row(GgmlType::Q4_0, &[0.0; 32], &mut [0u8; 18]).is_err());
     assert!(dequantize_row(GgmlType::I32, &[0u8; 4], &mut [0f32; 1]).is_err());
@@ -413,9 +624,11 @@ fn sizes_are_validated_with_clear_errors() {
 #[test]
 fn activations_reuse_their_buffers() {
     let mut act = Activations::new();
-    act.quantize_for(GgmlType::Q8_0, &vec![1.0; 8 * 640], 8, 640).unwrap();
+    act.quantize_for(GgmlType::Q8_0, &vec![1.0; 8 * 640], 8, 640)
+        .unwrap();
     let p = act.row(0).as_ptr();
-    act.quantize_for(GgmlType::Q5_0, &vec![2.0; 640], 1, 640).unwrap();
+    act.quantize_for(GgmlType::Q5_0, &vec![2.0; 640], 1, 640)
+        .unwrap();
     assert_eq!(act.row(0).as_ptr(), p, "a smaller quantization reallocated");
     assert_eq!((act.n(), act.cols(), act.ty()), (1, 640, GgmlType::Q8_0));
 }

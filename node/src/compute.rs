@@ -32,7 +32,11 @@ pub struct Linear {
 
 impl std::fmt::Debug for Linear {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "Linear({} {:?} {}x{})", self.name, self.ty, self.rows, self.cols)
+        write!(
+            f,
+            "Linear({} {:?} {}x{})",
+            self.name, self.ty, self.rows, self.cols
+        )
     }
 }
 
@@ -40,7 +44,10 @@ impl Linear {
     /// Wraps tensor `t` of `file` as a matrix with `t.dims[0]` columns. Errors when the tensor
     /// has more than two non-trivial dimensions or its type has no kernel.
     pub fn new(file: &Arc<GgufFile>, t: &TensorInfo) -> Result<Linear, ComputeError> {
-        let err = |msg: String| ComputeError::Tensor { name: t.name.clone(), msg };
+        let err = |msg: String| ComputeError::Tensor {
+            name: t.name.clone(),
+            msg,
+        };
         if t.dims.iter().skip(2).any(|&d| d != 1) {
             return Err(err(format!("expected a 2-D matrix, got dims {:?}", t.dims)));
         }
@@ -51,11 +58,20 @@ impl Linear {
         let rows = usize::try_from(t.rows()).map_err(|_| err("too many rows".into()))?;
         let start = usize::try_from(t.offset).map_err(|_| err("offset too large".into()))?;
         let len = usize::try_from(t.size).map_err(|_| err("size too large".into()))?;
-        let end = start.checked_add(len).ok_or_else(|| err("offset + size overflows".into()))?;
+        let end = start
+            .checked_add(len)
+            .ok_or_else(|| err("offset + size overflows".into()))?;
         if end > file.data().len() {
             return Err(err(format!("data {start}..{end} past end of file")));
         }
-        let lin = Linear { file: file.clone(), name: t.name.clone(), ty: t.ty, rows, cols, bytes: start..end };
+        let lin = Linear {
+            file: file.clone(),
+            name: t.name.clone(),
+            ty: t.ty,
+            rows,
+            cols,
+            bytes: start..end,
+        };
         // Validate the geometry once; later `matrix()` calls cannot fail.
         QMatrix::new(lin.ty, rows, cols, lin.data()).map_err(|e| err(e.to_string()))?;
         Ok(lin)
@@ -128,10 +144,12 @@ pub fn matmul_par(w: &QMatrix<'_>, x: &Activations, out: &mut [f32]) -> Result<(
     }
     let chunk = rows_per_task(rows, rayon::current_num_threads());
     if n == 1 {
-        out.par_chunks_mut(chunk).enumerate().try_for_each(|(i, o)| {
-            let r0 = i * chunk;
-            ternfleet_kernels::matmul(w, x, r0..r0 + o.len(), o)
-        })?;
+        out.par_chunks_mut(chunk)
+            .enumerate()
+            .try_for_each(|(i, o)| {
+                let r0 = i * chunk;
+                ternfleet_kernels::matmul(w, x, r0..r0 + o.len(), o)
+            })?;
         return Ok(());
     }
     let tiles: Vec<(usize, Vec<f32>)> = (0..rows.div_ceil(chunk))

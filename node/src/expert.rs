@@ -52,11 +52,24 @@ pub enum ExpertError {
     #[error("layer {layer}: no such layer (the backend holds {n_layers})")]
     NoLayer { layer: usize, n_layers: usize },
     #[error("layer {layer}: expert {expert} not held here (layer has {n_experts})")]
-    NoExpert { layer: usize, expert: u32, n_experts: usize },
+    NoExpert {
+        layer: usize,
+        expert: u32,
+        n_experts: usize,
+    },
     #[error("layer {layer}: route names token {token} but the batch has {n_tokens} tokens")]
-    BadToken { layer: usize, token: u32, n_tokens: usize },
+    BadToken {
+        layer: usize,
+        token: u32,
+        n_tokens: usize,
+    },
     #[error("layer {layer}: hidden has {got} floats, expected {n_tokens} x {n_embd}")]
-    BadHidden { layer: usize, got: usize, n_tokens: usize, n_embd: usize },
+    BadHidden {
+        layer: usize,
+        got: usize,
+        n_tokens: usize,
+        n_embd: usize,
+    },
     #[error(transparent)]
     Compute(#[from] ComputeError),
 }
@@ -158,9 +171,13 @@ pub fn run_ffn(w: &FfnWeights, x: &[f32], n: usize, out: &mut [f32]) -> Result<(
         act.quantize_for(w.up.ty(), x, n, d)?;
     }
     w.up.forward(&act, &mut u)?;
+    dump("ffn_gate", &g, ff);
+    dump("ffn_up", &u, ff);
     apply_activation(w.act, &mut g, &u);
+    dump("ffn_act", &g, ff);
     act.quantize_for(w.down.ty(), &g, n, ff)?;
     w.down.forward(&act, out)?;
+    dump("ffn_down", out, d);
     Ok(())
 }
 
@@ -184,23 +201,40 @@ impl LocalExperts {
 impl ExpertBackend for LocalExperts {
     fn run(&self, b: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), ExpertError> {
         let layer = b.layer;
-        let experts = self
-            .layers
-            .get(layer)
-            .ok_or(ExpertError::NoLayer { layer, n_layers: self.layers.len() })?;
+        let experts = self.layers.get(layer).ok_or(ExpertError::NoLayer {
+            layer,
+            n_layers: self.layers.len(),
+        })?;
         let Some(first) = experts.first() else {
-            return Err(ExpertError::NoExpert { layer, expert: 0, n_experts: 0 });
+            return Err(ExpertError::NoExpert {
+                layer,
+                expert: 0,
+                n_experts: 0,
+            });
         };
         let d = first.n_embd();
         if b.hidden.len() != b.n_tokens * d || out.len() != b.n_tokens * d {
-            return Err(ExpertError::BadHidden { layer, got: b.hidden.len(), n_tokens: b.n_tokens, n_embd: d });
+            return Err(ExpertError::BadHidden {
+                layer,
+                got: b.hidden.len(),
+                n_tokens: b.n_tokens,
+                n_embd: d,
+            });
         }
         for r in b.routes {
             if r.token as usize >= b.n_tokens {
-                return Err(ExpertError::BadToken { layer, token: r.token, n_tokens: b.n_tokens });
+                return Err(ExpertError::BadToken {
+                    layer,
+                    token: r.token,
+                    n_tokens: b.n_tokens,
+                });
             }
             if r.expert as usize >= experts.len() {
-                return Err(ExpertError::NoExpert { layer, expert: r.expert, n_experts: experts.len() });
+                return Err(ExpertError::NoExpert {
+                    layer,
+                    expert: r.expert,
+                    n_experts: experts.len(),
+                });
             }
         }
         for (e, w) in experts.iter().enumerate() {
@@ -211,7 +245,8 @@ impl ExpertBackend for LocalExperts {
             let n = mine.len();
             let mut y = vec![0f32; n * d];
             // Every token in batch order: use the hidden matrix as it is (the dense case).
-            let identity = n == b.n_tokens && mine.iter().enumerate().all(|(i, r)| r.token as usize == i);
+            let identity =
+                n == b.n_tokens && mine.iter().enumerate().all(|(i, r)| r.token as usize == i);
             if identity {
                 run_ffn(w, b.hidden, n, &mut y)?;
             } else {
@@ -229,11 +264,55 @@ impl ExpertBackend for LocalExperts {
                 if r.weight == 1.0 {
                     dst.iter_mut().zip(src).for_each(|(o, v)| *o += v);
                 } else {
-                    dst.iter_mut().zip(src).for_each(|(o, v)| *o += r.weight * v);
+                    dst.iter_mut()
+                        .zip(src)
+                        .for_each(|(o, v)| *o += r.weight * v);
                 }
             }
         }
         Ok(())
+    }
+}
+
+/// Debugging aid: with `TERNFLEET_DUMP=1`, prints statistics of the last row of an activation
+/// in the format of `benches/ref/ref-dump.cpp` (llama.cpp's tensors), so the two engines can be
+/// diffed layer by layer. Off by default; costs one relaxed load when off.
+pub fn dump(name: &str, x: &[f32], width: usize) {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !*ON.get_or_init(|| std::env::var_os("TERNFLEET_DUMP").is_some())
+        || width == 0
+        || x.len() < width
+    {
+        return;
+    }
+    let r = &x[x.len() - width..];
+    let s: f64 = r.iter().map(|&v| v as f64).sum();
+    let sa: f64 = r.iter().map(|&v| v.abs() as f64).sum();
+    let all: f64 = x.iter().map(|&v| v.abs() as f64).sum();
+    let at = |i: usize| r.get(i).copied().unwrap_or(0.0);
+    eprintln!(
+        "{name:<24} [{width}] all-abs {all:.9} last-row sum {s:.9} abs {sa:.9} first {:.9} {:.9} {:.9} {:.9}",
+        at(0),
+        at(1),
+        at(2),
+        at(3)
+    );
+    if std::env::var_os("DUMP_ROWS").is_some() {
+        let rows: Vec<String> = x
+            .chunks(width)
+            .take(16)
+            .map(|r| format!("{:.7}", r.iter().map(|v| v.abs() as f64).sum::<f64>()))
+            .collect();
+        eprintln!("  rows: {}", rows.join(" "));
+        if let Some(q) = std::env::var("DUMP_ROW")
+            .ok()
+            .and_then(|v| v.parse::<usize>().ok())
+        {
+            if let Some(r) = x.chunks(width).nth(q) {
+                let v: Vec<String> = r.iter().map(|v| format!("{v:.9}")).collect();
+                eprintln!("  row {q}: {}", v.join(" "));
+            }
+        }
     }
 }
 

@@ -18,9 +18,17 @@ pub enum ModelError {
     #[error("tensor {name} is missing")]
     MissingTensor { name: String },
     #[error("tensor {name}: dims {got:?}, expected {want:?}")]
-    TensorShape { name: String, got: Vec<u64>, want: Vec<u64> },
+    TensorShape {
+        name: String,
+        got: Vec<u64>,
+        want: Vec<u64>,
+    },
     #[error("tensor {name}: type {ty} is not supported here ({why})")]
-    TensorType { name: String, ty: &'static str, why: &'static str },
+    TensorType {
+        name: String,
+        ty: &'static str,
+        why: &'static str,
+    },
     #[error(transparent)]
     Gguf(#[from] GgufError),
     #[error(transparent)]
@@ -62,11 +70,19 @@ impl Arch {
 
     /// Parses `general.architecture`.
     pub fn from_name(s: &str) -> Result<Arch, ModelError> {
-        Arch::ALL.iter().copied().find(|a| a.name() == s).ok_or_else(|| ModelError::UnsupportedArch(s.to_string()))
+        Arch::ALL
+            .iter()
+            .copied()
+            .find(|a| a.name() == s)
+            .ok_or_else(|| ModelError::UnsupportedArch(s.to_string()))
     }
 
     fn names() -> String {
-        Arch::ALL.iter().map(|a| a.name()).collect::<Vec<_>>().join(", ")
+        Arch::ALL
+            .iter()
+            .map(|a| a.name())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 
     /// llama.cpp `llama_model_rope_type`.
@@ -123,7 +139,10 @@ fn req_u32(f: &GgufFile, arch: Arch, k: &str) -> Result<usize, ModelError> {
     let k = key(arch, k);
     match f.get_u32(&k)? {
         Some(v) => Ok(v as usize),
-        None => Err(ModelError::MissingKey { key: k, arch: arch.name() }),
+        None => Err(ModelError::MissingKey {
+            key: k,
+            arch: arch.name(),
+        }),
     }
 }
 
@@ -141,7 +160,10 @@ const MAX_DIM: usize = 1 << 20;
 
 fn check_range(k: &str, v: usize, lo: usize, hi: usize) -> Result<usize, ModelError> {
     if v < lo || v > hi {
-        return Err(ModelError::BadValue { key: k.to_string(), msg: format!("{v} is outside {lo}..={hi}") });
+        return Err(ModelError::BadValue {
+            key: k.to_string(),
+            msg: format!("{v} is outside {lo}..={hi}"),
+        });
     }
     Ok(v)
 }
@@ -149,14 +171,37 @@ fn check_range(k: &str, v: usize, lo: usize, hi: usize) -> Result<usize, ModelEr
 impl ModelConfig {
     /// Reads the configuration of `f`. Shapes are cross-checked against tensors by the loader.
     pub fn from_gguf(f: &GgufFile) -> Result<ModelConfig, ModelError> {
-        let arch_name = f
-            .get_str("general.architecture")?
-            .ok_or_else(|| ModelError::MissingKey { key: "general.architecture".into(), arch: "any" })?;
+        let arch_name =
+            f.get_str("general.architecture")?
+                .ok_or_else(|| ModelError::MissingKey {
+                    key: "general.architecture".into(),
+                    arch: "any",
+                })?;
         let arch = Arch::from_name(arch_name)?;
-        let n_embd = check_range("embedding_length", req_u32(f, arch, "embedding_length")?, 1, MAX_DIM)?;
-        let n_layer = check_range("block_count", req_u32(f, arch, "block_count")?, 1, MAX_LAYERS)?;
-        let n_ff = check_range("feed_forward_length", req_u32(f, arch, "feed_forward_length")?, 1, MAX_DIM)?;
-        let n_head = check_range("attention.head_count", req_u32(f, arch, "attention.head_count")?, 1, 4096)?;
+        let n_embd = check_range(
+            "embedding_length",
+            req_u32(f, arch, "embedding_length")?,
+            1,
+            MAX_DIM,
+        )?;
+        let n_layer = check_range(
+            "block_count",
+            req_u32(f, arch, "block_count")?,
+            1,
+            MAX_LAYERS,
+        )?;
+        let n_ff = check_range(
+            "feed_forward_length",
+            req_u32(f, arch, "feed_forward_length")?,
+            1,
+            MAX_DIM,
+        )?;
+        let n_head = check_range(
+            "attention.head_count",
+            req_u32(f, arch, "attention.head_count")?,
+            1,
+            4096,
+        )?;
         let n_head_kv = check_range(
             "attention.head_count_kv",
             opt_u32(f, arch, "attention.head_count_kv")?.unwrap_or(n_head),
@@ -180,10 +225,17 @@ impl ModelConfig {
                 msg: format!("{n_rot} must be even and at most the head width {head_dim_k}"),
             });
         }
-        let rms_eps = opt_f32(f, arch, "attention.layer_norm_rms_epsilon")?
-            .ok_or_else(|| ModelError::MissingKey { key: key(arch, "attention.layer_norm_rms_epsilon"), arch: arch.name() })?;
+        let rms_eps = opt_f32(f, arch, "attention.layer_norm_rms_epsilon")?.ok_or_else(|| {
+            ModelError::MissingKey {
+                key: key(arch, "attention.layer_norm_rms_epsilon"),
+                arch: arch.name(),
+            }
+        })?;
         if !(rms_eps.is_finite() && rms_eps >= 0.0) {
-            return Err(ModelError::BadValue { key: key(arch, "attention.layer_norm_rms_epsilon"), msg: format!("{rms_eps}") });
+            return Err(ModelError::BadValue {
+                key: key(arch, "attention.layer_norm_rms_epsilon"),
+                msg: format!("{rms_eps}"),
+            });
         }
         let rope_base = opt_f32(f, arch, "rope.freq_base")?.unwrap_or(10_000.0);
         let rope_scale = match opt_f32(f, arch, "rope.scaling.factor")? {
@@ -192,13 +244,20 @@ impl ModelConfig {
         };
         if let Some(t) = f.get_str(&key(arch, "rope.scaling.type"))? {
             if t != "none" && t != "linear" {
-                return Err(ModelError::BadValue { key: key(arch, "rope.scaling.type"), msg: format!("{t:?} is not supported yet (none, linear)") });
+                return Err(ModelError::BadValue {
+                    key: key(arch, "rope.scaling.type"),
+                    msg: format!("{t:?} is not supported yet (none, linear)"),
+                });
             }
         }
         let n_ctx_train = opt_u32(f, arch, "context_length")?.unwrap_or(2048);
         let n_vocab = match f.tensor("token_embd.weight") {
             Some(t) if t.dims.len() >= 2 => usize::try_from(t.dims[1]).unwrap_or(usize::MAX),
-            _ => return Err(ModelError::MissingTensor { name: "token_embd.weight".into() }),
+            _ => {
+                return Err(ModelError::MissingTensor {
+                    name: "token_embd.weight".into(),
+                })
+            }
         };
         check_range("n_vocab (token_embd.weight dims[1])", n_vocab, 1, 1 << 24)?;
 
@@ -232,12 +291,19 @@ impl ModelConfig {
             if let Some(w) = opt_u32(f, arch, "attention.sliding_window")?.filter(|&w| w > 0) {
                 cfg.sliding_window = Some(w);
                 let pattern = opt_u32(f, arch, "attention.sliding_window_pattern")?.unwrap_or(6);
-                cfg.is_swa = (0..n_layer).map(|il| pattern == 0 || il % pattern < pattern - 1).collect();
+                cfg.is_swa = (0..n_layer)
+                    .map(|il| pattern == 0 || il % pattern < pattern - 1)
+                    .collect();
                 cfg.rope_base_swa = opt_f32(f, arch, "rope.freq_base_swa")?.unwrap_or(10_000.0);
             }
-            cfg.final_logit_softcap = opt_f32(f, arch, "final_logit_softcapping")?.filter(|&c| c != 0.0);
+            cfg.final_logit_softcap =
+                opt_f32(f, arch, "final_logit_softcapping")?.filter(|&c| c != 0.0);
             cfg.embd_scale = (n_embd as f32).sqrt();
-            let d = if n_layer == 62 { n_embd / n_head } else { head_dim_k };
+            let d = if n_layer == 62 {
+                n_embd / n_head
+            } else {
+                head_dim_k
+            };
             cfg.q_scale = 1.0 / (d as f32).sqrt();
             cfg.kq_scale = 1.0;
         }
@@ -268,8 +334,14 @@ mod tests {
             assert_eq!(Arch::from_name(a.name()).ok(), Some(a));
             // Each architecture names its tensors in the loader and has a rope type.
             let _ = a.rope_type();
-            assert!(crate::model::weights::layer_tensor_plan(a).contains(&"ffn_down"), "{a:?} has no FFN plan");
+            assert!(
+                crate::model::weights::layer_tensor_plan(a).contains(&"ffn_down"),
+                "{a:?} has no FFN plan"
+            );
         }
-        assert!(matches!(Arch::from_name("mamba"), Err(ModelError::UnsupportedArch(_))));
+        assert!(matches!(
+            Arch::from_name("mamba"),
+            Err(ModelError::UnsupportedArch(_))
+        ));
     }
 }

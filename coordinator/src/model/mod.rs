@@ -12,7 +12,7 @@ use half::f16;
 use rayon::prelude::*;
 use ternfleet_kernels::Activations;
 use ternfleet_node::compute::Linear;
-use ternfleet_node::expert::{ExpertBackend, ExpertBatch, LocalExperts, Route};
+use ternfleet_node::expert::{dump, ExpertBackend, ExpertBatch, LocalExperts, Route};
 use ternfleet_shared::gguf::GgufFile;
 
 use crate::kv_cache::{KvCache, KvError};
@@ -60,33 +60,62 @@ pub struct Model {
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
     #[error("{path}: {source}")]
-    Gguf { path: String, source: ternfleet_shared::gguf::GgufError },
+    Gguf {
+        path: String,
+        source: ternfleet_shared::gguf::GgufError,
+    },
     #[error("{path}: {source}")]
     Model { path: String, source: ModelError },
     #[error("{path}: tokenizer: {source}")]
-    Tokenizer { path: String, source: crate::tokenizer::TokenizerError },
+    Tokenizer {
+        path: String,
+        source: crate::tokenizer::TokenizerError,
+    },
 }
 
 impl Model {
     /// Opens a GGUF model file and binds its weights (memory-mapped, nothing copied but norms).
     pub fn open(path: &Path) -> Result<Model, LoadError> {
         let p = path.display().to_string();
-        let file = Arc::new(GgufFile::open(path).map_err(|source| LoadError::Gguf { path: p.clone(), source })?);
+        let file = Arc::new(GgufFile::open(path).map_err(|source| LoadError::Gguf {
+            path: p.clone(),
+            source,
+        })?);
         Self::from_file(file).map_err(|e| match e {
-            LoadError::Model { source, .. } => LoadError::Model { path: p.clone(), source },
-            LoadError::Tokenizer { source, .. } => LoadError::Tokenizer { path: p.clone(), source },
+            LoadError::Model { source, .. } => LoadError::Model {
+                path: p.clone(),
+                source,
+            },
+            LoadError::Tokenizer { source, .. } => LoadError::Tokenizer {
+                path: p.clone(),
+                source,
+            },
             other => other,
         })
     }
 
     /// Binds an already opened file.
     pub fn from_file(file: Arc<GgufFile>) -> Result<Model, LoadError> {
-        let wrap = |source| LoadError::Model { path: String::new(), source };
+        let wrap = |source| LoadError::Model {
+            path: String::new(),
+            source,
+        };
         let cfg = ModelConfig::from_gguf(&file).map_err(wrap)?;
-        let tokenizer = Tokenizer::from_gguf(&file).map_err(|source| LoadError::Tokenizer { path: String::new(), source })?;
+        let tokenizer = Tokenizer::from_gguf(&file).map_err(|source| LoadError::Tokenizer {
+            path: String::new(),
+            source,
+        })?;
         let (weights, ffns) = weights::load(&file, &cfg).map_err(wrap)?;
-        let experts = Box::new(LocalExperts::new(ffns.into_iter().map(|f| vec![f]).collect()));
-        Ok(Model { cfg, tokenizer, weights, experts, file })
+        let experts = Box::new(LocalExperts::new(
+            ffns.into_iter().map(|f| vec![f]).collect(),
+        ));
+        Ok(Model {
+            cfg,
+            tokenizer,
+            weights,
+            experts,
+            file,
+        })
     }
 
     /// The mapped file.
@@ -101,7 +130,12 @@ impl Model {
 
     /// Runs `tokens` at the next positions of `cache` and returns logits (`rows × n_vocab`) for
     /// the positions `want` selects.
-    pub fn forward(&self, cache: &mut KvCache, tokens: &[u32], want: Logits) -> Result<Vec<f32>, ForwardError> {
+    pub fn forward(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        want: Logits,
+    ) -> Result<Vec<f32>, ForwardError> {
         let cfg = &self.cfg;
         let n = tokens.len();
         if n == 0 {
@@ -116,7 +150,11 @@ impl Model {
         let mut x = vec![0f32; n * d];
         for (i, (&t, row)) in tokens.iter().zip(x.chunks_exact_mut(d)).enumerate() {
             if t as usize >= cfg.n_vocab {
-                return Err(ForwardError::BadToken { id: t, pos: i, n_vocab: cfg.n_vocab });
+                return Err(ForwardError::BadToken {
+                    id: t,
+                    pos: i,
+                    n_vocab: cfg.n_vocab,
+                });
             }
             w.token_embd.dequantize_row(t as usize, row)?;
             if cfg.embd_scale != 1.0 {
@@ -132,54 +170,89 @@ impl Model {
         let mut attn = vec![0f32; n * cfg.n_head * cfg.head_dim_v];
         let mut o = vec![0f32; n * d];
         let mut rope = Vec::new();
-        let all_tokens: Vec<Route> = (0..n as u32).map(|t| Route { token: t, expert: 0, weight: 1.0 }).collect();
+        let all_tokens: Vec<Route> = (0..n as u32)
+            .map(|t| Route {
+                token: t,
+                expert: 0,
+                weight: 1.0,
+            })
+            .collect();
 
+        dump("embd", &x, d);
         for (il, lw) in w.layers.iter().enumerate() {
             // Attention block.
             h.copy_from_slice(&x);
             ops::rms_norm_rows(&mut h, &lw.attn_norm, cfg.rms_eps);
+            dump(&format!("attn_norm-{il}"), &h, d);
             linear(&mut act, &lw.wq, &h, n, lw.bq.as_deref(), &mut q)?;
             linear(&mut act, &lw.wk, &h, n, lw.bk.as_deref(), &mut k)?;
             linear(&mut act, &lw.wv, &h, n, lw.bv.as_deref(), &mut v)?;
+            dump(&format!("Qcur-{il}"), &q, cfg.q_dim());
+            dump(&format!("Kcur-{il}"), &k, cfg.k_dim());
+            dump(&format!("Vcur-{il}"), &v, cfg.v_dim());
             if let Some(qn) = &lw.q_norm {
                 ops::rms_norm_rows(&mut q, qn, cfg.rms_eps);
             }
             if let Some(kn) = &lw.k_norm {
                 ops::rms_norm_rows(&mut k, kn, cfg.rms_eps);
             }
-            let base = if cfg.is_swa[il] { cfg.rope_base_swa } else { cfg.rope_base };
+            let base = if cfg.is_swa[il] {
+                cfg.rope_base_swa
+            } else {
+                cfg.rope_base
+            };
             let scale = if cfg.is_swa[il] { 1.0 } else { cfg.rope_scale };
             for t in 0..n {
                 ops::rope_cache(p0 + t, cfg.n_rot, base, scale, &mut rope);
-                for head in q[t * cfg.q_dim()..(t + 1) * cfg.q_dim()].chunks_exact_mut(cfg.head_dim_k) {
+                for head in
+                    q[t * cfg.q_dim()..(t + 1) * cfg.q_dim()].chunks_exact_mut(cfg.head_dim_k)
+                {
                     ops::rope_apply(head, &rope, cfg.rope_type);
                 }
-                for head in k[t * cfg.k_dim()..(t + 1) * cfg.k_dim()].chunks_exact_mut(cfg.head_dim_k) {
+                for head in
+                    k[t * cfg.k_dim()..(t + 1) * cfg.k_dim()].chunks_exact_mut(cfg.head_dim_k)
+                {
                     ops::rope_apply(head, &rope, cfg.rope_type);
                 }
             }
             if cfg.q_scale != 1.0 {
                 q.iter_mut().for_each(|v| *v *= cfg.q_scale);
             }
+            dump(&format!("Qrope-{il}"), &q, cfg.head_dim_k);
+            dump(&format!("Krope-{il}"), &k, cfg.k_dim());
             cache.push(il, &k, &v);
-            let window = if cfg.is_swa[il] { cfg.sliding_window } else { None };
+            let window = if cfg.is_swa[il] {
+                cfg.sliding_window
+            } else {
+                None
+            };
             attention(cfg, cache, il, p0, &q, window, &mut attn);
+            dump(&format!("kqv_out-{il}"), &attn, cfg.n_head * cfg.head_dim_v);
             linear(&mut act, &lw.wo, &attn, n, lw.bo.as_deref(), &mut o)?;
+            dump(&format!("attn_out-{il}"), &o, d);
             if let Some(pn) = &lw.post_attn_norm {
                 ops::rms_norm_rows(&mut o, pn, cfg.rms_eps);
             }
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+            dump(&format!("ffn_inp-{il}"), &x, d);
 
             // FFN block, through the expert backend.
             h.copy_from_slice(&x);
             ops::rms_norm_rows(&mut h, &lw.ffn_norm, cfg.rms_eps);
+            dump(&format!("ffn_norm-{il}"), &h, d);
             o.iter_mut().for_each(|v| *v = 0.0);
-            let batch = ExpertBatch { layer: il, hidden: &h, n_tokens: n, routes: &all_tokens };
+            let batch = ExpertBatch {
+                layer: il,
+                hidden: &h,
+                n_tokens: n,
+                routes: &all_tokens,
+            };
             self.experts.run(&batch, &mut o)?;
             if let Some(pn) = &lw.post_ffn_norm {
                 ops::rms_norm_rows(&mut o, pn, cfg.rms_eps);
             }
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
+            dump(&format!("l_out-{il}"), &x, d);
         }
         cache.commit(n);
 
@@ -192,6 +265,8 @@ impl Model {
         ops::rms_norm_rows(&mut xo, &w.output_norm, cfg.rms_eps);
         let mut logits = vec![0f32; rows * cfg.n_vocab];
         linear(&mut act, &w.output, &xo, rows, None, &mut logits)?;
+        dump("result_norm", &xo, d);
+        dump("result_output", &logits, cfg.n_vocab);
         if let Some(cap) = cfg.final_logit_softcap {
             logits.iter_mut().for_each(|l| *l = (*l / cap).tanh() * cap);
         }
@@ -200,7 +275,14 @@ impl Model {
 }
 
 /// `out = W x (+ b)` for `n` rows of `x`, quantizing `x` for W's kernel.
-fn linear(act: &mut Activations, w: &Linear, x: &[f32], n: usize, b: Option<&[f32]>, out: &mut [f32]) -> Result<(), ForwardError> {
+fn linear(
+    act: &mut Activations,
+    w: &Linear,
+    x: &[f32],
+    n: usize,
+    b: Option<&[f32]>,
+    out: &mut [f32],
+) -> Result<(), ForwardError> {
     act.quantize_for(w.ty(), x, n, w.cols())?;
     w.forward(act, out)?;
     if let Some(b) = b {
@@ -209,24 +291,73 @@ fn linear(act: &mut Activations, w: &Linear, x: &[f32], n: usize, b: Option<&[f3
     Ok(())
 }
 
+/// ggml's flash-attention processes fewer than this many queries with its one-query-at-a-time
+/// kernel and more with its tiled GEMM kernel (ggml-cpu/common.h `GGML_FA_TILE_Q`).
+const FA_TILE_Q: usize = 64;
+
 /// Causal (optionally sliding-window) attention of the `n` queries in `q` (positions `p0..`)
-/// over every cached position of layer `il`. K is read as f16 and Q rounded to f16 for the dot
-/// product, as ggml's flash-attention path does (`kq_vec_dot` of the f16 cache type).
-fn attention(cfg: &ModelConfig, cache: &KvCache, il: usize, p0: usize, q: &[f32], window: Option<usize>, out: &mut [f32]) {
+/// over every cached position of layer `il`.
+///
+/// Greedy parity with llama.cpp needs its rounding, so this follows the two CPU paths of
+/// `ggml_compute_forward_flash_attn_ext_f16` (ggml-cpu/ops.cpp) with the f16 KV cache:
+/// - fewer than 64 queries (decode, short prompts): Q rounded to f16, K·Q by
+///   `ggml_vec_dot_f16`, online softmax in key order with an f16 V accumulator
+///   (`ggml_vec_scale_f16` / `ggml_vec_mad_f16`), divided by the sum at the end;
+/// - 64 or more (prefill): Q in f32, K widened to f32, f32 softmax and accumulation.
+fn attention(
+    cfg: &ModelConfig,
+    cache: &KvCache,
+    il: usize,
+    p0: usize,
+    q: &[f32],
+    window: Option<usize>,
+    out: &mut [f32],
+) {
     let (hk, hv) = (cfg.head_dim_k, cfg.head_dim_v);
     let (k_dim, v_dim) = cache.dims();
     let group = cfg.n_head / cfg.n_head_kv;
     let keys = cache.keys(il);
     let values = cache.values(il);
+    let n = q.len() / cfg.q_dim();
     out.par_chunks_mut(hv).enumerate().for_each(|(i, o)| {
         let (t, head) = (i / cfg.n_head, i % cfg.n_head);
         let g = head / group;
         let pos = p0 + t;
         let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
         let qrow = &q[t * cfg.q_dim() + head * hk..t * cfg.q_dim() + (head + 1) * hk];
-        let q16: Vec<f16> = qrow.iter().map(|&v| f16::from_f32(v)).collect();
+        let key = |j: usize| &keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk];
+        let value = |j: usize| &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv];
+        if n < FA_TILE_Q {
+            let q16: Vec<f16> = qrow.iter().map(|&v| f16::from_f32(v)).collect();
+            let mut acc = vec![f16::ZERO; hv];
+            let (mut sum, mut max) = (0f32, f32::NEG_INFINITY);
+            for j in lo..=pos {
+                let s = ternfleet_kernels::dot_f16(key(j), &q16) * cfg.kq_scale;
+                let (mut ms, mut vs) = (1f32, 1f32);
+                if s > max {
+                    let old = max;
+                    max = s;
+                    ms = (old - max).exp();
+                    ternfleet_kernels::scale_f16(&mut acc, ms);
+                } else {
+                    vs = (s - max).exp();
+                }
+                ternfleet_kernels::mad_f16(&mut acc, value(j), vs);
+                // `S = S*ms + vs`, contracted to one FMA by the C compiler (-ffp-contract=fast).
+                sum = sum.mul_add(ms, vs);
+            }
+            let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+            o.iter_mut()
+                .zip(&acc)
+                .for_each(|(o, a)| *o = a.to_f32() * inv);
+            return;
+        }
+        let mut kf = vec![0f32; hk];
         let mut scores: Vec<f32> = (lo..=pos)
-            .map(|j| ternfleet_kernels::dot_f16(&keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk], &q16) * cfg.kq_scale)
+            .map(|j| {
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(key(j), &mut kf);
+                ternfleet_kernels::dot_f32(&kf, qrow) * cfg.kq_scale
+            })
             .collect();
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut sum = 0f32;
@@ -237,8 +368,7 @@ fn attention(cfg: &ModelConfig, cache: &KvCache, il: usize, p0: usize, q: &[f32]
         o.iter_mut().for_each(|v| *v = 0.0);
         let mut vrow = vec![0f32; hv];
         for (j, &s) in (lo..=pos).zip(&scores) {
-            let src = &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv];
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, &mut vrow);
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(value(j), &mut vrow);
             o.iter_mut().zip(&vrow).for_each(|(o, v)| *o += s * v);
         }
         let inv = 1.0 / sum;

@@ -45,16 +45,44 @@ pub struct DenseWeights {
 /// Per-block tensor names each architecture uses (documentation and the completeness test).
 pub fn layer_tensor_plan(arch: Arch) -> &'static [&'static str] {
     match arch {
-        Arch::Llama | Arch::Qwen2 => {
-            &["attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down"]
-        }
+        Arch::Llama | Arch::Qwen2 => &[
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+        ],
         Arch::Qwen3 => &[
-            "attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output", "ffn_norm",
-            "ffn_gate", "ffn_up", "ffn_down",
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_q_norm",
+            "attn_k_norm",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
         ],
         Arch::Gemma3 => &[
-            "attn_norm", "attn_q", "attn_k", "attn_v", "attn_q_norm", "attn_k_norm", "attn_output",
-            "post_attention_norm", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down", "post_ffw_norm",
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_q_norm",
+            "attn_k_norm",
+            "attn_output",
+            "post_attention_norm",
+            "ffn_norm",
+            "ffn_gate",
+            "ffn_up",
+            "ffn_down",
+            "post_ffw_norm",
         ],
     }
 }
@@ -65,37 +93,67 @@ struct Loader<'a> {
 
 impl Loader<'_> {
     fn linear(&self, name: &str, cols: usize, rows: usize) -> Result<Linear, ModelError> {
-        let t = self.file.tensor(name).ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
+        let t = self
+            .file
+            .tensor(name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
         let want = [cols as u64, rows as u64];
-        if t.dims.len() < 2 || t.dims[0] != want[0] || t.dims[1] != want[1] || t.dims[2..].iter().any(|&d| d != 1) {
-            return Err(ModelError::TensorShape { name: name.into(), got: t.dims.clone(), want: want.to_vec() });
+        if t.dims.len() < 2
+            || t.dims[0] != want[0]
+            || t.dims[1] != want[1]
+            || t.dims[2..].iter().any(|&d| d != 1)
+        {
+            return Err(ModelError::TensorShape {
+                name: name.into(),
+                got: t.dims.clone(),
+                want: want.to_vec(),
+            });
         }
         Ok(Linear::new(self.file, t)?)
     }
 
     fn vector(&self, name: &str, len: usize) -> Result<Option<Vector>, ModelError> {
-        let Some(t) = self.file.tensor(name) else { return Ok(None) };
+        let Some(t) = self.file.tensor(name) else {
+            return Ok(None);
+        };
         if t.dims.iter().product::<u64>() != len as u64 || t.dims[0] != len as u64 {
-            return Err(ModelError::TensorShape { name: name.into(), got: t.dims.clone(), want: vec![len as u64] });
+            return Err(ModelError::TensorShape {
+                name: name.into(),
+                got: t.dims.clone(),
+                want: vec![len as u64],
+            });
         }
         let mut out = vec![0f32; len];
         match t.ty {
             GgmlType::F32 | GgmlType::F16 | GgmlType::BF16 => {
                 ternfleet_kernels::dequantize_row(t.ty, self.file.tensor_data(t), &mut out)
-                    .map_err(|e| ModelError::BadValue { key: name.into(), msg: e.to_string() })?;
+                    .map_err(|e| ModelError::BadValue {
+                        key: name.into(),
+                        msg: e.to_string(),
+                    })?;
             }
-            _ => return Err(ModelError::TensorType { name: name.into(), ty: t.ty.name(), why: "norms and biases must be f32/f16/bf16" }),
+            _ => {
+                return Err(ModelError::TensorType {
+                    name: name.into(),
+                    ty: t.ty.name(),
+                    why: "norms and biases must be f32/f16/bf16",
+                })
+            }
         }
         Ok(Some(out))
     }
 
     fn req_vector(&self, name: &str, len: usize) -> Result<Vector, ModelError> {
-        self.vector(name, len)?.ok_or_else(|| ModelError::MissingTensor { name: name.into() })
+        self.vector(name, len)?
+            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })
     }
 }
 
 /// Loads the dense weights and the per-layer FFN weights of `file`.
-pub fn load(file: &Arc<GgufFile>, cfg: &ModelConfig) -> Result<(DenseWeights, Vec<FfnWeights>), ModelError> {
+pub fn load(
+    file: &Arc<GgufFile>,
+    cfg: &ModelConfig,
+) -> Result<(DenseWeights, Vec<FfnWeights>), ModelError> {
     let l = Loader { file };
     let d = cfg.n_embd;
     let token_embd = l.linear("token_embd.weight", d, cfg.n_vocab)?;
@@ -125,11 +183,27 @@ pub fn load(file: &Arc<GgufFile>, cfg: &ModelConfig) -> Result<(DenseWeights, Ve
             bv: l.vector(&n("attn_v.bias"), cfg.v_dim())?,
             wo: l.linear(&n("attn_output.weight"), cfg.n_head * cfg.head_dim_v, d)?,
             bo: l.vector(&n("attn_output.bias"), d)?,
-            q_norm: if has_qk_norm { Some(l.req_vector(&n("attn_q_norm.weight"), cfg.head_dim_k)?) } else { None },
-            k_norm: if has_qk_norm { Some(l.req_vector(&n("attn_k_norm.weight"), cfg.head_dim_k)?) } else { None },
-            post_attn_norm: if has_post_norms { Some(l.req_vector(&n("post_attention_norm.weight"), d)?) } else { None },
+            q_norm: if has_qk_norm {
+                Some(l.req_vector(&n("attn_q_norm.weight"), cfg.head_dim_k)?)
+            } else {
+                None
+            },
+            k_norm: if has_qk_norm {
+                Some(l.req_vector(&n("attn_k_norm.weight"), cfg.head_dim_k)?)
+            } else {
+                None
+            },
+            post_attn_norm: if has_post_norms {
+                Some(l.req_vector(&n("post_attention_norm.weight"), d)?)
+            } else {
+                None
+            },
             ffn_norm: l.req_vector(&n("ffn_norm.weight"), d)?,
-            post_ffn_norm: if has_post_norms { Some(l.req_vector(&n("post_ffw_norm.weight"), d)?) } else { None },
+            post_ffn_norm: if has_post_norms {
+                Some(l.req_vector(&n("post_ffw_norm.weight"), d)?)
+            } else {
+                None
+            },
         };
         let ffn = FfnWeights {
             gate: l.linear(&n("ffn_gate.weight"), d, cfg.n_ff)?,
@@ -140,5 +214,13 @@ pub fn load(file: &Arc<GgufFile>, cfg: &ModelConfig) -> Result<(DenseWeights, Ve
         layers.push(lw);
         ffns.push(ffn);
     }
-    Ok((DenseWeights { token_embd, output_norm, output, layers }, ffns))
+    Ok((
+        DenseWeights {
+            token_embd,
+            output_norm,
+            output,
+            layers,
+        },
+        ffns,
+    ))
 }

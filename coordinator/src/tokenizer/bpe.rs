@@ -81,7 +81,10 @@ impl PartialOrd for Bigram {
 impl Ord for Bigram {
     /// `llm_bigram_bpe::comparator` as a max-heap order: lower rank first, then smaller `left`.
     fn cmp(&self, other: &Self) -> Ordering {
-        other.rank.cmp(&self.rank).then_with(|| other.left.cmp(&self.left))
+        other
+            .rank
+            .cmp(&self.rank)
+            .then_with(|| other.left.cmp(&self.left))
     }
 }
 
@@ -96,13 +99,22 @@ pub(crate) fn tokenize(vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
         queue.clear();
 
         if vocab.ignore_merges && vocab.text_to_token(&word).is_some() {
-            symbols.push(Symbol { prev: None, next: None, start: 0, len: word.len() });
+            symbols.push(Symbol {
+                prev: None,
+                next: None,
+                start: 0,
+                len: word.len(),
+            });
         } else {
             for (i, (start, c)) in word.char_indices().enumerate() {
                 let len = c.len_utf8();
                 symbols.push(Symbol {
                     prev: i.checked_sub(1),
-                    next: if start + len == word.len() { None } else { Some(i + 1) },
+                    next: if start + len == word.len() {
+                        None
+                    } else {
+                        Some(i + 1)
+                    },
                     start,
                     len,
                 });
@@ -110,15 +122,25 @@ pub(crate) fn tokenize(vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
         }
 
         // `add_new_bigram`: the rank of (left, right) looked up as "left right"
-        let mut add = |queue: &mut BinaryHeap<Bigram>, symbols: &[Symbol], left: Option<usize>, right: Option<usize>| {
-            let (Some(left), Some(right)) = (left, right) else { return };
+        let mut add = |queue: &mut BinaryHeap<Bigram>,
+                       symbols: &[Symbol],
+                       left: Option<usize>,
+                       right: Option<usize>| {
+            let (Some(left), Some(right)) = (left, right) else {
+                return;
+            };
             let (l, r) = (symbols[left], symbols[right]);
             key.clear();
             key.push_str(&word[l.start..l.start + l.len]);
             key.push(' ');
             key.push_str(&word[r.start..r.start + r.len]);
             if let Some(&rank) = vocab.bpe_ranks.get(key.as_str()) {
-                queue.push(Bigram { left, right, rank, size: l.len + r.len });
+                queue.push(Bigram {
+                    left,
+                    right,
+                    rank,
+                    size: l.len + r.len,
+                });
             }
         };
         for i in 1..symbols.len() {

@@ -78,6 +78,7 @@ print("//! Code point classes as llama.cpp's `unicode_cpt_flags_from_cpt` sees t
 print()
 print("/// `(first code point, class bits)`, sorted; a range runs to the next entry's start.")
 print("/// Bits: 1 = \\p{N}, 2 = \\p{L}, 4 = \\p{P}, 8 = \\p{M}, 16 = \\p{S}, 32 = whitespace (`\\s`).")
+print("#[rustfmt::skip]")
 print(f"pub(super) static RANGES: [(u32, u8); {len(out)}] = [")
 line = "   "
 for s, b in out:

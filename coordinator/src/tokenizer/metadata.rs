@@ -14,13 +14,19 @@ const TOKEN_TYPE: &str = "tokenizer.ggml.token_type";
 const MERGES: &str = "tokenizer.ggml.merges";
 
 fn bad(key: &'static str) -> impl FnOnce(GgufError) -> TokenizerError {
-    move |e| TokenizerError::BadKey { key, reason: e.to_string() }
+    move |e| TokenizerError::BadKey {
+        key,
+        reason: e.to_string(),
+    }
 }
 
 fn wrong_element(key: &'static str, expected: &str, found: &ArrayValue) -> TokenizerError {
     TokenizerError::BadKey {
         key,
-        reason: format!("expected an array of {expected}, found an array of {}", found.element_type_name()),
+        reason: format!(
+            "expected an array of {expected}, found an array of {}",
+            found.element_type_name()
+        ),
     }
 }
 
@@ -34,7 +40,10 @@ fn flag(f: &GgufFile, key: &'static str) -> Result<Option<bool>, TokenizerError>
 
 /// Reads every tokenizer key; a missing required key or a key of the wrong type is an error.
 pub(crate) fn spec_from_gguf(f: &GgufFile) -> Result<TokenizerSpec, TokenizerError> {
-    let model = f.get_str(MODEL).map_err(bad(MODEL))?.ok_or(TokenizerError::MissingKey { key: MODEL })?;
+    let model = f
+        .get_str(MODEL)
+        .map_err(bad(MODEL))?
+        .ok_or(TokenizerError::MissingKey { key: MODEL })?;
     let pre = f.get_str(PRE).map_err(bad(PRE))?.map(str::to_owned);
     let tokens = match f.get_array(TOKENS).map_err(bad(TOKENS))? {
         None => return Err(TokenizerError::MissingKey { key: TOKENS }),
@@ -89,6 +98,9 @@ pub(crate) fn spec_from_gguf(f: &GgufFile) -> Result<TokenizerSpec, TokenizerErr
         add_bos: flag(f, "tokenizer.ggml.add_bos_token")?,
         add_eos: flag(f, "tokenizer.ggml.add_eos_token")?,
         add_space_prefix: flag(f, "tokenizer.ggml.add_space_prefix")?,
-        name: f.get_str("general.name").map_err(bad("general.name"))?.map(str::to_owned),
+        name: f
+            .get_str("general.name")
+            .map_err(bad("general.name"))?
+            .map(str::to_owned),
     })
 }

@@ -26,7 +26,6 @@ mod vocab;
 use ternfleet_shared::gguf::GgufFile;
 use thiserror::Error;
 
-pub use pretokenize::PreTokenizer;
 pub use vocab::{SpecialIds, TokenizerSpec};
 
 use vocab::{attr, Vocab, VocabType};
@@ -50,23 +49,36 @@ pub enum TokenizerError {
     #[error("tokenizer.ggml.tokens is empty")]
     EmptyVocab,
     /// More tokens than an int32 token id can address.
-    #[error("tokenizer.ggml.tokens has {n_tokens} entries, more than token ids (int32) can address")]
+    #[error(
+        "tokenizer.ggml.tokens has {n_tokens} entries, more than token ids (int32) can address"
+    )]
     TooManyTokens { n_tokens: usize },
     /// More merges than a u32 rank can hold.
     #[error("tokenizer.ggml.merges has more than 2^32 entries")]
     TooManyMerges,
     /// A per-token array is shorter than the token list.
     #[error("{key} has {len} entries but tokenizer.ggml.tokens has {n_tokens}")]
-    ArrayTooShort { key: &'static str, len: usize, n_tokens: usize },
+    ArrayTooShort {
+        key: &'static str,
+        len: usize,
+        n_tokens: usize,
+    },
     /// A special token id outside the vocabulary.
     #[error("{key} = {id} is outside the vocabulary (n_vocab = {n_vocab})")]
-    SpecialIdOutOfRange { key: &'static str, id: u32, n_vocab: u32 },
+    SpecialIdOutOfRange {
+        key: &'static str,
+        id: u32,
+        n_vocab: u32,
+    },
     /// A BYTE-type token whose text is not `<0xHH>`.
     #[error("token {id} has type BYTE but its text {text:?} is not <0xHH> with two hex digits")]
     InvalidByteToken { id: u32, text: String },
     /// The model asks for a BOS/EOS token it does not define.
     #[error("tokenizer.ggml.{flag} is true but the vocabulary has no {token} token")]
-    MissingSpecial { flag: &'static str, token: &'static str },
+    MissingSpecial {
+        flag: &'static str,
+        token: &'static str,
+    },
 }
 
 /// A loaded tokenizer. Cheap to share (`&Tokenizer` is all the methods need).
@@ -98,7 +110,9 @@ impl Tokenizer {
 
     /// Builds a tokenizer from already-read metadata, validating it.
     pub fn from_spec(spec: TokenizerSpec) -> Result<Tokenizer, TokenizerError> {
-        Ok(Tokenizer { vocab: Vocab::from_spec(spec)? })
+        Ok(Tokenizer {
+            vocab: Vocab::from_spec(spec)?,
+        })
     }
 
     /// Number of tokens in the vocabulary.
@@ -119,6 +133,11 @@ impl Tokenizer {
     /// The end-of-turn token (`tokenizer.ggml.eot_token_id`, or found by text like `<end_of_turn>`).
     pub fn eot(&self) -> Option<u32> {
         self.vocab.eot
+    }
+
+    /// The end-of-message token (`tokenizer.ggml.eom_token_id`, or `<|eom_id|>`).
+    pub fn eom(&self) -> Option<u32> {
+        self.vocab.eom
     }
 
     /// Whether `encode(.., add_special = true, ..)` prepends BOS.
@@ -232,7 +251,10 @@ impl Tokenizer {
                 continue;
             }
             let pat: &str = &v.texts[id as usize];
-            if !fragments.iter().any(|f| matches!(f, Fragment::Text(t) if t.contains(pat))) {
+            if !fragments
+                .iter()
+                .any(|f| matches!(f, Fragment::Text(t) if t.contains(pat)))
+            {
                 continue;
             }
             next.clear();
@@ -252,7 +274,8 @@ impl Tokenizer {
                     next.push(Fragment::Token(id));
                     rest = &rest[pos + pat.len()..];
                     if a & attr::RSTRIP != 0 {
-                        rest = rest.trim_start_matches(|c: char| c.is_ascii() && is_c_space(c as u8));
+                        rest =
+                            rest.trim_start_matches(|c: char| c.is_ascii() && is_c_space(c as u8));
                     }
                 }
                 if !rest.is_empty() {
@@ -276,7 +299,9 @@ impl Tokenizer {
 
     fn append_piece(&self, id: u32, special: bool, out: &mut Vec<u8>) {
         let v = &self.vocab;
-        let Some(text) = v.texts.get(id as usize) else { return };
+        let Some(text) = v.texts.get(id as usize) else {
+            return;
+        };
         let a = v.attrs[id as usize];
         let attr_special = attr::UNKNOWN | attr::CONTROL;
         if !special && a & attr_special != 0 {
@@ -336,6 +361,9 @@ impl Tokenizer {
         text
     }
 }
+
+#[cfg(test)]
+mod tests;
 
 /// The three `clean_spaces` passes of `llama_vocab::impl::detokenize`: drop the space before
 /// `? ! . ,`, around a lone `'`, and before `'s 'm 're 've`.

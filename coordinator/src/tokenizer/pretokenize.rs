@@ -91,7 +91,10 @@ impl PreTokenizer {
         }
         // code point lengths -> byte slices
         let mut words = Vec::with_capacity(offsets.len());
-        let mut chars = text.char_indices().map(|(i, _)| i).chain(std::iter::once(text.len()));
+        let mut chars = text
+            .char_indices()
+            .map(|(i, _)| i)
+            .chain(std::iter::once(text.len()));
         let mut start_byte = chars.next().unwrap_or(0);
         for len in offsets {
             // `len` >= 1 for every offset the splitters emit.
@@ -137,7 +140,8 @@ impl Piece<'_> {
 
     /// `_add_token`: emits `[prev_end, end)` if non-empty, returns its length.
     fn add(&mut self, end: usize) -> usize {
-        let len = end - self.prev_end;
+        debug_assert!(self.prev_end <= end, "scanner went backwards");
+        let len = end.saturating_sub(self.prev_end);
         if len > 0 {
             self.out.push(len);
         }
@@ -151,7 +155,13 @@ fn for_each_piece(cpts: &[u32], offsets: &[usize], mut scan: impl FnMut(&mut Pie
     let mut out = Vec::with_capacity(offsets.len());
     let mut start = 0;
     for &len in offsets {
-        let mut piece = Piece { cpts, ini: start, end: start + len, prev_end: start, out: &mut out };
+        let mut piece = Piece {
+            cpts,
+            ini: start,
+            end: start + len,
+            prev_end: start,
+            out: &mut out,
+        };
         scan(&mut piece);
         start += len;
     }
@@ -357,7 +367,11 @@ fn matches_class(cpt: u32, pred: ClassPred) -> bool {
     // whitespace wins over the category. For ASCII the class bits agree with the collapsed
     // regex's ASCII ranges (`k_ucat_map`), so one predicate serves both.
     let bits = class_of(cpt);
-    let bits = if cpt >= 0x80 && bits & WHITESPACE != 0 { WHITESPACE } else { bits };
+    let bits = if cpt >= 0x80 && bits & WHITESPACE != 0 {
+        WHITESPACE
+    } else {
+        bits
+    };
     pred(c, bits)
 }
 
@@ -432,7 +446,10 @@ mod tests {
     #[test]
     fn llama3_splits_like_its_regex() {
         let w = PreTokenizer::Llama3.split("Hello world's 1234567  end\n\n x");
-        assert_eq!(w, ["Hello", " world", "'s", " ", "123", "456", "7", " ", " end", "\n\n", " x"]);
+        assert_eq!(
+            w,
+            ["Hello", " world", "'s", " ", "123", "456", "7", " ", " end", "\n\n", " x"]
+        );
     }
 
     #[test]
@@ -440,8 +457,31 @@ mod tests {
         assert_eq!(PreTokenizer::Gpt2.split("a  b   "), ["a", " ", " b", "   "]);
     }
 
+    proptest::proptest! {
+        /// Every pre-tokenizer cuts the text into non-empty words that concatenate back to it.
+        #[test]
+        fn words_partition_the_text(text in "(\\PC|[ \t\r\n'0-9]){0,40}") {
+            for pre in [
+                PreTokenizer::Default,
+                PreTokenizer::Gpt2,
+                PreTokenizer::Llama3,
+                PreTokenizer::Qwen2,
+                PreTokenizer::Qwen35,
+                PreTokenizer::Starcoder,
+                PreTokenizer::Falcon,
+            ] {
+                let words = pre.split(&text);
+                proptest::prop_assert!(words.iter().all(|w| !w.is_empty()), "{pre:?}: {words:?}");
+                proptest::prop_assert_eq!(words.concat(), text.clone());
+            }
+        }
+    }
+
     #[test]
     fn default_isolates_punctuation_and_digit_triples() {
-        assert_eq!(PreTokenizer::Default.split("x=12345!"), ["x", "=", "123", "45", "!"]);
+        assert_eq!(
+            PreTokenizer::Default.split("x=12345!"),
+            ["x", "=", "123", "45", "!"]
+        );
     }
 }

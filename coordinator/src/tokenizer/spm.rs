@@ -61,19 +61,33 @@ pub(crate) fn tokenize(vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
         let len = c.len_utf8();
         symbols.push(Symbol {
             prev: i.checked_sub(1),
-            next: if start + len == text.len() { None } else { Some(i + 1) },
+            next: if start + len == text.len() {
+                None
+            } else {
+                Some(i + 1)
+            },
             start,
             len,
         });
     }
 
     let mut queue = BinaryHeap::new();
-    let try_add = |queue: &mut BinaryHeap<Bigram>, symbols: &[Symbol], left: Option<usize>, right: Option<usize>| {
-        let (Some(left), Some(right)) = (left, right) else { return };
+    let try_add = |queue: &mut BinaryHeap<Bigram>,
+                   symbols: &[Symbol],
+                   left: Option<usize>,
+                   right: Option<usize>| {
+        let (Some(left), Some(right)) = (left, right) else {
+            return;
+        };
         let (l, r) = (symbols[left], symbols[right]);
         let piece = &text[l.start..r.start + r.len];
         if let Some(id) = vocab.text_to_token(piece) {
-            queue.push(Bigram { left, right, score: vocab.scores[id as usize], size: piece.len() });
+            queue.push(Bigram {
+                left,
+                right,
+                score: vocab.scores[id as usize],
+                size: piece.len(),
+            });
         }
     };
     for i in 1..symbols.len() {
@@ -122,10 +136,23 @@ pub(crate) fn tokenize(vocab: &Vocab, text: &str, out: &mut Vec<u32>) {
 /// llama.cpp would throw (neither exists) we emit the unknown token if there is one.
 fn byte_to_token(vocab: &Vocab, b: u8) -> Option<u32> {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
-    let name = [b'<', b'0', b'x', HEX[usize::from(b >> 4)], HEX[usize::from(b & 15)], b'>'];
+    let name = [
+        b'<',
+        b'0',
+        b'x',
+        HEX[usize::from(b >> 4)],
+        HEX[usize::from(b & 15)],
+        b'>',
+    ];
     let name = std::str::from_utf8(&name).expect("<0xHH> is ASCII");
     vocab
         .text_to_token(name)
-        .or_else(|| if b.is_ascii() { vocab.text_to_token(&(b as char).to_string()) } else { None })
+        .or_else(|| {
+            if b.is_ascii() {
+                vocab.text_to_token(&(b as char).to_string())
+            } else {
+                None
+            }
+        })
         .or(vocab.unk)
 }

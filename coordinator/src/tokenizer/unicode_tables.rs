@@ -3,6 +3,7 @@
 
 /// `(first code point, class bits)`, sorted; a range runs to the next entry's start.
 /// Bits: 1 = \p{N}, 2 = \p{L}, 4 = \p{P}, 8 = \p{M}, 16 = \p{S}, 32 = whitespace (`\s`).
+#[rustfmt::skip]
 pub(super) static RANGES: [(u32, u8); 2255] = [
     (0x0, 0), (0x9, 32), (0xE, 0), (0x20, 32), (0x21, 4), (0x24, 16), (0x25, 4), (0x2B, 16),
     (0x2C, 4), (0x30, 1), (0x3A, 4), (0x3C, 16), (0x3F, 4), (0x41, 2), (0x5B, 4), (0x5E, 16),

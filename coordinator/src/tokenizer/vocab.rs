@@ -59,19 +59,33 @@ pub struct TokenizerSpec {
 /// Special token ids as stored in the file (`None`: key absent).
 #[derive(Clone, Debug, Default)]
 pub struct SpecialIds {
+    /// `tokenizer.ggml.bos_token_id`.
     pub bos: Option<u32>,
+    /// `tokenizer.ggml.eos_token_id`.
     pub eos: Option<u32>,
+    /// `tokenizer.ggml.eot_token_id`.
     pub eot: Option<u32>,
+    /// `tokenizer.ggml.eom_token_id`.
     pub eom: Option<u32>,
+    /// `tokenizer.ggml.unknown_token_id`.
     pub unk: Option<u32>,
+    /// `tokenizer.ggml.seperator_token_id` (sic).
     pub sep: Option<u32>,
+    /// `tokenizer.ggml.padding_token_id`.
     pub pad: Option<u32>,
+    /// `tokenizer.ggml.mask_token_id`.
     pub mask: Option<u32>,
+    /// `tokenizer.ggml.fim_pre_token_id` (or the deprecated `prefix_token_id`).
     pub fim_pre: Option<u32>,
+    /// `tokenizer.ggml.fim_suf_token_id` (or the deprecated `suffix_token_id`).
     pub fim_suf: Option<u32>,
+    /// `tokenizer.ggml.fim_mid_token_id` (or the deprecated `middle_token_id`).
     pub fim_mid: Option<u32>,
+    /// `tokenizer.ggml.fim_pad_token_id`.
     pub fim_pad: Option<u32>,
+    /// `tokenizer.ggml.fim_rep_token_id`.
     pub fim_rep: Option<u32>,
+    /// `tokenizer.ggml.fim_sep_token_id`.
     pub fim_sep: Option<u32>,
 }
 
@@ -122,21 +136,29 @@ struct PreFlags {
 
 fn pre_flags(name: &str) -> Option<PreFlags> {
     use PreTokenizer as P;
-    let f = |pre, ignore_merges, clean_spaces, add_bos| PreFlags { pre, ignore_merges, clean_spaces, add_bos };
+    let f = |pre, ignore_merges, clean_spaces, add_bos| PreFlags {
+        pre,
+        ignore_merges,
+        clean_spaces,
+        add_bos,
+    };
     Some(match name {
         "" | "default" => f(P::Default, false, true, false),
         "llama3" | "llama-v3" | "llama-bpe" | "falcon3" | "falcon-h1" | "pixtral" | "midm-2.0"
         | "lfm2" | "jina-v5-nano" => f(P::Llama3, true, true, true),
         "dbrx" | "smaug-bpe" => f(P::Llama3, false, true, false),
         "falcon" => f(P::Falcon, false, true, false),
-        "mpt" | "olmo" | "exaone4" => f(P::Gpt2, false, true, false),
-        "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "jina-v2-es" | "jina-v2-de"
-        | "a.x-4.0" | "mellum" | "modern-bert" => f(P::Gpt2, false, true, false),
-        "starcoder" | "refact" | "codeshell" | "exaone" | "minerva-7b" => {
+        "mpt" | "olmo" | "exaone4" | "jais" => f(P::Gpt2, false, true, false),
+        // ("jina-v2-es"/"jina-v2-de" also map to GPT-2 but get an LSTRIP <mask>: not supported)
+        "gpt-2" | "phi-2" | "jina-es" | "jina-de" | "gigachat" | "a.x-4.0" | "mellum"
+        | "modern-bert" => f(P::Gpt2, false, true, false),
+        "trillion" | "granite-docling" => f(P::Gpt2, false, false, false),
+        "starcoder" | "refact" | "codeshell" | "exaone" | "minerva-7b" | "mellum2" => {
             f(P::Starcoder, false, true, false)
         }
         "command-r" | "smollm" => f(P::Starcoder, false, false, false),
-        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" => f(P::Qwen2, false, false, false),
+        "qwen2" | "deepseek-r1-qwen" | "kormo" | "f2llmv2" | "megrez" | "hunyuan"
+        | "solar-open" => f(P::Qwen2, false, false, false),
         "stablelm2" => f(P::Qwen2, false, true, false),
         "qwen35" => f(P::Qwen35, false, false, false),
         _ => return None,
@@ -225,8 +247,13 @@ const FIM_MID_TEXTS: &[&str] = &[
     "<|middle|>",
 ];
 const FIM_PAD_TEXTS: &[&str] = &["<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]"];
-const FIM_REP_TEXTS: &[&str] =
-    &["<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>", "<reponame>"];
+const FIM_REP_TEXTS: &[&str] = &[
+    "<|fim_repo|>",
+    "<|repo_name|>",
+    "<fim-repo>",
+    "<REPO>",
+    "<reponame>",
+];
 const FIM_SEP_TEXTS: &[&str] = &["<|file_sep|>"];
 
 impl Vocab {
@@ -245,13 +272,18 @@ impl Vocab {
         // determine vocab type and its defaults
         let (kind, mut bos, mut eos, mut unk): (VocabType, Option<u32>, Option<u32>, Option<u32>);
         let mut pre = PreTokenizer::Default;
-        let (mut add_space_prefix, mut add_bos, mut add_eos, mut clean_spaces, mut ignore_merges);
+        let (mut add_space_prefix, mut add_bos, mut add_eos, clean_spaces, ignore_merges);
         match spec.model.as_str() {
             "llama" => {
                 kind = VocabType::Spm;
                 (bos, eos, unk) = (Some(1), Some(2), Some(0));
-                (add_space_prefix, add_bos, add_eos, clean_spaces, ignore_merges) =
-                    (true, true, false, false, false);
+                (
+                    add_space_prefix,
+                    add_bos,
+                    add_eos,
+                    clean_spaces,
+                    ignore_merges,
+                ) = (true, true, false, false, false);
             }
             "gpt2" => {
                 kind = VocabType::Bpe;
@@ -260,8 +292,19 @@ impl Vocab {
                 let flags = pre_flags(name)
                     .ok_or_else(|| TokenizerError::UnsupportedPreTokenizer(name.to_string()))?;
                 pre = flags.pre;
-                (add_space_prefix, add_bos, add_eos, clean_spaces, ignore_merges) =
-                    (false, flags.add_bos, false, flags.clean_spaces, flags.ignore_merges);
+                (
+                    add_space_prefix,
+                    add_bos,
+                    add_eos,
+                    clean_spaces,
+                    ignore_merges,
+                ) = (
+                    false,
+                    flags.add_bos,
+                    false,
+                    flags.clean_spaces,
+                    flags.ignore_merges,
+                );
             }
             other => return Err(TokenizerError::UnsupportedModel(other.to_string())),
         }
@@ -280,7 +323,7 @@ impl Vocab {
             for (rank, merge) in merges.iter().enumerate() {
                 let rank = u32::try_from(rank).map_err(|_| TokenizerError::TooManyMerges)?;
                 // `first + " " + second` is the merge text itself when it has a space at >= 1.
-                let key: Box<str> = match merge.get(1..).and_then(|s| s.find(' ')) {
+                let key: Box<str> = match merge.bytes().skip(1).position(|b| b == b' ') {
                     Some(_) => merge.as_str().into(),
                     None => " ".into(),
                 };
@@ -318,8 +361,11 @@ impl Vocab {
         let mut token_to_id = HashMap::with_capacity(n_tokens);
         for (i, word) in spec.tokens.into_iter().enumerate() {
             let id = i as u32; // i < n_vocab <= i32::MAX
-            let word: Box<str> =
-                if word.is_empty() { format!("[EMPTY_{i}]").into() } else { word.into() };
+            let word: Box<str> = if word.is_empty() {
+                format!("[EMPTY_{i}]").into()
+            } else {
+                word.into()
+            };
             let a = match types.as_ref().map(|t| t[i]) {
                 None | Some(token_type::NORMAL) => attr::NORMAL,
                 Some(token_type::UNKNOWN) => attr::UNKNOWN,
@@ -330,7 +376,10 @@ impl Vocab {
                 Some(_) => 0, // LLAMA_TOKEN_ATTR_UNDEFINED
             };
             if a == attr::BYTE && parse_byte_token(&word).is_none() {
-                return Err(TokenizerError::InvalidByteToken { id, text: word.to_string() });
+                return Err(TokenizerError::InvalidByteToken {
+                    id,
+                    text: word.to_string(),
+                });
             }
             token_to_id.insert(word.clone(), id);
             texts.push(word);
@@ -371,10 +420,16 @@ impl Vocab {
             add_eos = v;
         }
         if add_bos && bos.is_none() {
-            return Err(TokenizerError::MissingSpecial { flag: "add_bos_token", token: "bos" });
+            return Err(TokenizerError::MissingSpecial {
+                flag: "add_bos_token",
+                token: "bos",
+            });
         }
         if add_eos && eos.is_none() {
-            return Err(TokenizerError::MissingSpecial { flag: "add_eos_token", token: "eos" });
+            return Err(TokenizerError::MissingSpecial {
+                flag: "add_eos_token",
+                token: "eos",
+            });
         }
 
         // Auto-detect EOT/EOM/FIM tokens by text. llama.cpp walks its unordered_map, so with
@@ -437,10 +492,13 @@ impl Vocab {
         // "<|calls|>" + "<|flush|>") are.
         {
             let has = |t: &str| eog.iter().any(|&id| &*texts[id as usize] == t);
-            let end = eog.iter().copied().find(|&id| &*texts[id as usize] == "<|end|>");
+            let end = eog
+                .iter()
+                .copied()
+                .find(|&id| &*texts[id as usize] == "<|end|>");
             let call = has("<|call|>") || has("<|calls|>");
             if let Some(end) = end {
-                if (has("<|return|>") && call) || (call && has("<|flush|>")) {
+                if call && (has("<|return|>") || has("<|flush|>")) {
                     eog.remove(&end);
                     attrs[end as usize] = attr::USER_DEFINED;
                 }
@@ -451,7 +509,10 @@ impl Vocab {
             let marker = eog
                 .iter()
                 .any(|&id| matches!(&*texts[id as usize], "<|tool_response>" | "<|plamo:eos|>"));
-            let s = eog.iter().copied().find(|&id| &*texts[id as usize] == "</s>");
+            let s = eog
+                .iter()
+                .copied()
+                .find(|&id| &*texts[id as usize] == "</s>");
             if let (true, Some(s)) = (marker, s) {
                 eog.remove(&s);
                 attrs[s as usize] = attr::NORMAL;

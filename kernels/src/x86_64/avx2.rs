@@ -6,6 +6,10 @@
 //! ggml's `abs`/`sign` trick instead, because `x + 128` would overflow `vpmaddubsw`'s i16
 //! pairs). Only 16 vector registers: tiles are smaller than AVX-512's.
 
+// Tile loops index several per-row / per-token arrays with the same counter, and the
+// transcriptions of ggml keep its index arithmetic: iterator chains would obscure both.
+#![allow(clippy::needless_range_loop)]
+
 use super::{drive, k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset};
 use super::{BF16, F16, F32, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
@@ -27,7 +31,14 @@ impl Avx2 {
     }
 
     pub fn kernels(self) -> Kernels {
-        Kernels { isa: Isa::Avx2, matmul_for, dot_f32, dot_f16 }
+        Kernels {
+            isa: Isa::Avx2,
+            matmul_for,
+            dot_f32,
+            dot_f16,
+            mad_f16,
+            scale_f16,
+        }
     }
 }
 
@@ -78,6 +89,47 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 fn dot_f16(a: &[f16], b: &[f16]) -> f32 {
     // SAFETY: as `dot_f32`.
     unsafe { dot_raw::<F16>(a.as_ptr().cast(), b.as_ptr().cast(), a.len().min(b.len())) }
+}
+
+fn mad_f16(y: &mut [f16], x: &[f16], v: f32) {
+    let n = y.len().min(x.len());
+    // SAFETY: token-gated as above; both slices have at least `n` elements.
+    unsafe { mad_raw(y.as_mut_ptr().cast(), x.as_ptr().cast(), v, n, true) };
+    crate::scalar::mad_f16(&mut y[n & !7..n], &x[n & !7..n], v);
+}
+
+fn scale_f16(y: &mut [f16], v: f32) {
+    let n = y.len();
+    // SAFETY: token-gated as above; `x` is not read when `mad` is false.
+    unsafe { mad_raw(y.as_mut_ptr().cast(), core::ptr::null(), v, n, false) };
+    crate::scalar::scale_f16(&mut y[n & !7..], v);
+}
+
+/// `y = f16(x * v + y)` (`mad`) or `y = f16(y * v)` over the first `n & !7` elements, 8 at a
+/// time (the caller finishes the tail with the scalar reference, which rounds the same way).
+///
+/// # Safety
+/// AVX2, FMA, F16C available; `y` readable and writable for `n` u16, `x` readable for `n`
+/// when `mad`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn mad_raw(y: *mut u16, x: *const u16, v: f32, n: usize, mad: bool) {
+    let vv = _mm256_set1_ps(v);
+    let mut i = 0;
+    // SAFETY (whole body): element offsets below `n & !7`.
+    unsafe {
+        while i + 8 <= n {
+            let yv = _mm256_cvtph_ps(_mm_loadu_si128(y.add(i).cast()));
+            let r = if mad {
+                let xv = _mm256_cvtph_ps(_mm_loadu_si128(x.add(i).cast()));
+                _mm256_fmadd_ps(xv, vv, yv)
+            } else {
+                _mm256_mul_ps(yv, vv)
+            };
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(r);
+            _mm_storeu_si128(y.add(i).cast(), h);
+            i += 8;
+        }
+    }
 }
 
 /// # Safety
@@ -154,6 +206,17 @@ unsafe fn store<const R: usize, const T: usize>(
     }
 }
 
+/// How many row tiles ahead the weight stream is prefetched (the hardware prefetcher alone
+/// leaves DRAM-resident GEMVs far below bandwidth).
+const PF_ROWS: usize = 2;
+
+/// Prefetch the cache line at `p` (a hint: never faults, any address is fine).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn prefetch(p: *const u8) {
+    _mm_prefetch::<_MM_HINT_T0>(p.cast())
+}
+
 // ---------------------------------------------------------------------------------------------
 // Legacy 32-value blocks.
 
@@ -226,13 +289,28 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
             }
             for r in 0..R {
                 let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * bs);
+                if b % 2 == 0 {
+                    prefetch(wp.wrapping_add(PF_ROWS * R * g.w_stride));
+                }
                 let u = unpack_legacy::<KIND>(wp);
                 let dw = f16_splat(wp);
-                let au = if KIND == Q8_0 { _mm256_sign_epi8(u, u) } else { u };
+                let au = if KIND == Q8_0 {
+                    _mm256_sign_epi8(u, u)
+                } else {
+                    u
+                };
                 for t in 0..T {
-                    let a = if KIND == Q8_0 { _mm256_sign_epi8(av[t], u) } else { av[t] };
+                    let a = if KIND == Q8_0 {
+                        _mm256_sign_epi8(av[t], u)
+                    } else {
+                        av[t]
+                    };
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(au, a), ones);
-                    let p = if KIND == Q8_0 { p } else { _mm256_add_epi32(p, cv[t]) };
+                    let p = if KIND == Q8_0 {
+                        p
+                    } else {
+                        _mm256_add_epi32(p, cv[t])
+                    };
                     let s = _mm256_mul_ps(dw, dav[t]);
                     acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc[r][t]);
                 }
@@ -271,6 +349,9 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
             }
             for r in 0..R {
                 let p = g.w.as_ptr().add((r0 + r) * g.w_stride + sb * wbs);
+                for l in (0..wbs).step_by(64) {
+                    prefetch(p.wrapping_add(PF_ROWS * R * g.w_stride + l));
+                }
                 let mut isum = [_mm256_setzero_si256(); T];
                 let (d, dmin, bsum_w);
                 if KIND == Q6_K {
@@ -283,8 +364,14 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
                         let ql1 = _mm256_loadu_si256(p.add(64 * h + 32).cast());
                         let qh = _mm256_loadu_si256(p.add(128 + 32 * h).cast());
                         let qs = [
-                            _mm256_or_si256(_mm256_and_si256(ql0, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30)),
-                            _mm256_or_si256(_mm256_and_si256(ql1, low4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30)),
+                            _mm256_or_si256(
+                                _mm256_and_si256(ql0, low4),
+                                _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30),
+                            ),
+                            _mm256_or_si256(
+                                _mm256_and_si256(ql1, low4),
+                                _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30),
+                            ),
                             _mm256_or_si256(
                                 _mm256_and_si256(_mm256_srli_epi16(ql0, 4), low4),
                                 _mm256_and_si256(qh, m30),
@@ -348,10 +435,19 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
                     let corr = _mm256_madd_epi16(bsums, bsum_w);
                     if KIND == Q6_K {
                         let i = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(corr, 5));
-                        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, ad), acc[r][t]);
+                        acc[r][t] =
+                            _mm256_fmadd_ps(_mm256_cvtepi32_ps(i), _mm256_mul_ps(d, ad), acc[r][t]);
                     } else {
-                        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[t]), _mm256_mul_ps(d, ad), acc[r][t]);
-                        acc[r][t] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(corr), _mm256_mul_ps(dmin, ad), acc[r][t]);
+                        acc[r][t] = _mm256_fmadd_ps(
+                            _mm256_cvtepi32_ps(isum[t]),
+                            _mm256_mul_ps(d, ad),
+                            acc[r][t],
+                        );
+                        acc[r][t] = _mm256_fnmadd_ps(
+                            _mm256_cvtepi32_ps(corr),
+                            _mm256_mul_ps(dmin, ad),
+                            acc[r][t],
+                        );
                     }
                 }
             }
@@ -375,7 +471,10 @@ unsafe fn load_f<const KIND: u8>(p: *const u8) -> __m256 {
         match KIND {
             F32 => _mm256_loadu_ps(p.cast()),
             F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-            _ => _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())), 16)),
+            _ => _mm256_castsi256_ps(_mm256_slli_epi32(
+                _mm256_cvtepu16_epi32(_mm_loadu_si128(p.cast())),
+                16,
+            )),
         }
     }
 }
@@ -440,36 +539,43 @@ unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8>(
     }
 }
 
-/// Dot product of `n` elements of `KIND` (f32 or f16) with four accumulators.
+/// Dot product of `n` elements of `KIND` (f32 or f16), summed in the order of ggml's AVX-512
+/// `ggml_vec_dot_f16`/`_f32` (four 16-lane accumulators, each held here as two 8-lane halves),
+/// so every ISA gives the same attention scores as the llama.cpp build we compare against.
 ///
 /// # Safety
-/// AVX2 available; `a` and `b` readable for `n` elements.
+/// The CPU has AVX2, FMA, F16C; `a` and `b` readable for `n` elements.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dot_raw<const KIND: u8>(a: *const u8, b: *const u8, n: usize) -> f32 {
     let esz = if KIND == F32 { 4 } else { 2 };
-    let mut acc = [_mm256_setzero_ps(); 4];
-    let mut s = 0f32;
+    // acc[2k] holds lanes 0..8 of the 16-lane accumulator k, acc[2k+1] lanes 8..16.
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let np = n & !63;
+    let mut sum;
     // SAFETY (whole body): offsets below `n` elements.
     unsafe {
         let mut i = 0;
-        while i + 32 <= n {
+        while i < np {
             for (k, v) in acc.iter_mut().enumerate() {
                 let o = (i + 8 * k) * esz;
                 *v = _mm256_fmadd_ps(load_f::<KIND>(a.add(o)), load_f::<KIND>(b.add(o)), *v);
             }
-            i += 32;
+            i += 64;
         }
-        while i + 8 <= n {
-            acc[0] = _mm256_fmadd_ps(load_f::<KIND>(a.add(i * esz)), load_f::<KIND>(b.add(i * esz)), acc[0]);
-            i += 8;
+        // (a0 + a2) + (a1 + a3), per half.
+        let lo = _mm256_add_ps(_mm256_add_ps(acc[0], acc[4]), _mm256_add_ps(acc[2], acc[6]));
+        let hi = _mm256_add_ps(_mm256_add_ps(acc[1], acc[5]), _mm256_add_ps(acc[3], acc[7]));
+        // _mm512_reduce_add_ps: lanes i + i+8, then i + i+4, then i + i+2, then 0 + 1.
+        let h8 = _mm256_add_ps(lo, hi);
+        let h4 = _mm_add_ps(_mm256_castps256_ps128(h8), _mm256_extractf128_ps(h8, 1));
+        let h2 = _mm_add_ps(h4, _mm_movehl_ps(h4, h4));
+        let h1 = _mm_add_ss(h2, _mm_movehdup_ps(h2));
+        sum = _mm_cvtss_f32(h1) as f64;
+        for i in np..n {
+            sum += (load_one::<KIND>(a.add(i * esz)) * load_one::<KIND>(b.add(i * esz))) as f64;
         }
-        while i < n {
-            s += load_one::<KIND>(a.add(i * esz)) * load_one::<KIND>(b.add(i * esz));
-            i += 1;
-        }
-        let v = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-        s + hsum(v)
     }
+    sum as f32
 }
 
 /// Whether this module has a matmul for `ty` (the registry completeness test).

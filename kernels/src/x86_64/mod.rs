@@ -18,9 +18,9 @@ macro_rules! drive {
         while t0 < g.ntok {
             let t1 = (t0 + tb).min(g.ntok);
             let mut r = 0;
-            while r + $R <= g.nrows {
+            while g.nrows - r >= $R {
                 let mut t = t0;
-                while t + $T <= t1 {
+                while t1 - t >= $T {
                     // SAFETY: r + R <= nrows, t + T <= ntok by the loop bounds; the caller has the features.
                     unsafe { $tile::<$R, $T $(, $extra)*>(g, r, t, out) };
                     t += $T;
@@ -34,7 +34,7 @@ macro_rules! drive {
             }
             while r < g.nrows {
                 let mut t = t0;
-                while t + $T <= t1 {
+                while t1 - t >= $T {
                     // SAFETY: r + R <= nrows, t + T <= ntok by the loop bounds; the caller has the features.
                     unsafe { $tile::<1, $T $(, $extra)*>(g, r, t, out) };
                     t += $T;
@@ -104,5 +104,8 @@ pub(crate) fn k4_scales_mins(s: &[u8; 12]) -> (u64, u64) {
     let t2 = u1 & KMASK1;
     let t1 = (u2 & KMASK2) | (((u0 >> 6) & KMASK3) << 4);
     let t0 = u0 & KMASK1;
-    ((t0 as u64) | ((t1 as u64) << 32), (t2 as u64) | ((t3 as u64) << 32))
+    (
+        (t0 as u64) | ((t1 as u64) << 32),
+        (t2 as u64) | ((t3 as u64) << 32),
+    )
 }
