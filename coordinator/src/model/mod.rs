@@ -59,17 +59,17 @@ pub struct Model {
 /// Opening a model: a GGUF error, or a model/tokenizer error.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {
-    #[error("{path}: {source}")]
+    #[error("{path}: {err}")]
     Gguf {
         path: String,
-        source: ternfleet_shared::gguf::GgufError,
+        err: ternfleet_shared::gguf::GgufError,
     },
-    #[error("{path}: {source}")]
-    Model { path: String, source: ModelError },
-    #[error("{path}: tokenizer: {source}")]
+    #[error("{path}: {err}")]
+    Model { path: String, err: ModelError },
+    #[error("{path}: tokenizer: {err}")]
     Tokenizer {
         path: String,
-        source: crate::tokenizer::TokenizerError,
+        err: crate::tokenizer::TokenizerError,
     },
 }
 
@@ -77,18 +77,18 @@ impl Model {
     /// Opens a GGUF model file and binds its weights (memory-mapped, nothing copied but norms).
     pub fn open(path: &Path) -> Result<Model, LoadError> {
         let p = path.display().to_string();
-        let file = Arc::new(GgufFile::open(path).map_err(|source| LoadError::Gguf {
+        let file = Arc::new(GgufFile::open(path).map_err(|err| LoadError::Gguf {
             path: p.clone(),
-            source,
+            err,
         })?);
         Self::from_file(file).map_err(|e| match e {
-            LoadError::Model { source, .. } => LoadError::Model {
+            LoadError::Model { err, .. } => LoadError::Model {
                 path: p.clone(),
-                source,
+                err,
             },
-            LoadError::Tokenizer { source, .. } => LoadError::Tokenizer {
+            LoadError::Tokenizer { err, .. } => LoadError::Tokenizer {
                 path: p.clone(),
-                source,
+                err,
             },
             other => other,
         })
@@ -96,14 +96,14 @@ impl Model {
 
     /// Binds an already opened file.
     pub fn from_file(file: Arc<GgufFile>) -> Result<Model, LoadError> {
-        let wrap = |source| LoadError::Model {
+        let wrap = |err| LoadError::Model {
             path: String::new(),
-            source,
+            err,
         };
         let cfg = ModelConfig::from_gguf(&file).map_err(wrap)?;
-        let tokenizer = Tokenizer::from_gguf(&file).map_err(|source| LoadError::Tokenizer {
+        let tokenizer = Tokenizer::from_gguf(&file).map_err(|err| LoadError::Tokenizer {
             path: String::new(),
-            source,
+            err,
         })?;
         let (weights, ffns) = weights::load(&file, &cfg).map_err(wrap)?;
         let experts = Box::new(LocalExperts::new(

@@ -245,12 +245,20 @@ unsafe fn q8_0_pair_codes(p: *const u8) -> __m512i {
     }
 }
 
+/// The activation side of one block pair for [`gemv_pair`]: codes in the weight's byte order,
+/// the `-offset·Σa` corrections in each block's first i32 lane, and per-lane scales.
+#[derive(Clone, Copy)]
+struct PairAct {
+    a: __m512i,
+    c: __m512i,
+    d: __m512,
+}
+
 /// GEMV (one token) of a legacy type, one weight row at a time.
 ///
 /// A single sequential weight stream is what the hardware prefetchers follow: tiles of 4 rows
 /// (four streams 680 bytes apart on Gemma's LM head) left the GEMV at ~5 GB/s from DRAM, with
-/// or without software prefetch, against ~16 GB/s for one stream. Everything on the activation
-/// side (codes in the weight's byte order, `-offset·Σa` corrections, per-lane scales) is
+/// or without software prefetch, against ~16 GB/s for one stream. The activation side is
 /// prepared once per call for up to `CHUNK` block pairs; wider rows run in column chunks.
 ///
 /// # Safety
@@ -260,18 +268,20 @@ unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     const CHUNK: usize = 64;
     let nb = g.cols / QK;
     let npair = nb.div_ceil(2);
-    let bs = legacy_block_bytes(KIND);
     let k = legacy_offset(KIND);
     let (hi_mask, lane1): (u16, u32) = if KIND == Q8_0 {
         (0xFF00, 8)
     } else {
         (0xF0F0, 4)
     };
-    let mut av = [_mm512_setzero_si512(); CHUNK];
-    let mut cv = [_mm512_setzero_si512(); CHUNK];
-    let mut dav = [_mm512_setzero_ps(); CHUNK];
-    // SAFETY (whole body): block offsets below `nb` in validated rows and the one activation
-    // row; an odd last block is read from zero-padded stack copies.
+    let zero = PairAct {
+        a: _mm512_setzero_si512(),
+        c: _mm512_setzero_si512(),
+        d: _mm512_setzero_ps(),
+    };
+    let mut prep = [zero; CHUNK];
+    // SAFETY (whole body): block offsets below `nb` in the one activation row; an odd last
+    // block is read from a zero-padded stack copy.
     unsafe {
         let a = g.a.as_ptr();
         let mut p0 = 0;
@@ -292,8 +302,7 @@ unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                 } else {
                     (0.0, 0)
                 };
-                let i = p - p0;
-                av[i] = if KIND == Q8_0 {
+                let codes = if KIND == Q8_0 {
                     q8_0_pair_codes(ap)
                 } else {
                     let lo = _mm256_loadu_si256(ap.add(2).cast());
@@ -302,43 +311,65 @@ unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                     _mm512_permutexvar_epi64(_mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0), v)
                 };
                 let c0 = _mm512_maskz_set1_epi32(1, -k * g.a_sums[b]);
-                cv[i] = _mm512_mask_set1_epi32(c0, 1 << lane1, -k * s1);
-                dav[i] = _mm512_mask_blend_ps(
-                    hi_mask,
-                    _mm512_set1_ps(g.a_scales[b]),
-                    _mm512_set1_ps(d1),
-                );
+                prep[p - p0] = PairAct {
+                    a: codes,
+                    c: _mm512_mask_set1_epi32(c0, 1 << lane1, -k * s1),
+                    d: _mm512_mask_blend_ps(
+                        hi_mask,
+                        _mm512_set1_ps(g.a_scales[b]),
+                        _mm512_set1_ps(d1),
+                    ),
+                };
             }
             let odd = p1 == npair && nb % 2 == 1;
             let full = if odd { p1 - 1 } else { p1 };
-            for r in 0..g.nrows {
-                let w = g.w.as_ptr().add(r * g.w_stride);
-                // Two accumulators (even and odd pairs) in named locals: an array indexed by
-                // `i & 1` was kept on the stack, a store-to-load chain per pair.
-                let mut acc0 = _mm512_setzero_ps();
-                let mut acc1 = _mm512_setzero_ps();
-                let mut i = 0;
-                while p0 + i + 2 <= full {
-                    let wp = w.add(2 * (p0 + i) * bs);
-                    acc0 = gemv_pair::<KIND>(wp, av[i], cv[i], dav[i], acc0);
-                    acc1 =
-                        gemv_pair::<KIND>(wp.add(2 * bs), av[i + 1], cv[i + 1], dav[i + 1], acc1);
-                    i += 2;
-                }
-                if p0 + i < full {
-                    acc0 = gemv_pair::<KIND>(w.add(2 * (p0 + i) * bs), av[i], cv[i], dav[i], acc0);
-                }
-                if odd {
-                    let mut wbuf = [0u8; 68];
-                    core::ptr::copy_nonoverlapping(w.add((nb - 1) * bs), wbuf.as_mut_ptr(), bs);
-                    let i = full - p0;
-                    acc1 = gemv_pair::<KIND>(wbuf.as_ptr(), av[i], cv[i], dav[i], acc1);
-                }
-                let s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-                let o = out.get_unchecked_mut(r);
-                *o = if p0 == 0 { s } else { *o + s };
-            }
+            gemv_rows::<KIND>(g, out, &prep[..p1 - p0], p0, full - p0, odd);
             p0 = p1;
+        }
+    }
+}
+
+/// Every row's dot with `np` prepared pairs from pair `p0` on (and the padded odd last block
+/// after them when `odd`), added to `out` unless `p0 == 0`.
+///
+/// # Safety
+/// As [`gemv_legacy`]; `prep` holds `np` pairs (+1 when `odd`, the row's last block).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemv_rows<const KIND: u8>(
+    g: &Gemm<'_>,
+    out: &mut [f32],
+    prep: &[PairAct],
+    p0: usize,
+    np: usize,
+    odd: bool,
+) {
+    let bs = legacy_block_bytes(KIND);
+    // SAFETY (whole body): pairs p0..p0+np (and the odd block) lie in each validated row.
+    unsafe {
+        for r in 0..g.nrows {
+            let w = g.w.as_ptr().add(r * g.w_stride + 2 * p0 * bs);
+            // Two accumulators (even and odd pairs) in named locals: an array indexed by
+            // `i & 1` was kept on the stack, a store-to-load chain per pair.
+            let mut acc0 = _mm512_setzero_ps();
+            let mut acc1 = _mm512_setzero_ps();
+            let mut i = 0;
+            while i + 2 <= np {
+                let wp = w.add(2 * i * bs);
+                acc0 = gemv_pair::<KIND>(wp, prep.get_unchecked(i), acc0);
+                acc1 = gemv_pair::<KIND>(wp.add(2 * bs), prep.get_unchecked(i + 1), acc1);
+                i += 2;
+            }
+            if i < np {
+                acc0 = gemv_pair::<KIND>(w.add(2 * i * bs), prep.get_unchecked(i), acc0);
+            }
+            if odd {
+                let mut wbuf = [0u8; 68];
+                core::ptr::copy_nonoverlapping(w.add(2 * np * bs), wbuf.as_mut_ptr(), bs);
+                acc1 = gemv_pair::<KIND>(wbuf.as_ptr(), prep.get_unchecked(np), acc1);
+            }
+            let s = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
+            let o = out.get_unchecked_mut(r);
+            *o = if p0 == 0 { s } else { *o + s };
         }
     }
 }
@@ -349,13 +380,7 @@ unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// Features as the module; `wp` readable for two `KIND` blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn gemv_pair<const KIND: u8>(
-    wp: *const u8,
-    av: __m512i,
-    cv: __m512i,
-    dav: __m512,
-    acc: __m512,
-) -> __m512 {
+unsafe fn gemv_pair<const KIND: u8>(wp: *const u8, x: &PairAct, acc: __m512) -> __m512 {
     // SAFETY: reads within the two blocks at `wp`.
     unsafe {
         let (u, dw) = if KIND == Q8_0 {
@@ -367,8 +392,8 @@ unsafe fn gemv_pair<const KIND: u8>(
         } else {
             unpack_legacy::<KIND>(wp)
         };
-        let isum = _mm512_dpbusd_epi32(cv, u, av);
-        _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, dav), acc)
+        let isum = _mm512_dpbusd_epi32(x.c, u, x.a);
+        _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, x.d), acc)
     }
 }
 
