@@ -3,11 +3,15 @@
 # the source tree, under target/llama.cpp/. Produces llama-simple, llama-tokenize,
 # llama-perplexity, llama-bench and test-backend-ops in target/llama.cpp/build/bin.
 # Only used to make reference outputs and benchmark baselines; none of its code is committed.
+# With --source-only it only downloads and unpacks the source (the tokenizer tests read the
+# vocabulary files models/ggml-vocab-*.gguf that ship in it).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir="$root/target/llama.cpp"
 bin="$dir/build/bin"
-if [ -x "$bin/llama-simple" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/test-backend-ops" ]; then
+source_only=0
+[ "${1:-}" = "--source-only" ] && source_only=1
+if [ "$source_only" = 0 ] && [ -x "$bin/llama-simple" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/test-backend-ops" ]; then
   echo "llama.cpp: $bin"; exit 0
 fi
 mkdir -p "$dir"
@@ -15,6 +19,9 @@ if [ ! -d "$dir/src/vendor/llama.cpp" ]; then
   python3 -m pip download --no-deps --no-binary llama-cpp-python --quiet -d "$dir/dl" llama-cpp-python==0.3.36
   rm -rf "$dir/src"; mkdir -p "$dir/src"
   tar -xzf "$dir"/dl/llama_cpp_python-0.3.36.tar.gz -C "$dir/src" --strip-components=1
+fi
+if [ "$source_only" = 1 ]; then
+  echo "llama.cpp source: $dir/src/vendor/llama.cpp"; exit 0
 fi
 command -v cmake >/dev/null || python3 -m pip install --quiet cmake
 cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release \

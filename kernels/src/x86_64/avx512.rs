@@ -48,6 +48,7 @@ impl Avx512 {
             dot_f16,
             mad_f16,
             scale_f16,
+            mad_f32,
         }
     }
 }
@@ -113,6 +114,36 @@ fn scale_f16(y: &mut [f16], v: f32) {
     unsafe { mad_raw(y.as_mut_ptr().cast(), core::ptr::null(), v, n, false) }
 }
 
+fn mad_f32(y: &mut [f32], x: &[f32], v: f32) {
+    let n = y.len().min(x.len());
+    // SAFETY: token-gated as above; both slices have at least `n` elements.
+    unsafe { mad_f32_raw(y.as_mut_ptr(), x.as_ptr(), v, n) }
+}
+
+/// `y = fma(x, v, y)`, 16 lanes at a time with a masked tail.
+///
+/// # Safety
+/// Features as the module; `y` readable and writable, `x` readable, for `n` f32.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn mad_f32_raw(y: *mut f32, x: *const f32, v: f32, n: usize) {
+    let vv = _mm512_set1_ps(v);
+    let mut i = 0;
+    // SAFETY (whole body): element offsets below `n`; masked loads/stores touch only those.
+    unsafe {
+        while i < n {
+            let m: u16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            let yv = _mm512_maskz_loadu_ps(m, y.add(i));
+            let xv = _mm512_maskz_loadu_ps(m, x.add(i));
+            _mm512_mask_storeu_ps(y.add(i), m, _mm512_fmadd_ps(xv, vv, yv));
+            i += 16;
+        }
+    }
+}
+
 /// `y = f16(x * v + y)` (`mad`) or `y = f16(y * v)`, 16 lanes at a time with a masked tail:
 /// the same single f32 rounding and round-to-nearest-even narrowing as `scalar::mad_f16`.
 ///
@@ -163,7 +194,9 @@ unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok == 1 {
-        drive!(g, out, tile_k, 4, 1, KIND);
+        // One row at a time: a single sequential stream (see `gemv_legacy`), 12-16 GB/s from
+        // DRAM on Q6_K/Q4_K against 7-9 GB/s with 4-row tiles.
+        drive!(g, out, tile_k, 1, 1, KIND);
     } else {
         drive!(g, out, tile_k, 4, 4, KIND);
     }
@@ -229,22 +262,6 @@ unsafe fn unpack_legacy<const KIND: u8>(p: *const u8) -> (__m512i, __m512) {
     }
 }
 
-/// The 64 codes of the q8_0 block pair at `p` (34-byte blocks `[d, 32 × i8]`) in the order
-/// `[b0 0..32, b1 30, b1 31, b1 0..30]`, as read: one 64-byte load from `p + 2` and a 2-byte
-/// masked load of the last two codes over block 1's scale. Block 1 still owns i32 lanes 8..16.
-///
-/// # Safety
-/// Features as the module; `p` readable for 68 bytes.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-#[inline]
-unsafe fn q8_0_pair_codes(p: *const u8) -> __m512i {
-    // SAFETY: bytes p+2..p+66, and p+66..p+68 through the mask.
-    unsafe {
-        let v = _mm512_loadu_si512(p.add(2).cast());
-        _mm512_mask_loadu_epi8(v, 0b11 << 32, p.add(34).cast())
-    }
-}
-
 /// The activation side of one block pair for [`gemv_pair`]: codes in the weight's byte order,
 /// the `-offset·Σa` corrections in each block's first i32 lane, and per-lane scales.
 #[derive(Clone, Copy)]
@@ -258,7 +275,7 @@ struct PairAct {
 ///
 /// A single sequential weight stream is what the hardware prefetchers follow: tiles of 4 rows
 /// (four streams 680 bytes apart on Gemma's LM head) left the GEMV at ~5 GB/s from DRAM, with
-/// or without software prefetch, against ~16 GB/s for one stream. The activation side is
+/// or without software prefetch, against ~20 GB/s for one stream. The activation side is
 /// prepared once per call for up to `CHUNK` block pairs; wider rows run in column chunks.
 ///
 /// # Safety
@@ -302,12 +319,12 @@ unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                 } else {
                     (0.0, 0)
                 };
+                let lo = _mm256_loadu_si256(ap.add(2).cast());
+                let hi = _mm256_loadu_si256(ap.add(36).cast());
+                let v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
                 let codes = if KIND == Q8_0 {
-                    q8_0_pair_codes(ap)
+                    v
                 } else {
-                    let lo = _mm256_loadu_si256(ap.add(2).cast());
-                    let hi = _mm256_loadu_si256(ap.add(36).cast());
-                    let v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
                     _mm512_permutexvar_epi64(_mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0), v)
                 };
                 let c0 = _mm512_maskz_set1_epi32(1, -k * g.a_sums[b]);
@@ -383,15 +400,9 @@ unsafe fn gemv_rows<const KIND: u8>(
 unsafe fn gemv_pair<const KIND: u8>(wp: *const u8, x: &PairAct, acc: __m512) -> __m512 {
     // SAFETY: reads within the two blocks at `wp`.
     unsafe {
-        let (u, dw) = if KIND == Q8_0 {
-            let u = _mm512_xor_si512(q8_0_pair_codes(wp), _mm512_set1_epi8(-128));
-            // Block 1's scale is word 17 of the pair; lanes 8..16 take it, lanes 0..8 word 0.
-            let sidx = _mm512_maskz_set1_epi16(0xFF00, 17);
-            let d = _mm512_permutexvar_epi16(sidx, _mm512_loadu_si512(wp.cast()));
-            (u, _mm512_cvtph_ps(_mm512_castsi512_si256(d)))
-        } else {
-            unpack_legacy::<KIND>(wp)
-        };
+        // Two 32-byte loads per q8_0 pair, not one 64-byte load (+ a masked one for the last
+        // two codes): the line-splitting 64-byte loads cost a third of the DRAM throughput.
+        let (u, dw) = unpack_legacy::<KIND>(wp);
         let isum = _mm512_dpbusd_epi32(x.c, u, x.a);
         _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(dw, x.d), acc)
     }
@@ -490,7 +501,8 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
             }
             for r in 0..R {
                 w[r] = wp[r].add(b * bs);
-                // DRAM streams: the hardware prefetcher alone left the GEMV at ~5 GB/s.
+                // GEMM tiles only (the GEMV is `gemv_legacy`, one unprefetched stream): the
+                // next row tiles of this task, while the token tiles reuse this one.
                 prefetch(w[r].wrapping_add(PF_ROWS * R * g.w_stride));
             }
             legacy_pair::<R, T, KIND>(&w, &a, &da, &sa, &mut acc);
@@ -686,8 +698,10 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
             }
             for r in 0..R {
                 let p = g.w.as_ptr().add((r0 + r) * g.w_stride + sb * wbs);
-                for l in (0..wbs).step_by(64) {
-                    prefetch(p.wrapping_add(PF_ROWS * R * g.w_stride + l));
+                if R > 1 {
+                    for l in (0..wbs).step_by(64) {
+                        prefetch(p.wrapping_add(PF_ROWS * R * g.w_stride + l));
+                    }
                 }
                 let kb = unpack_k::<KIND>(p);
                 for t in 0..T {
