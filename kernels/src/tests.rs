@@ -85,7 +85,8 @@ fn col_shapes(ty: GgmlType) -> &'static [usize] {
         1 => &[1, 7, 16, 33, 200],
         // 4128 and 4160: wider than the AVX-512 GEMV's 64-pair column chunk (odd and even).
         32 => &[32, 64, 96, 640, 4128, 4160],
-        _ => &[256, 1024],
+        // 2560: wider than the AVX-512 k-quant GEMM's 8-super-block column chunk.
+        _ => &[256, 1024, 2560],
     }
 }
 
@@ -109,7 +110,7 @@ fn every_simd_matmul_matches_scalar() {
                 let m = QMatrix::new(ty, total_rows, cols, &buf[1..]).unwrap();
                 let mut wf = vec![0f32; cols * total_rows];
                 dequantize_row(ty, &w, &mut wf).unwrap();
-                for &n in &[1usize, 3, 5, 17] {
+                for &n in &[1usize, 3, 5, 17, 64, 130] {
                     let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
                     let mut act = Activations::new();
                     act.quantize_for(ty, &x, n, cols).unwrap();

@@ -10,7 +10,8 @@ use std::sync::Arc;
 
 use half::f16;
 use rayon::prelude::*;
-use ternfleet_kernels::Activations;
+use ternfleet_kernels::{Activations, GgmlType, QMatrix};
+use ternfleet_node::compute::matmul_par;
 use ternfleet_node::compute::Linear;
 use ternfleet_node::expert::{dump, ExpertBackend, ExpertBatch, LocalExperts, Route};
 use ternfleet_shared::gguf::GgufFile;
@@ -319,20 +320,10 @@ fn attention(
     let keys = cache.keys(il);
     let values = cache.values(il);
     let n = q.len() / cfg.q_dim();
-    // The tiled path reads every cached row in f32: widen the layer's K and V once (in
-    // parallel) instead of once per (query, head).
-    let (kf, vf) = if n >= FA_TILE_Q {
-        let widen = |src: &[f16]| {
-            let mut dst = vec![0f32; src.len()];
-            dst.par_chunks_mut(4096)
-                .zip(src.par_chunks(4096))
-                .for_each(|(d, s)| half::slice::HalfFloatSliceExt::convert_to_f32_slice(s, d));
-            dst
-        };
-        rayon::join(|| widen(keys), || widen(values))
-    } else {
-        (Vec::new(), Vec::new())
-    };
+    if n >= FA_TILE_Q {
+        attention_batched(cfg, cache, il, p0, q, window, out);
+        return;
+    }
     out.par_chunks_mut(hv).enumerate().for_each(|(i, o)| {
         let (t, head) = (i / cfg.n_head, i % cfg.n_head);
         let g = head / group;
@@ -341,7 +332,7 @@ fn attention(
         let qrow = &q[t * cfg.q_dim() + head * hk..t * cfg.q_dim() + (head + 1) * hk];
         let key = |j: usize| &keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk];
         let value = |j: usize| &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv];
-        if n < FA_TILE_Q {
+        {
             let q16: Vec<f16> = qrow.iter().map(|&v| f16::from_f32(v)).collect();
             let mut acc = vec![f16::ZERO; hv];
             let (mut sum, mut max) = (0f32, f32::NEG_INFINITY);
@@ -364,25 +355,95 @@ fn attention(
             o.iter_mut()
                 .zip(&acc)
                 .for_each(|(o, a)| *o = a.to_f32() * inv);
-            return;
         }
-        let mut scores: Vec<f32> = (lo..=pos)
-            .map(|j| {
-                ternfleet_kernels::dot_f32(&kf[j * k_dim + g * hk..j * k_dim + (g + 1) * hk], qrow)
-                    * cfg.kq_scale
-            })
-            .collect();
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0f32;
-        for s in scores.iter_mut() {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
-        o.iter_mut().for_each(|v| *v = 0.0);
-        for (j, &s) in (lo..=pos).zip(&scores) {
-            ternfleet_kernels::mad_f32(o, &vf[j * v_dim + g * hv..j * v_dim + (g + 1) * hv], s);
-        }
-        let inv = 1.0 / sum;
-        o.iter_mut().for_each(|v| *v *= inv);
     });
+}
+
+/// Attention for 64 or more queries (prefill), as two f32 GEMMs per KV head through the
+/// kernels: scores = Q·Kᵀ for every query row of the group's heads against every cached
+/// position, masked causal softmax in place, then P·V (V transposed once per layer). Like
+/// ggml's tiled flash-attention path it keeps Q, K, V in f32; masked products are computed and
+/// discarded, which costs less than a per-row loop of short dot products.
+fn attention_batched(
+    cfg: &ModelConfig,
+    cache: &KvCache,
+    il: usize,
+    p0: usize,
+    q: &[f32],
+    window: Option<usize>,
+    out: &mut [f32],
+) {
+    let (hk, hv) = (cfg.head_dim_k, cfg.head_dim_v);
+    let (k_dim, v_dim) = cache.dims();
+    let group = cfg.n_head / cfg.n_head_kv;
+    let n = q.len() / cfg.q_dim();
+    let n_kv = p0 + n;
+    let keys = &cache.keys(il)[..n_kv * k_dim];
+    let values = &cache.values(il)[..n_kv * v_dim];
+    let mut act = Activations::new();
+    let rows = n * group;
+    let mut scores = vec![0f32; rows * n_kv];
+    let mut o = vec![0f32; rows * hv];
+    for g in 0..cfg.n_head_kv {
+        let mut kb = Vec::with_capacity(n_kv * hk * 4);
+        let mut row = vec![0f32; hk.max(hv)];
+        for j in 0..n_kv {
+            let src = &keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk];
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, &mut row[..hk]);
+            row[..hk]
+                .iter()
+                .for_each(|v| kb.extend_from_slice(&v.to_le_bytes()));
+        }
+        let km = QMatrix::new(GgmlType::F32, n_kv, hk, &kb)
+            .expect("K matrix shape is n_kv x head_dim by construction");
+        // Query rows ordered (token, head in group).
+        let mut qg = Vec::with_capacity(rows * hk);
+        for t in 0..n {
+            let base = t * cfg.q_dim() + g * group * hk;
+            qg.extend_from_slice(&q[base..base + group * hk]);
+        }
+        act.quantize_for(GgmlType::F32, &qg, rows, hk)
+            .expect("f32 activations need no quantization");
+        matmul_par(&km, &act, &mut scores).expect("scores buffer is rows x n_kv");
+        scores
+            .par_chunks_mut(n_kv)
+            .enumerate()
+            .for_each(|(r, row)| {
+                let pos = p0 + r / group;
+                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+                let valid = &mut row[lo..=pos];
+                valid.iter_mut().for_each(|s| *s *= cfg.kq_scale);
+                let max = valid.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                let mut sum = 0f32;
+                for s in valid.iter_mut() {
+                    *s = (*s - max).exp();
+                    sum += *s;
+                }
+                let inv = 1.0 / sum;
+                valid.iter_mut().for_each(|s| *s *= inv);
+                row[..lo].iter_mut().for_each(|s| *s = 0.0);
+                row[pos + 1..].iter_mut().for_each(|s| *s = 0.0);
+            });
+        let mut vt = vec![0f32; hv * n_kv];
+        for j in 0..n_kv {
+            let src = &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv];
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, &mut row[..hv]);
+            for (d, v) in row[..hv].iter().enumerate() {
+                vt[d * n_kv + j] = *v;
+            }
+        }
+        let mut vb = Vec::with_capacity(vt.len() * 4);
+        vt.iter()
+            .for_each(|v| vb.extend_from_slice(&v.to_le_bytes()));
+        let vm = QMatrix::new(GgmlType::F32, hv, n_kv, &vb)
+            .expect("Vᵀ matrix shape is head_dim x n_kv by construction");
+        act.quantize_for(GgmlType::F32, &scores, rows, n_kv)
+            .expect("f32 activations need no quantization");
+        matmul_par(&vm, &act, &mut o).expect("output buffer is rows x head_dim");
+        for (r, src) in o.chunks_exact(hv).enumerate() {
+            let (t, head) = (r / group, g * group + r % group);
+            let dst = t * cfg.n_head * hv + head * hv;
+            out[dst..dst + hv].copy_from_slice(src);
+        }
+    }
 }

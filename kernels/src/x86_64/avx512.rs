@@ -73,7 +73,7 @@ fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
 }
 
 macro_rules! entry {
-    ($name:ident, $inner:ident, $tile:ident, $kind:ident) => {
+    ($name:ident, $inner:ident, $kind:ident) => {
         fn $name(g: &Gemm<'_>, out: &mut [f32]) {
             // SAFETY: reachable only through a table built from an `Avx512` token (see above);
             // `g` was validated by `Gemm::new`, which is what the tiles rely on.
@@ -82,15 +82,15 @@ macro_rules! entry {
     };
 }
 
-entry!(mm_q8_0, run_legacy, tile_legacy, Q8_0);
-entry!(mm_q4_0, run_legacy, tile_legacy, Q4_0);
-entry!(mm_q5_0, run_legacy, tile_legacy, Q5_0);
-entry!(mm_q4_k, run_k, tile_k, Q4_K);
-entry!(mm_q5_k, run_k, tile_k, Q5_K);
-entry!(mm_q6_k, run_k, tile_k, Q6_K);
-entry!(mm_f32, run_float, tile_float, F32);
-entry!(mm_f16, run_float, tile_float, F16);
-entry!(mm_bf16, run_float, tile_float, BF16);
+entry!(mm_q8_0, run_legacy, Q8_0);
+entry!(mm_q4_0, run_legacy, Q4_0);
+entry!(mm_q5_0, run_legacy, Q5_0);
+entry!(mm_q4_k, run_k, Q4_K);
+entry!(mm_q5_k, run_k, Q5_K);
+entry!(mm_q6_k, run_k, Q6_K);
+entry!(mm_f32, run_float, F32);
+entry!(mm_f16, run_float, F16);
+entry!(mm_bf16, run_float, BF16);
 
 fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: token-gated as above; both slices have `n` elements (checked by the caller).
@@ -185,7 +185,8 @@ unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         // SAFETY: as this function's contract.
         unsafe { gemv_legacy::<KIND>(g, out) };
     } else {
-        drive!(g, out, tile_legacy, 4, 4, KIND);
+        // SAFETY: as this function's contract.
+        unsafe { gemm_legacy::<KIND>(g, out) };
     }
 }
 
@@ -198,7 +199,8 @@ unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         // DRAM on Q6_K/Q4_K against 7-9 GB/s with 4-row tiles.
         drive!(g, out, tile_k, 1, 1, KIND);
     } else {
-        drive!(g, out, tile_k, 4, 4, KIND);
+        // SAFETY: as this function's contract.
+        unsafe { gemm_k::<KIND>(g, out) };
     }
 }
 
@@ -408,129 +410,226 @@ unsafe fn gemv_pair<const KIND: u8>(wp: *const u8, x: &PairAct, acc: __m512) -> 
     }
 }
 
-/// Accumulate the products of two consecutive blocks for R rows × T tokens.
+/// One weight block pair unpacked for the GEMM: 64 unsigned codes in q8_0 byte order
+/// (`[b0 0..32, b1 0..32]`, whatever the kind) and the per-lane f32 weight scales.
+#[derive(Clone, Copy)]
+struct WPair {
+    u: __m512i,
+    d: __m512,
+}
+
+/// Block pairs per column chunk of [`gemm_legacy`]'s weight scratch (2048 columns).
+const GEMM_CHUNK: usize = 32;
+
+/// GEMM (several tokens) of a legacy type. Each group of 4 rows is unpacked once per token
+/// block and column chunk into a stack scratch of ready-to-`vpdpbusd` codes in the activation's
+/// byte order, then every token of the block streams past it 4 at a time; column chunks after
+/// the first add to `out`.
 ///
 /// # Safety
-/// Features as the module; `w[r]` readable for two `KIND` blocks, `a[t]` for two q8_0 blocks.
+/// As [`run_legacy`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-#[inline]
-unsafe fn legacy_pair<const R: usize, const T: usize, const KIND: u8>(
-    w: &[*const u8; R],
-    a: &[*const u8; T],
-    da: &[[f32; 2]; T],
-    sa: &[[i32; 2]; T],
-    acc: &mut [[__m512; T]; R],
-) {
-    let k = legacy_offset(KIND);
-    let (hi_mask, lane1): (u16, u32) = if KIND == Q8_0 {
-        (0xFF00, 8)
-    } else {
-        (0xF0F0, 4)
+unsafe fn gemm_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    const R: usize = 8;
+    const T: usize = 2;
+    let nb = g.cols / QK;
+    let npair = nb.div_ceil(2);
+    let zero = WPair {
+        u: _mm512_setzero_si512(),
+        d: _mm512_setzero_ps(),
     };
-    let mut av = [_mm512_setzero_si512(); T];
-    let mut cv = [_mm512_setzero_si512(); T];
-    let mut dav = [_mm512_setzero_ps(); T];
-    // SAFETY: reads of two q8_0 blocks at `a[t]` and two weight blocks at `w[r]`.
+    let mut scratch = [[zero; GEMM_CHUNK]; R];
+    // Token block: the activations of one block stay in L2 while the row groups stream past.
+    let tb = ((256 * 1024) / g.a_stride.max(1)).max(T) / T * T;
+    let mut t0 = 0;
+    // SAFETY (whole body): rows below `g.nrows`, tokens below `g.ntok`, pairs below `npair`
+    // (the helpers' contracts), as validated by `Gemm::new`.
     unsafe {
-        for t in 0..T {
-            let lo = _mm256_loadu_si256(a[t].add(2).cast());
-            let hi = _mm256_loadu_si256(a[t].add(36).cast());
-            let v = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-            av[t] = if KIND == Q8_0 {
-                v
-            } else {
-                _mm512_permutexvar_epi64(_mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0), v)
-            };
-            let c0 = _mm512_maskz_set1_epi32(1, -k * sa[t][0]);
-            cv[t] = _mm512_mask_set1_epi32(c0, 1 << lane1, -k * sa[t][1]);
-            dav[t] =
-                _mm512_mask_blend_ps(hi_mask, _mm512_set1_ps(da[t][0]), _mm512_set1_ps(da[t][1]));
-        }
-        for r in 0..R {
-            let (u, dw) = unpack_legacy::<KIND>(w[r]);
-            for t in 0..T {
-                let isum = _mm512_dpbusd_epi32(cv[t], u, av[t]);
-                acc[r][t] = _mm512_fmadd_ps(
-                    _mm512_cvtepi32_ps(isum),
-                    _mm512_mul_ps(dw, dav[t]),
-                    acc[r][t],
-                );
+        while t0 < g.ntok {
+            let t1 = (t0 + tb).min(g.ntok);
+            let mut r0 = 0;
+            while r0 < g.nrows {
+                let nr = if g.nrows - r0 >= R { R } else { 1 };
+                let mut p0 = 0;
+                while p0 < npair {
+                    let p1 = (p0 + GEMM_CHUNK).min(npair);
+                    for r in 0..nr {
+                        let w = g.w.as_ptr().add((r0 + r) * g.w_stride);
+                        prepack_legacy::<KIND>(w, nb, p0, p1, &mut scratch[r]);
+                    }
+                    let mut t = t0;
+                    if nr == R {
+                        while t1 - t >= T {
+                            gemm_tile::<R, T, KIND>(g, &scratch, r0, t, p0, p1, out);
+                            t += T;
+                        }
+                        while t < t1 {
+                            gemm_tile::<R, 1, KIND>(g, &scratch, r0, t, p0, p1, out);
+                            t += 1;
+                        }
+                    } else {
+                        let s1 = core::slice::from_ref(&scratch[0])
+                            .try_into()
+                            .unwrap_unchecked();
+                        while t1 - t >= T {
+                            gemm_tile::<1, T, KIND>(g, s1, r0, t, p0, p1, out);
+                            t += T;
+                        }
+                        while t < t1 {
+                            gemm_tile::<1, 1, KIND>(g, s1, r0, t, p0, p1, out);
+                            t += 1;
+                        }
+                    }
+                    p0 = p1;
+                }
+                r0 += nr;
             }
+            t0 = t1;
         }
     }
 }
 
-/// Rows `r0..r0+R` × tokens `t0..t0+T` of a legacy-type matmul.
+/// Unpack pairs `p0..p1` of the row at `w` (`nb` blocks) into `dst[..p1 - p0]`; an odd last
+/// block is paired with a zero block (codes 0, scale 0).
 ///
 /// # Safety
-/// Features as the module; `g` validated, `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
+/// Features as the module; `w` readable for `nb` blocks of `KIND`, `p1 <= nb.div_ceil(2)`,
+/// `p1 - p0 <= GEMM_CHUNK`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
+#[inline]
+unsafe fn prepack_legacy<const KIND: u8>(
+    w: *const u8,
+    nb: usize,
+    p0: usize,
+    p1: usize,
+    dst: &mut [WPair; GEMM_CHUNK],
+) {
+    let bs = legacy_block_bytes(KIND);
+    // SAFETY (whole body): blocks below `nb`; the odd last block goes through a stack copy.
+    unsafe {
+        for p in p0..p1 {
+            let b = 2 * p;
+            let mut wbuf = [0u8; 68];
+            let wp = if b + 1 < nb {
+                w.add(b * bs)
+            } else {
+                core::ptr::copy_nonoverlapping(w.add(b * bs), wbuf.as_mut_ptr(), bs);
+                wbuf.as_ptr()
+            };
+            let (u, d) = unpack_legacy::<KIND>(wp);
+            *dst.get_unchecked_mut(p - p0) = if KIND == Q8_0 {
+                WPair { u, d }
+            } else {
+                // Nibble order → block order, so the activations load as they are stored.
+                let idx = _mm512_set_epi64(7, 6, 3, 2, 5, 4, 1, 0);
+                WPair {
+                    u: _mm512_permutexvar_epi64(idx, u),
+                    d: _mm512_castsi512_ps(_mm512_permutexvar_epi64(idx, _mm512_castps_si512(d))),
+                }
+            };
+        }
+        let np = p1 - p0;
+        if np % 2 == 1 {
+            // An odd pair count pads the last quad with a zero pair (p1 - p0 < GEMM_CHUNK).
+            *dst.get_unchecked_mut(np) = WPair {
+                u: _mm512_setzero_si512(),
+                d: _mm512_setzero_ps(),
+            };
+        }
+        // Quad scales: `unpacklo(dA, dB)` is the lane order of `unpacklo(iA, iB) +
+        // unpackhi(iA, iB)` in `gemm_tile`, kept in pair A's slot.
+        for q in (0..np).step_by(2) {
+            let db = dst.get_unchecked(q + 1).d;
+            let a = dst.get_unchecked_mut(q);
+            a.d = _mm512_unpacklo_ps(a.d, db);
+        }
+    }
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T` over pairs `p0..p1`, from unpacked weights; written to
+/// `out` when `p0 == 0`, else added.
+///
+/// # Safety
+/// Features as the module; `g` validated, `r0 + R <= g.nrows`, `t0 + T <= g.ntok`, `w[r]`
+/// holds pairs `p0..p1` of row `r0 + r` (`p1 <= nb.div_ceil(2)`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn gemm_tile<const R: usize, const T: usize, const KIND: u8>(
     g: &Gemm<'_>,
+    w: &[[WPair; GEMM_CHUNK]; R],
     r0: usize,
     t0: usize,
+    p0: usize,
+    p1: usize,
     out: &mut [f32],
 ) {
     let nb = g.cols / QK;
-    let bs = legacy_block_bytes(KIND);
+    let k = legacy_offset(KIND);
     let mut acc = [[_mm512_setzero_ps(); T]; R];
-    let mut wp = [core::ptr::null::<u8>(); R];
-    let mut ap = [core::ptr::null::<u8>(); T];
-    // SAFETY (whole body): pointer offsets stay within rows r0..r0+R of `g.w` (nb blocks each)
-    // and tokens t0..t0+T of `g.a`, and side-table indices below `g.ntok * nb`, as validated.
+    // SAFETY (whole body): activation blocks below `nb` of tokens t0..t0+T (the second block
+    // of an odd last pair is neither loaded nor its side tables read), pairs below `p1 - p0`
+    // of the scratch.
     unsafe {
-        for r in 0..R {
-            wp[r] = g.w.as_ptr().add((r0 + r) * g.w_stride);
-        }
-        for t in 0..T {
-            ap[t] = g.a.as_ptr().add((t0 + t) * g.a_stride);
-        }
         let sc = g.a_scales.as_ptr();
-        let su = g.a_sums.as_ptr();
-        let mut b = 0;
-        while b + 2 <= nb {
-            let mut da = [[0f32; 2]; T];
-            let mut sa = [[0i32; 2]; T];
-            let mut w = [core::ptr::null::<u8>(); R];
-            let mut a = [core::ptr::null::<u8>(); T];
+        let zi = _mm512_setzero_si512();
+        let kv = _mm512_set1_epi8(k as u8 as i8);
+        let sel = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi32(1), 1);
+        // One quad (two pairs, A and B) at a time: the two pairs' i32 lanes are folded into
+        // one register of four blocks (see `prepack_legacy`) before the float work.
+        let mut p = p0;
+        while p < p1 {
+            let mut av = [[_mm512_setzero_si512(); 2]; T];
+            let mut cv = [[_mm512_setzero_si512(); 2]; T];
+            let mut dav = [_mm512_setzero_ps(); T];
             for t in 0..T {
-                let i = (t0 + t) * nb + b;
-                da[t] = [*sc.add(i), *sc.add(i + 1)];
-                sa[t] = [*su.add(i), *su.add(i + 1)];
-                a[t] = ap[t].add(b * 34);
+                let mut dh = [_mm512_setzero_ps(); 2];
+                for h in 0..2 {
+                    if p + h == p1 {
+                        break;
+                    }
+                    let b = 2 * (p + h);
+                    let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * 34);
+                    let i = (t0 + t) * nb + b;
+                    let lo = _mm256_loadu_si256(ap.add(2).cast());
+                    let (hi, d1) = if b + 1 < nb {
+                        (_mm256_loadu_si256(ap.add(36).cast()), *sc.add(i + 1))
+                    } else {
+                        (_mm256_setzero_si256(), 0.0)
+                    };
+                    av[t][h] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+                    // `-offset·Σa` spread over each block's lanes, from the codes themselves.
+                    cv[t][h] = _mm512_sub_epi32(zi, _mm512_dpbusd_epi32(zi, kv, av[t][h]));
+                    let d2 = _mm_unpacklo_ps(_mm_set_ss(*sc.add(i)), _mm_set_ss(d1));
+                    dh[h] = _mm512_permutexvar_ps(sel, _mm512_castps128_ps512(d2));
+                }
+                dav[t] = _mm512_unpacklo_ps(dh[0], dh[1]);
             }
             for r in 0..R {
-                w[r] = wp[r].add(b * bs);
-                // GEMM tiles only (the GEMV is `gemv_legacy`, one unprefetched stream): the
-                // next row tiles of this task, while the token tiles reuse this one.
-                prefetch(w[r].wrapping_add(PF_ROWS * R * g.w_stride));
+                let wa = w[r].get_unchecked(p - p0);
+                let ub = w[r].get_unchecked(p + 1 - p0).u;
+                for t in 0..T {
+                    let ia = _mm512_dpbusd_epi32(cv[t][0], wa.u, av[t][0]);
+                    let ib = _mm512_dpbusd_epi32(cv[t][1], ub, av[t][1]);
+                    let isum = _mm512_add_epi32(
+                        _mm512_unpacklo_epi32(ia, ib),
+                        _mm512_unpackhi_epi32(ia, ib),
+                    );
+                    acc[r][t] = _mm512_fmadd_ps(
+                        _mm512_cvtepi32_ps(isum),
+                        _mm512_mul_ps(wa.d, dav[t]),
+                        acc[r][t],
+                    );
+                }
             }
-            legacy_pair::<R, T, KIND>(&w, &a, &da, &sa, &mut acc);
-            b += 2;
+            p += 2;
         }
-        if b < nb {
-            // Odd block count: pair the last block with a zero block (scale 0, sum 0) in
-            // stack copies, so the pair code never reads past the row.
-            let mut wbuf = [[0u8; 68]; R];
-            let mut abuf = [[0u8; 68]; T];
-            let mut da = [[0f32; 2]; T];
-            let mut sa = [[0i32; 2]; T];
-            let mut w = [core::ptr::null::<u8>(); R];
-            let mut a = [core::ptr::null::<u8>(); T];
-            for r in 0..R {
-                core::ptr::copy_nonoverlapping(wp[r].add(b * bs), wbuf[r].as_mut_ptr(), bs);
-                w[r] = wbuf[r].as_ptr();
-            }
+        for r in 0..R {
             for t in 0..T {
-                let i = (t0 + t) * nb + b;
-                da[t] = [*sc.add(i), 0.0];
-                sa[t] = [*su.add(i), 0];
-                core::ptr::copy_nonoverlapping(ap[t].add(b * 34), abuf[t].as_mut_ptr(), 34);
-                a[t] = abuf[t].as_ptr();
+                let s = _mm512_reduce_add_ps(acc[r][t]);
+                let o = out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r);
+                *o = if p0 == 0 { s } else { *o + s };
             }
-            legacy_pair::<R, T, KIND>(&w, &a, &da, &sa, &mut acc);
         }
-        store(g, r0, t0, &acc, out);
     }
 }
 
@@ -575,6 +674,7 @@ unsafe fn store<const R: usize, const T: usize>(
 /// as i16 lanes matching `vpmaddubsw` output, f32 `d` and `dmin`, and the i16 vector that
 /// multiplies the q8_K `bsums` (mins, duplicated per pair of 16, for q4_K/q5_K; the scales for
 /// q6_K, whose codes carry an offset of 32).
+#[derive(Clone, Copy)]
 struct KBlock {
     u: [__m512i; 4],
     sc: [__m512i; 4],
@@ -668,6 +768,160 @@ unsafe fn f16_to_f32(p: *const u8) -> f32 {
     // SAFETY: 2 readable bytes at `p`.
     let bits = unsafe { p.cast::<u16>().read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+/// Super-blocks per column chunk of [`gemm_k`]'s weight scratch (2048 columns).
+const GEMM_K_CHUNK: usize = 8;
+
+/// GEMM (several tokens) of a k-quant: each group of 4 rows is unpacked once per token block
+/// and column chunk into a stack scratch of [`KBlock`]s, then the tokens of the block stream
+/// past it 4 at a time; column chunks after the first add to `out`.
+///
+/// # Safety
+/// As [`run_legacy`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemm_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    const R: usize = 4;
+    const T: usize = 4;
+    let nsb = g.cols / QK_K;
+    let wbs = k_block_bytes(KIND);
+    let zero = KBlock {
+        u: [_mm512_setzero_si512(); 4],
+        sc: [_mm512_setzero_si512(); 4],
+        d: 0.0,
+        dmin: 0.0,
+        bsum_w: _mm256_setzero_si256(),
+    };
+    let mut scratch = [[zero; GEMM_K_CHUNK]; R];
+    let tb = ((256 * 1024) / g.a_stride.max(1)).max(T) / T * T;
+    let mut t0 = 0;
+    // SAFETY (whole body): rows below `g.nrows`, tokens below `g.ntok`, super-blocks below
+    // `nsb` (the helpers' contracts), as validated by `Gemm::new`.
+    unsafe {
+        while t0 < g.ntok {
+            let t1 = (t0 + tb).min(g.ntok);
+            let mut r0 = 0;
+            while r0 < g.nrows {
+                let nr = if g.nrows - r0 >= R { R } else { 1 };
+                let mut s0 = 0;
+                while s0 < nsb {
+                    let s1 = (s0 + GEMM_K_CHUNK).min(nsb);
+                    for r in 0..nr {
+                        let w = g.w.as_ptr().add((r0 + r) * g.w_stride);
+                        for sb in s0..s1 {
+                            scratch[r][sb - s0] = unpack_k::<KIND>(w.add(sb * wbs));
+                        }
+                    }
+                    let mut t = t0;
+                    if nr == R {
+                        while t1 - t >= T {
+                            gemm_k_tile::<R, T, KIND>(g, &scratch, r0, t, s0, s1, out);
+                            t += T;
+                        }
+                        while t < t1 {
+                            gemm_k_tile::<R, 1, KIND>(g, &scratch, r0, t, s0, s1, out);
+                            t += 1;
+                        }
+                    } else {
+                        let w1 = core::slice::from_ref(&scratch[0])
+                            .try_into()
+                            .unwrap_unchecked();
+                        while t1 - t >= T {
+                            gemm_k_tile::<1, T, KIND>(g, w1, r0, t, s0, s1, out);
+                            t += T;
+                        }
+                        while t < t1 {
+                            gemm_k_tile::<1, 1, KIND>(g, w1, r0, t, s0, s1, out);
+                            t += 1;
+                        }
+                    }
+                    s0 = s1;
+                }
+                r0 += nr;
+            }
+            t0 = t1;
+        }
+    }
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T` over super-blocks `s0..s1`, from unpacked weights;
+/// written to `out` when `s0 == 0`, else added.
+///
+/// # Safety
+/// Features as the module; `g` validated, `r0 + R <= g.nrows`, `t0 + T <= g.ntok`, `w[r]`
+/// holds super-blocks `s0..s1` of row `r0 + r` (`s1 <= g.cols / QK_K`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn gemm_k_tile<const R: usize, const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    w: &[[KBlock; GEMM_K_CHUNK]; R],
+    r0: usize,
+    t0: usize,
+    s0: usize,
+    s1: usize,
+    out: &mut [f32],
+) {
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY (whole body): super-blocks s0..s1 of tokens t0..t0+T (q8_K: f32 d at 0, qs at 4,
+    // bsums at 260), scratch entries below `s1 - s0`.
+    unsafe {
+        for sb in s0..s1 {
+            let mut ap = [core::ptr::null::<u8>(); T];
+            let mut ad = [0f32; T];
+            let mut bsums = [_mm256_setzero_si256(); T];
+            for t in 0..T {
+                ap[t] = g.a.as_ptr().add((t0 + t) * g.a_stride + sb * 292);
+                ad[t] = ap[t].cast::<f32>().read_unaligned();
+                bsums[t] = _mm256_loadu_si256(ap[t].add(4 + QK_K).cast());
+            }
+            for r in 0..R {
+                let kb = w[r].get_unchecked(sb - s0);
+                for t in 0..T {
+                    k_block_dot::<KIND>(kb, ap[t], ad[t], bsums[t], &mut acc[r][t]);
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                let s = _mm512_reduce_add_ps(acc[r][t]);
+                let o = out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r);
+                *o = if s0 == 0 { s } else { *o + s };
+            }
+        }
+    }
+}
+
+/// `acc += ` one unpacked super-block times the q8_K super-block at `ap` (scale `ad`, `bsums`).
+///
+/// # Safety
+/// Features as the module; `ap` readable for one q8_K super-block.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn k_block_dot<const KIND: u8>(
+    kb: &KBlock,
+    ap: *const u8,
+    ad: f32,
+    bsums: __m256i,
+    acc: &mut __m512,
+) {
+    let mut isum = _mm512_setzero_si512();
+    for c in 0..4 {
+        // SAFETY: within the q8_K super-block at `ap`.
+        let a = unsafe { _mm512_loadu_si512(ap.add(4 + 64 * c).cast()) };
+        isum = _mm512_dpwssd_epi32(isum, _mm512_maddubs_epi16(kb.u[c], a), kb.sc[c]);
+    }
+    let corr = _mm256_madd_epi16(bsums, kb.bsum_w);
+    if KIND == Q6_K {
+        isum = _mm512_sub_epi32(isum, _mm512_zextsi256_si512(_mm256_slli_epi32(corr, 5)));
+        let s = _mm512_set1_ps(kb.d * ad);
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, *acc);
+    } else {
+        let s = _mm512_set1_ps(kb.d * ad);
+        *acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), s, *acc);
+        let m = _mm512_set1_ps(kb.dmin * ad);
+        let mins = _mm512_cvtepi32_ps(_mm512_zextsi256_si512(corr));
+        *acc = _mm512_fnmadd_ps(mins, m, *acc);
+    }
 }
 
 /// Rows `r0..r0+R` × tokens `t0..t0+T` of a k-quant matmul.
