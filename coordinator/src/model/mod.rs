@@ -359,11 +359,14 @@ fn attention(
     });
 }
 
-/// Attention for 64 or more queries (prefill), as two f32 GEMMs per KV head through the
-/// kernels: scores = Q·Kᵀ for every query row of the group's heads against every cached
-/// position, masked causal softmax in place, then P·V (V transposed once per layer). Like
-/// ggml's tiled flash-attention path it keeps Q, K, V in f32; masked products are computed and
-/// discarded, which costs less than a per-row loop of short dot products.
+/// Queries per block of [`attention_batched`]: each block multiplies only against the keys
+/// its causal mask can reach, so about half of the score and P·V products are skipped.
+const ATTN_BLOCK: usize = 128;
+
+/// Attention for 64 or more queries (prefill), as two f32 GEMMs per KV head and block of
+/// queries through the kernels: scores = Q·Kᵀ against every position up to the block's last,
+/// masked causal softmax in place, then P·V (V transposed per block). Like ggml's tiled
+/// flash-attention path it keeps Q, K, V in f32.
 fn attention_batched(
     cfg: &ModelConfig,
     cache: &KvCache,
@@ -381,37 +384,43 @@ fn attention_batched(
     let keys = &cache.keys(il)[..n_kv * k_dim];
     let values = &cache.values(il)[..n_kv * v_dim];
     let mut act = Activations::new();
-    let rows = n * group;
-    let mut scores = vec![0f32; rows * n_kv];
-    let mut o = vec![0f32; rows * hv];
+    let mut row = vec![0f32; hk.max(hv)];
     for g in 0..cfg.n_head_kv {
+        // K of this head as an f32 matrix (row j = position j); any prefix of rows is valid.
         let mut kb = Vec::with_capacity(n_kv * hk * 4);
-        let mut row = vec![0f32; hk.max(hv)];
+        let mut vf = vec![0f32; n_kv * hv];
         for j in 0..n_kv {
-            let src = &keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk];
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, &mut row[..hk]);
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                &keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk],
+                &mut row[..hk],
+            );
             row[..hk]
                 .iter()
                 .for_each(|v| kb.extend_from_slice(&v.to_le_bytes()));
+            half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv],
+                &mut vf[j * hv..(j + 1) * hv],
+            );
         }
-        let km = QMatrix::new(GgmlType::F32, n_kv, hk, &kb)
-            .expect("K matrix shape is n_kv x head_dim by construction");
-        // Query rows ordered (token, head in group).
-        let mut qg = Vec::with_capacity(rows * hk);
-        for t in 0..n {
-            let base = t * cfg.q_dim() + g * group * hk;
-            qg.extend_from_slice(&q[base..base + group * hk]);
-        }
-        act.quantize_for(GgmlType::F32, &qg, rows, hk)
-            .expect("f32 activations need no quantization");
-        matmul_par(&km, &act, &mut scores).expect("scores buffer is rows x n_kv");
-        scores
-            .par_chunks_mut(n_kv)
-            .enumerate()
-            .for_each(|(r, row)| {
-                let pos = p0 + r / group;
+        for t0 in (0..n).step_by(ATTN_BLOCK) {
+            let t1 = (t0 + ATTN_BLOCK).min(n);
+            let (rows, kv) = ((t1 - t0) * group, p0 + t1);
+            // Query rows ordered (token, head in group).
+            let mut qg = Vec::with_capacity(rows * hk);
+            for t in t0..t1 {
+                let base = t * cfg.q_dim() + g * group * hk;
+                qg.extend_from_slice(&q[base..base + group * hk]);
+            }
+            let km = QMatrix::new(GgmlType::F32, kv, hk, &kb[..kv * hk * 4])
+                .expect("K prefix is kv x head_dim by construction");
+            act.quantize_for(GgmlType::F32, &qg, rows, hk)
+                .expect("f32 activations need no quantization");
+            let mut scores = vec![0f32; rows * kv];
+            matmul_par(&km, &act, &mut scores).expect("scores buffer is rows x kv");
+            scores.par_chunks_mut(kv).enumerate().for_each(|(r, srow)| {
+                let pos = p0 + t0 + r / group;
                 let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                let valid = &mut row[lo..=pos];
+                let valid = &mut srow[lo..=pos];
                 valid.iter_mut().for_each(|s| *s *= cfg.kq_scale);
                 let max = valid.iter().copied().fold(f32::NEG_INFINITY, f32::max);
                 let mut sum = 0f32;
@@ -421,29 +430,26 @@ fn attention_batched(
                 }
                 let inv = 1.0 / sum;
                 valid.iter_mut().for_each(|s| *s *= inv);
-                row[..lo].iter_mut().for_each(|s| *s = 0.0);
-                row[pos + 1..].iter_mut().for_each(|s| *s = 0.0);
+                srow[..lo].iter_mut().for_each(|s| *s = 0.0);
+                srow[pos + 1..].iter_mut().for_each(|s| *s = 0.0);
             });
-        let mut vt = vec![0f32; hv * n_kv];
-        for j in 0..n_kv {
-            let src = &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv];
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(src, &mut row[..hv]);
-            for (d, v) in row[..hv].iter().enumerate() {
-                vt[d * n_kv + j] = *v;
+            let mut vb = vec![0u8; hv * kv * 4];
+            for (d, dst) in vb.chunks_exact_mut(kv * 4).enumerate() {
+                for (j, b) in dst.chunks_exact_mut(4).enumerate() {
+                    b.copy_from_slice(&vf[j * hv + d].to_le_bytes());
+                }
             }
-        }
-        let mut vb = Vec::with_capacity(vt.len() * 4);
-        vt.iter()
-            .for_each(|v| vb.extend_from_slice(&v.to_le_bytes()));
-        let vm = QMatrix::new(GgmlType::F32, hv, n_kv, &vb)
-            .expect("Vᵀ matrix shape is head_dim x n_kv by construction");
-        act.quantize_for(GgmlType::F32, &scores, rows, n_kv)
-            .expect("f32 activations need no quantization");
-        matmul_par(&vm, &act, &mut o).expect("output buffer is rows x head_dim");
-        for (r, src) in o.chunks_exact(hv).enumerate() {
-            let (t, head) = (r / group, g * group + r % group);
-            let dst = t * cfg.n_head * hv + head * hv;
-            out[dst..dst + hv].copy_from_slice(src);
+            let vm = QMatrix::new(GgmlType::F32, hv, kv, &vb)
+                .expect("Vᵀ is head_dim x kv by construction");
+            act.quantize_for(GgmlType::F32, &scores, rows, kv)
+                .expect("f32 activations need no quantization");
+            let mut o = vec![0f32; rows * hv];
+            matmul_par(&vm, &act, &mut o).expect("output buffer is rows x head_dim");
+            for (r, src) in o.chunks_exact(hv).enumerate() {
+                let (t, head) = (t0 + r / group, g * group + r % group);
+                let dst = t * cfg.n_head * hv + head * hv;
+                out[dst..dst + hv].copy_from_slice(src);
+            }
         }
     }
 }
