@@ -327,16 +327,20 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         )
         .expect("static progress template is valid"),
     );
-    let mut last = 0.0;
-    let r =
-        crate::perplexity::perplexity(&model, &text, a.ctx, a.batch, a.chunks, |done, total| {
+    let r = crate::perplexity::perplexity(
+        &model,
+        &text,
+        a.ctx,
+        a.batch,
+        a.chunks,
+        |done, total, ppl| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
-            last = done as f64;
-        });
+            bar.set_message(format!("ppl {ppl:.4}"));
+        },
+    );
     bar.finish_and_clear();
     let r = r?;
-    let _ = last;
     if a.json {
         println!(
             "{}",

@@ -36,14 +36,14 @@ pub enum PerplexityError {
 }
 
 /// Computes perplexity of `text` at context `n_ctx`, `batch` tokens per forward pass, calling
-/// `progress(done, total)` after each chunk. `max_chunks` limits the chunks scored.
+/// `progress(done, total, running_ppl)` after each chunk. `max_chunks` limits the chunks scored.
 pub fn perplexity(
     model: &Model,
     text: &str,
     n_ctx: usize,
     batch: usize,
     max_chunks: Option<usize>,
-    mut progress: impl FnMut(usize, usize),
+    mut progress: impl FnMut(usize, usize, f64),
 ) -> Result<Perplexity, PerplexityError> {
     if n_ctx < 8 {
         return Err(PerplexityError::BadCtx(n_ctx));
@@ -95,8 +95,9 @@ pub fn perplexity(
             nll -= ops::log_softmax_at(row, tokens[start + first + r + 1] as usize);
             count += 1;
         }
-        ppl_chunks.push((nll / count as f64).exp());
-        progress(c + 1, n_chunk);
+        let running = (nll / count as f64).exp();
+        ppl_chunks.push(running);
+        progress(c + 1, n_chunk, running);
     }
     Ok(Perplexity {
         ppl: (nll / count as f64).exp(),

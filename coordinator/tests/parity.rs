@@ -197,9 +197,15 @@ fn perplexity_within_one_percent_of_llama_cpp() {
         let text_file = v["text"].as_str().unwrap_or("tests/data/text/gpl-3.txt");
         let text = std::fs::read_to_string(root().join(text_file)).expect("text file");
         let model = Model::open(&mp).unwrap();
-        let r =
-            ternfleet_coordinator::perplexity::perplexity(&model, &text, ctx, 512, None, |_, _| {})
-                .unwrap();
+        let r = ternfleet_coordinator::perplexity::perplexity(
+            &model,
+            &text,
+            ctx,
+            512,
+            None,
+            |_, _, _| {},
+        )
+        .unwrap();
         if let Some(chunks) = v["chunks"].as_u64() {
             assert_eq!(
                 r.chunks as u64, chunks,
