@@ -170,7 +170,23 @@ impl Model {
         let mut v = vec![0f32; n * cfg.v_dim()];
         let mut attn = vec![0f32; n * cfg.n_head * cfg.head_dim_v];
         let mut o = vec![0f32; n * d];
-        let mut rope = Vec::new();
+        // cos/sin per position for the (at most two) RoPE settings, computed once per batch
+        // instead of once per layer: the global and the sliding-window layers' bases.
+        let rope_tables = |base: f32, scale: f32| -> Vec<Vec<(f32, f32)>> {
+            (0..n)
+                .map(|t| {
+                    let mut c = Vec::with_capacity(cfg.n_rot / 2);
+                    ops::rope_cache(p0 + t, cfg.n_rot, base, scale, &mut c);
+                    c
+                })
+                .collect()
+        };
+        let rope_global = rope_tables(cfg.rope_base, cfg.rope_scale);
+        let rope_swa = if cfg.is_swa.iter().any(|&s| s) {
+            rope_tables(cfg.rope_base_swa, 1.0)
+        } else {
+            Vec::new()
+        };
         let all_tokens: Vec<Route> = (0..n as u32)
             .map(|t| Route {
                 token: t,
@@ -197,23 +213,21 @@ impl Model {
             if let Some(kn) = &lw.k_norm {
                 ops::rms_norm_rows(&mut k, kn, cfg.rms_eps);
             }
-            let base = if cfg.is_swa[il] {
-                cfg.rope_base_swa
+            let rope = if cfg.is_swa[il] {
+                &rope_swa
             } else {
-                cfg.rope_base
+                &rope_global
             };
-            let scale = if cfg.is_swa[il] { 1.0 } else { cfg.rope_scale };
-            for t in 0..n {
-                ops::rope_cache(p0 + t, cfg.n_rot, base, scale, &mut rope);
+            for (t, rope) in rope.iter().enumerate() {
                 for head in
                     q[t * cfg.q_dim()..(t + 1) * cfg.q_dim()].chunks_exact_mut(cfg.head_dim_k)
                 {
-                    ops::rope_apply(head, &rope, cfg.rope_type);
+                    ops::rope_apply(head, rope, cfg.rope_type);
                 }
                 for head in
                     k[t * cfg.k_dim()..(t + 1) * cfg.k_dim()].chunks_exact_mut(cfg.head_dim_k)
                 {
-                    ops::rope_apply(head, &rope, cfg.rope_type);
+                    ops::rope_apply(head, rope, cfg.rope_type);
                 }
             }
             if cfg.q_scale != 1.0 {
