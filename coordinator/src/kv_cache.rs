@@ -92,10 +92,6 @@ impl KvCache {
     pub fn values(&self, layer: usize) -> &[f16] {
         &self.v[layer]
     }
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.k.iter().chain(&self.v).map(|l| l.capacity() * 2).sum()
-    }
     /// Row widths.
     pub fn dims(&self) -> (usize, usize) {
         (self.k_dim, self.v_dim)

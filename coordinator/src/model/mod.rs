@@ -328,16 +328,15 @@ fn attention(
     window: Option<usize>,
     out: &mut [f32],
 ) {
+    if q.len() / cfg.q_dim() >= FA_TILE_Q {
+        attention_batched(cfg, cache, il, p0, q, window, out);
+        return;
+    }
     let (hk, hv) = (cfg.head_dim_k, cfg.head_dim_v);
     let (k_dim, v_dim) = cache.dims();
     let group = cfg.n_head / cfg.n_head_kv;
     let keys = cache.keys(il);
     let values = cache.values(il);
-    let n = q.len() / cfg.q_dim();
-    if n >= FA_TILE_Q {
-        attention_batched(cfg, cache, il, p0, q, window, out);
-        return;
-    }
     out.par_chunks_mut(hv).enumerate().for_each(|(i, o)| {
         let (t, head) = (i / cfg.n_head, i % cfg.n_head);
         let g = head / group;
@@ -346,30 +345,28 @@ fn attention(
         let qrow = &q[t * cfg.q_dim() + head * hk..t * cfg.q_dim() + (head + 1) * hk];
         let key = |j: usize| &keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk];
         let value = |j: usize| &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv];
-        {
-            let q16: Vec<f16> = qrow.iter().map(|&v| f16::from_f32(v)).collect();
-            let mut acc = vec![f16::ZERO; hv];
-            let (mut sum, mut max) = (0f32, f32::NEG_INFINITY);
-            for j in lo..=pos {
-                let s = ternfleet_kernels::dot_f16(key(j), &q16) * cfg.kq_scale;
-                let (mut ms, mut vs) = (1f32, 1f32);
-                if s > max {
-                    let old = max;
-                    max = s;
-                    ms = (old - max).exp();
-                    ternfleet_kernels::scale_f16(&mut acc, ms);
-                } else {
-                    vs = (s - max).exp();
-                }
-                ternfleet_kernels::mad_f16(&mut acc, value(j), vs);
-                // `S = S*ms + vs`, contracted to one FMA by the C compiler (-ffp-contract=fast).
-                sum = sum.mul_add(ms, vs);
+        let q16: Vec<f16> = qrow.iter().map(|&v| f16::from_f32(v)).collect();
+        let mut acc = vec![f16::ZERO; hv];
+        let (mut sum, mut max) = (0f32, f32::NEG_INFINITY);
+        for j in lo..=pos {
+            let s = ternfleet_kernels::dot_f16(key(j), &q16) * cfg.kq_scale;
+            let (mut ms, mut vs) = (1f32, 1f32);
+            if s > max {
+                let old = max;
+                max = s;
+                ms = (old - max).exp();
+                ternfleet_kernels::scale_f16(&mut acc, ms);
+            } else {
+                vs = (s - max).exp();
             }
-            let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-            o.iter_mut()
-                .zip(&acc)
-                .for_each(|(o, a)| *o = a.to_f32() * inv);
+            ternfleet_kernels::mad_f16(&mut acc, value(j), vs);
+            // `S = S*ms + vs`, contracted to one FMA by the C compiler (-ffp-contract=fast).
+            sum = sum.mul_add(ms, vs);
         }
+        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+        o.iter_mut()
+            .zip(&acc)
+            .for_each(|(o, a)| *o = a.to_f32() * inv);
     });
 }
 
