@@ -41,22 +41,24 @@ pub fn rope_cache(pos: usize, n_rot: usize, base: f32, freq_scale: f32, out: &mu
     }
 }
 
-/// Rotates one head `x` (width >= 2 * cache.len()) in place.
+/// Rotates one head `x` (width >= 2 * cache.len()) in place, rounding like ggml's
+/// `rotate_pairs` as GCC compiles it (`-ffp-contract=fast` fuses `x0*cos - x1*sin` into
+/// `fma(x0, cos, -(x1*sin))` and `x0*sin + x1*cos` into `fma(x0, sin, x1*cos)`).
 pub fn rope_apply(x: &mut [f32], cache: &[(f32, f32)], ty: RopeType) {
     let half = cache.len();
     match ty {
         RopeType::Norm => {
             for (i, &(c, s)) in cache.iter().enumerate() {
                 let (x0, x1) = (x[2 * i], x[2 * i + 1]);
-                x[2 * i] = x0 * c - x1 * s;
-                x[2 * i + 1] = x0 * s + x1 * c;
+                x[2 * i] = x0.mul_add(c, -(x1 * s));
+                x[2 * i + 1] = x0.mul_add(s, x1 * c);
             }
         }
         RopeType::Neox => {
             for (i, &(c, s)) in cache.iter().enumerate() {
                 let (x0, x1) = (x[i], x[i + half]);
-                x[i] = x0 * c - x1 * s;
-                x[i + half] = x0 * s + x1 * c;
+                x[i] = x0.mul_add(c, -(x1 * s));
+                x[i + half] = x0.mul_add(s, x1 * c);
             }
         }
     }

@@ -66,7 +66,7 @@ impl Kernels {
 }
 
 fn scalar_matmul_for(ty: GgmlType) -> Option<MatmulFn> {
-    crate::scalar::vec_dot_fn(ty).map(|_| crate::scalar::matmul as MatmulFn)
+    crate::scalar::has_dot(ty).then_some(crate::scalar::matmul as MatmulFn)
 }
 
 const SCALAR: Kernels = Kernels {

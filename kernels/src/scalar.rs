@@ -472,52 +472,98 @@ pub(crate) fn vec_dot_bf16(n: usize, w: &[u8], a: &[u8]) -> f32 {
     s as f32
 }
 
-/// `ggml_vec_dot_q8_0_q8_0_generic`.
-pub(crate) fn vec_dot_q8_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sumf = 0f32;
-    for (x, y) in w.chunks_exact(34).zip(a.chunks_exact(34)).take(n / QK) {
-        let mut sumi = 0i32;
-        for j in 0..QK {
-            sumi += (x[2 + j] as i8) as i32 * (y[2 + j] as i8) as i32;
-        }
-        sumf += sumi as f32 * (f16_at(x, 0) * f16_at(y, 0));
-    }
-    sumf
+// Quantized dot products in the float order llama.cpp's x86 CPU backend (AVX2 / AVX-512 build)
+// uses, so that every rounding matches it: integer partial sums are exact whatever their
+// grouping, so only where the f32 conversions, multiplies and adds happen matters. The order
+// depends on the weight type and, for k-quants, on how many tokens the matmul has and where a
+// token sits in it, because ggml picks a different kernel per case ([`KOrder`]).
+
+/// ggml's x86 `hsum_float_8` (quants.c) and tinyBLAS `hsum` (sgemm.cpp): the 8 lanes of an
+/// accumulator summed as `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`.
+#[inline(always)]
+pub(crate) fn hsum8(l: &[f32; 8]) -> f32 {
+    let s = [l[0] + l[4], l[1] + l[5], l[2] + l[6], l[3] + l[7]];
+    (s[0] + s[2]) + (s[1] + s[3])
 }
 
-/// `ggml_vec_dot_q4_0_q8_0_generic`.
-pub(crate) fn vec_dot_q4_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sumf = 0f32;
-    for (x, y) in w.chunks_exact(18).zip(a.chunks_exact(34)).take(n / QK) {
-        let (mut s0, mut s1) = (0i32, 0i32);
-        for j in 0..QK / 2 {
-            let v0 = (x[2 + j] & 0x0F) as i32 - 8;
-            let v1 = (x[2 + j] >> 4) as i32 - 8;
-            s0 += v0 * (y[2 + j] as i8) as i32;
-            s1 += v1 * (y[2 + j + QK / 2] as i8) as i32;
+/// The 32 signed weight values of a legacy block (value order) and its scale.
+fn legacy_block(ty: GgmlType, x: &[u8]) -> (f32, [i8; QK]) {
+    let mut v = [0i8; QK];
+    match ty {
+        GgmlType::Q8_0 => {
+            for j in 0..QK {
+                v[j] = x[2 + j] as i8;
+            }
         }
-        sumf += (s0 + s1) as f32 * f16_at(x, 0) * f16_at(y, 0);
+        GgmlType::Q4_0 => {
+            for j in 0..QK / 2 {
+                v[j] = (x[2 + j] & 0x0F) as i8 - 8;
+                v[j + QK / 2] = (x[2 + j] >> 4) as i8 - 8;
+            }
+        }
+        _ => {
+            let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]);
+            for j in 0..QK / 2 {
+                let h0 = (((qh >> j) & 1) << 4) as u8;
+                let h1 = (((qh >> (j + 16)) & 1) << 4) as u8;
+                v[j] = ((x[6 + j] & 0x0F) | h0) as i8 - 16;
+                v[j + QK / 2] = ((x[6 + j] >> 4) | h1) as i8 - 16;
+            }
+        }
     }
-    sumf
+    (f16_at(x, 0), v)
 }
 
-/// `ggml_vec_dot_q5_0_q8_0_generic`.
-pub(crate) fn vec_dot_q5_0_q8_0(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sumf = 0f32;
-    for (x, y) in w.chunks_exact(22).zip(a.chunks_exact(34)).take(n / QK) {
-        let qh = u32::from_le_bytes([x[2], x[3], x[4], x[5]]);
-        let (mut s0, mut s1) = (0i32, 0i32);
-        for j in 0..QK / 2 {
-            let xh0 = (((qh >> j) & 1) << 4) as u8;
-            let xh1 = (((qh >> (j + 16)) & 1) << 4) as u8;
-            let x0 = ((x[6 + j] & 0x0F) | xh0) as i32 - 16;
-            let x1 = ((x[6 + j] >> 4) | xh1) as i32 - 16;
-            s0 += x0 * (y[2 + j] as i8) as i32;
-            s1 += x1 * (y[2 + j + QK / 2] as i8) as i32;
+/// Q8_0 / Q4_0 / Q5_0 against q8_0, as `ggml_vec_dot_{q8_0,q4_0,q5_0}_q8_0` (AVX2 branch,
+/// one token) and tinyBLAS `tinyBLAS_Q0_AVX` (several tokens) both compute it: per block,
+/// eight i32 lanes of four consecutive products, converted to f32 and accumulated as
+/// `acc[l] = fma(dw * da, lane[l], acc[l])`; then [`hsum8`].
+pub(crate) fn vec_dot_legacy(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let bs = ty.type_size();
+    let mut acc = [0f32; 8];
+    for (x, y) in w.chunks_exact(bs).zip(a.chunks_exact(34)).take(n / QK) {
+        let (dw, v) = legacy_block(ty, x);
+        let d = dw * f16_at(y, 0);
+        for l in 0..8 {
+            let mut lane = 0i32;
+            for j in 4 * l..4 * l + 4 {
+                lane += v[j] as i32 * (y[2 + j] as i8) as i32;
+            }
+            acc[l] = d.mul_add(lane as f32, acc[l]);
         }
-        sumf += (s0 + s1) as f32 * f16_at(x, 0) * f16_at(y, 0);
     }
-    sumf
+    hsum8(&acc)
+}
+
+/// Which ggml kernel, hence which float order, a k-quant dot follows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum KOrder {
+    /// `ggml_vec_dot_q6_K_q8_K` (AVX2): eight i32 lanes per super-block, one FMA each, [`hsum8`].
+    Lanes8,
+    /// Repacked `ggml_gemv_q4_K_8x8_q8_K`: one FMA per super-block for the scales and one for
+    /// the mins, `acc - acc_min` at the end.
+    Sb256,
+    /// Repacked `ggml_gemm_q4_K_8x8_q8_K`: the same per 64 values (two sub-blocks).
+    Sb64,
+    /// The tiled K-quant matmul (ggml-cpu/tiled): per super-block `acc += (isum * dw) * da`.
+    Tiled,
+}
+
+/// The order ggml uses for token `t` of an `ntok`-token matmul with weights `ty`.
+///
+/// - q4_K is repacked to `q4_K_8x8` on AVX2 machines: tokens in whole groups of four from the
+///   start go through the GEMM, the remaining `ntok % 4` through the GEMV. (ggml repacks only
+///   matrices whose row count is a multiple of 8; we use these orders for every q4_K matrix.)
+/// - q6_K runs the tiled matmul from 8 tokens on and `ggml_vec_dot_q6_K_q8_K` below.
+/// - q5_K (not repacked on x86, so vec_dot / tiled in ggml) follows the q4_K orders here: no
+///   model we test against llama.cpp token for token has q5_K weights.
+pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
+    match ty {
+        GgmlType::Q6_K if ntok >= 8 => KOrder::Tiled,
+        GgmlType::Q6_K => KOrder::Lanes8,
+        _ if t < ntok - ntok % 4 => KOrder::Sb64,
+        _ => KOrder::Sb256,
+    }
 }
 
 fn q8k_parts(y: &[u8]) -> (f32, &[u8], [i16; 16]) {
@@ -528,124 +574,143 @@ fn q8k_parts(y: &[u8]) -> (f32, &[u8], [i16; 16]) {
     (f32_at(y, 0), &y[4..4 + QK_K], bsums)
 }
 
-/// `ggml_vec_dot_q4_K_q8_K_generic` and `ggml_vec_dot_q5_K_q8_K_generic` (5-bit when `q5`).
-fn vec_dot_qk45(n: usize, w: &[u8], a: &[u8], q5: bool) -> f32 {
+/// q4_K / q5_K against q8_K in [`KOrder::Sb256`] or [`KOrder::Sb64`] order.
+fn vec_dot_qk45(n: usize, w: &[u8], a: &[u8], q5: bool, order: KOrder) -> f32 {
     let ts = if q5 { 176 } else { 144 };
-    let mut sums = [0f32; 8];
-    let mut sumf = 0f32;
+    let per = if order == KOrder::Sb64 { 2 } else { 8 };
+    let (mut acc, mut acc_min) = (0f32, 0f32);
     for (x, y) in w.chunks_exact(ts).zip(a.chunks_exact(292)).take(n / QK_K) {
         let (yd, q8, bsums) = q8k_parts(y);
         let scales = &x[4..16];
         let qs = if q5 { &x[48..176] } else { &x[16..144] };
-        let mut aux8 = [0i8; QK_K];
-        for j in 0..4 {
+        // Sub-block j holds values 32j..32j+32: low nibbles of qs[32(j/2)..] for even j, high
+        // nibbles for odd j (+16 from qh bit j on q5_K).
+        let mut raw = [0i32; 8];
+        for j in 0..8 {
             for l in 0..32 {
-                let mut lo = qs[32 * j + l] & 0xF;
-                let mut hi = qs[32 * j + l] >> 4;
-                if q5 {
-                    let qh = x[16 + l];
-                    lo += if qh & (1 << (2 * j)) != 0 { 16 } else { 0 };
-                    hi += if qh & (2 << (2 * j)) != 0 { 16 } else { 0 };
+                let b = qs[32 * (j / 2) + l];
+                let mut c = if j % 2 == 0 { b & 0xF } else { b >> 4 } as i32;
+                if q5 && x[16 + l] & (1 << j) != 0 {
+                    c += 16;
                 }
-                aux8[64 * j + l] = lo as i8;
-                aux8[64 * j + 32 + l] = hi as i8;
+                raw[j] += c * (q8[32 * j + l] as i8) as i32;
             }
         }
-        let mut sumi = 0i32;
-        for (j, b) in bsums.iter().enumerate() {
-            sumi += *b as i32 * scale_min_k4(j / 2, scales).1 as i32;
-        }
-        let mut aux32 = [0i32; 8];
-        for j in 0..QK_K / 32 {
-            let scale = scale_min_k4(j, scales).0 as i32;
-            for k in 0..4 {
-                for l in 0..8 {
-                    let i = 32 * j + 8 * k + l;
-                    aux32[l] += scale * (q8[i] as i8 as i32 * aux8[i] as i32);
-                }
+        let dw = f16_at(x, 0) * yd;
+        let dm = f16_at(x, 2) * yd;
+        for g in (0..8).step_by(per) {
+            let (mut isum, mut imin) = (0i32, 0i32);
+            for j in g..g + per {
+                let (sc, m) = scale_min_k4(j, scales);
+                isum += sc as i32 * raw[j];
+                imin += m as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32);
             }
+            acc = (isum as f32).mul_add(dw, acc);
+            acc_min = (imin as f32).mul_add(dm, acc_min);
         }
-        let d = f16_at(x, 0) * yd;
-        for l in 0..8 {
-            sums[l] += d * aux32[l] as f32;
-        }
-        let dmin = f16_at(x, 2) * yd;
-        sumf -= dmin * sumi as f32;
     }
-    sumf + sums.iter().sum::<f32>()
+    acc - acc_min
 }
 
-/// `ggml_vec_dot_q4_K_q8_K_generic`.
-pub(crate) fn vec_dot_q4_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    vec_dot_qk45(n, w, a, false)
+/// The 256 q6_K codes of a super-block, unsigned (value + 32), in value order.
+fn q6k_codes(x: &[u8]) -> [u8; QK_K] {
+    let mut c = [0u8; QK_K];
+    for h in 0..2 {
+        let ql = &x[64 * h..];
+        let qh = &x[128 + 32 * h..];
+        let a = &mut c[128 * h..];
+        for l in 0..32 {
+            a[l] = (ql[l] & 0xF) | ((qh[l] & 3) << 4);
+            a[l + 32] = (ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4);
+            a[l + 64] = (ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4);
+            a[l + 96] = (ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4);
+        }
+    }
+    c
 }
 
-/// `ggml_vec_dot_q5_K_q8_K_generic`.
-pub(crate) fn vec_dot_q5_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    vec_dot_qk45(n, w, a, true)
-}
-
-/// `ggml_vec_dot_q6_K_q8_K_generic`.
-pub(crate) fn vec_dot_q6_k_q8_k(n: usize, w: &[u8], a: &[u8]) -> f32 {
-    let mut sums = [0f32; 8];
+/// q6_K against q8_K in [`KOrder::Lanes8`] or [`KOrder::Tiled`] order.
+fn vec_dot_q6k(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
+    let mut lanes_acc = [0f32; 8];
+    let mut acc = 0f32;
     for (x, y) in w.chunks_exact(210).zip(a.chunks_exact(292)).take(n / QK_K) {
-        let (yd, q8, _) = q8k_parts(y);
-        let mut aux8 = [0i8; QK_K];
-        for h in 0..2 {
-            let ql = &x[64 * h..];
-            let qh = &x[128 + 32 * h..];
-            let a = &mut aux8[128 * h..];
-            for l in 0..32 {
-                a[l] = ((ql[l] & 0xF) | ((qh[l] & 3) << 4)) as i8 - 32;
-                a[l + 32] = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) as i8 - 32;
-                a[l + 64] = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) as i8 - 32;
-                a[l + 96] = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) as i8 - 32;
+        let (yd, q8, bsums) = q8k_parts(y);
+        let c = q6k_codes(x);
+        let sc = |j: usize| (x[192 + j] as i8) as i32;
+        let dw = f16_at(x, 208);
+        if order == KOrder::Tiled {
+            let mut isum = 0i32;
+            for e in 0..QK_K {
+                isum += sc(e / 16) * (c[e] as i32 - 32) * (q8[e] as i8) as i32;
             }
-        }
-        let mut aux32 = [0i32; 8];
-        for j in 0..QK_K / 16 {
-            let scale = (x[192 + j] as i8) as i32;
-            for k in 0..2 {
-                for l in 0..8 {
-                    let i = 16 * j + 8 * k + l;
-                    aux32[l] += scale * (q8[i] as i8 as i32 * aux8[i] as i32);
+            acc += (isum as f32 * dw) * yd;
+        } else {
+            // Lane l: bytes 4l..4l+4 of every 32-value chunk, each with its sub-block scale,
+            // minus the offset 32 over chunk l's two sub-blocks (via bsums).
+            let d = yd * dw;
+            for l in 0..8 {
+                let mut lane = 0i32;
+                for ch in 0..8 {
+                    for e in 32 * ch + 4 * l..32 * ch + 4 * l + 4 {
+                        lane += sc(e / 16) * c[e] as i32 * (q8[e] as i8) as i32;
+                    }
                 }
+                lane -= 32 * (bsums[2 * l] as i32 * sc(2 * l) + bsums[2 * l + 1] as i32 * sc(2 * l + 1));
+                lanes_acc[l] = d.mul_add(lane as f32, lanes_acc[l]);
             }
-        }
-        let d = f16_at(x, 208) * yd;
-        for l in 0..8 {
-            sums[l] += d * aux32[l] as f32;
         }
     }
-    sums.iter().sum()
+    if order == KOrder::Tiled {
+        acc
+    } else {
+        hsum8(&lanes_acc)
+    }
 }
 
-/// `dot(n, weight row bytes, activation row bytes)`.
+/// `dot(n, weight row bytes, activation row bytes)` for the float weight types.
 pub(crate) type VecDotFn = fn(usize, &[u8], &[u8]) -> f32;
 
-/// The reference dot product for a weight type against its `vec_dot_type` activations.
-pub(crate) fn vec_dot_fn(w: GgmlType) -> Option<VecDotFn> {
+/// The reference dot product of a float weight type against its `vec_dot_type` activations.
+fn float_dot_fn(w: GgmlType) -> Option<VecDotFn> {
     Some(match w {
         GgmlType::F32 => vec_dot_f32,
         GgmlType::F16 => vec_dot_f16,
         GgmlType::BF16 => vec_dot_bf16,
-        GgmlType::Q8_0 => vec_dot_q8_0_q8_0,
-        GgmlType::Q4_0 => vec_dot_q4_0_q8_0,
-        GgmlType::Q5_0 => vec_dot_q5_0_q8_0,
-        GgmlType::Q4_K => vec_dot_q4_k_q8_k,
-        GgmlType::Q5_K => vec_dot_q5_k_q8_k,
-        GgmlType::Q6_K => vec_dot_q6_k_q8_k,
         _ => return None,
     })
 }
 
-/// Reference matmul: one `vec_dot` per (row, token). Same contract as the SIMD kernels.
+/// Whether the reference has a dot product (hence a matmul) for weights of type `w`.
+pub(crate) fn has_dot(w: GgmlType) -> bool {
+    matches!(
+        w,
+        GgmlType::Q8_0
+            | GgmlType::Q4_0
+            | GgmlType::Q5_0
+            | GgmlType::Q4_K
+            | GgmlType::Q5_K
+            | GgmlType::Q6_K
+    ) || float_dot_fn(w).is_some()
+}
+
+/// The reference dot of weight row `w` with activation row `a` (`n` elements), for token `t`
+/// of an `ntok`-token matmul (the k-quant order depends on both, see [`k_order`]).
+pub(crate) fn dot(ty: GgmlType, t: usize, ntok: usize, n: usize, w: &[u8], a: &[u8]) -> f32 {
+    match ty {
+        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => vec_dot_legacy(ty, n, w, a),
+        GgmlType::Q4_K => vec_dot_qk45(n, w, a, false, k_order(ty, t, ntok)),
+        GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, k_order(ty, t, ntok)),
+        GgmlType::Q6_K => vec_dot_q6k(n, w, a, k_order(ty, t, ntok)),
+        _ => float_dot_fn(ty).expect("Gemm is only built for weight types with a dot")(n, w, a),
+    }
+}
+
+/// Reference matmul: one [`dot`] per (row, token). Same contract as the SIMD kernels.
 pub(crate) fn matmul(g: &crate::matmul::Gemm<'_>, out: &mut [f32]) {
-    let dot = vec_dot_fn(g.wty).expect("Gemm is only built for weight types with a vec_dot");
     for t in 0..g.ntok {
         let a = g.act_row(t);
         for r in 0..g.nrows {
-            out[t * g.nrows + r] = dot(g.cols, g.w_row(r), a);
+            out[t * g.nrows + r] = dot(g.wty, t, g.ntok, g.cols, g.w_row(r), a);
         }
     }
 }

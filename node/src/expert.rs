@@ -309,7 +309,7 @@ pub fn dump(name: &str, x: &[f32], width: usize) {
             .and_then(|v| v.parse::<usize>().ok())
         {
             if let Some(r) = x.chunks(width).nth(q) {
-                let v: Vec<String> = r.iter().map(|v| format!("{v:.9}")).collect();
+                let v: Vec<String> = r.iter().map(|v| format!("{v:.8e}")).collect();
                 eprintln!("  row {q}: {}", v.join(" "));
             }
         }

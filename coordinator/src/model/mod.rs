@@ -213,6 +213,7 @@ impl Model {
             if let Some(kn) = &lw.k_norm {
                 ops::rms_norm_rows(&mut k, kn, cfg.rms_eps);
             }
+            dump(&format!("Kcur_normed-{il}"), &k, cfg.k_dim());
             let rope = if cfg.is_swa[il] {
                 &rope_swa
             } else {

@@ -4,6 +4,7 @@
 
 pub(crate) mod avx2;
 pub(crate) mod avx512;
+mod avx512q;
 
 /// Cover `g.nrows` × `g.ntok` with tiles of R rows × T tokens (edges with 1-row / 1-token
 /// tiles). Expanded inside a `#[target_feature]` function of the module whose tiles it calls.

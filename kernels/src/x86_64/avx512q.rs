@@ -1,0 +1,588 @@
+//! AVX-512 (F, BW, VL, VNNI) matmuls of quantized weights, bit-identical to the scalar
+//! reference: they sum in the float order llama.cpp's x86 CPU backend uses (see
+//! `scalar::vec_dot_legacy`, `scalar::KOrder`), so our logits equal its logits.
+//!
+//! Integer products use VNNI. Exact integer partial sums may be grouped any way; only the f32
+//! steps have to happen where ggml does them:
+//! - Legacy blocks (q8_0, q4_0, q5_0): per block, eight i32 lanes of four products, one FMA
+//!   per lane, the lanes reduced as `hsum_float_8` at the end. One token: one 256-bit
+//!   accumulator per row (unsigned weight codes, the offset removed by starting the lanes at
+//!   `-offset·Σa`). Several tokens: a 512-bit register holds a (row, token pair) — weights
+//!   broadcast to both halves, the two tokens' activations side by side, biased by +128 to be
+//!   the unsigned operand, the bias removed by starting the lanes at `-128·Σw`.
+//! - k-quants: the exact integer sum of a super-block (or of 64 values for the q4_K GEMM
+//!   order) is reduced horizontally, four tokens at a time so one transposing reduction serves
+//!   four dot products, then scaled in f32 lanes that hold those four tokens.
+
+// Tile loops index several per-row / per-token arrays with the same counter.
+#![allow(clippy::needless_range_loop)]
+
+use super::{k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset};
+use super::{Q4_0, Q5_0, Q5_K, Q6_K, Q8_0};
+use crate::matmul::Gemm;
+use crate::quant::{QK, QK_K};
+use crate::scalar::{k_order, KOrder};
+use core::arch::x86_64::*;
+
+/// `hsum_float_8` of ggml (x86 quants.c): `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn hsum8(x: __m256) -> f32 {
+    let r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
+    let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
+    _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)))
+}
+
+/// # Safety
+/// Features as the module; `p` readable for 2 bytes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn f16_to_f32(p: *const u8) -> f32 {
+    // SAFETY: 2 readable bytes at `p`.
+    let bits = unsafe { p.cast::<u16>().read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Legacy 32-value blocks: q8_0, q4_0, q5_0 against q8_0.
+
+/// The 32 codes of the legacy block at `p` in value order, unsigned (`value + offset`).
+///
+/// # Safety
+/// Features as the module; `p` readable for one `KIND` block.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_u8<const KIND: u8>(p: *const u8) -> __m256i {
+    // SAFETY (whole body): reads within the block at `p`.
+    unsafe {
+        if KIND == Q8_0 {
+            return _mm256_xor_si256(_mm256_loadu_si256(p.add(2).cast()), _mm256_set1_epi8(-128));
+        }
+        let qoff = if KIND == Q4_0 { 2 } else { 6 };
+        let q = _mm_loadu_si128(p.add(qoff).cast());
+        let both = _mm256_set_m128i(_mm_srli_epi16::<4>(q), q);
+        let u = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+        if KIND == Q5_0 {
+            let qh = p.add(2).cast::<u32>().read_unaligned();
+            _mm256_mask_add_epi8(u, qh, u, _mm256_set1_epi8(16))
+        } else {
+            u
+        }
+    }
+}
+
+/// # Safety
+/// The CPU has this module's features; `g` comes from `Gemm::new` with `out.len() ==
+/// g.ntok * g.nrows` and `g.wty` of kind `KIND`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        // SAFETY: as this function's contract.
+        unsafe { gemv_legacy::<KIND>(g, out) };
+    } else {
+        // SAFETY: as this function's contract.
+        unsafe { gemm_legacy::<KIND>(g, out) };
+    }
+}
+
+/// GEMV (one token): one row at a time (a single sequential weight stream is what the
+/// hardware prefetchers follow best), against activations prepared once per call.
+///
+/// # Safety
+/// As [`run_legacy`], with `g.ntok == 1`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    let nb = g.cols / QK;
+    let bs = legacy_block_bytes(KIND);
+    let ones = _mm256_set1_epi8(1);
+    let negk = _mm256_set1_epi32(-legacy_offset(KIND));
+    let mut codes = Vec::with_capacity(nb);
+    let mut corr = Vec::with_capacity(nb);
+    // SAFETY (whole body): blocks below `nb` of the one activation row and of each row.
+    unsafe {
+        for b in 0..nb {
+            let a = _mm256_loadu_si256(g.a.as_ptr().add(b * 34 + 2).cast());
+            codes.push(a);
+            let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, a);
+            corr.push(_mm256_mullo_epi32(sums, negk));
+        }
+        for r in 0..g.nrows {
+            let w = g.w.as_ptr().add(r * g.w_stride);
+            let mut acc = _mm256_setzero_ps();
+            for b in 0..nb {
+                let p = w.add(b * bs);
+                let isum = _mm256_dpbusd_epi32(
+                    *corr.get_unchecked(b),
+                    unpack_u8::<KIND>(p),
+                    *codes.get_unchecked(b),
+                );
+                let d = _mm256_set1_ps(f16_to_f32(p) * *g.a_scales.get_unchecked(b));
+                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
+            }
+            *out.get_unchecked_mut(r) = hsum8(acc);
+        }
+    }
+}
+
+/// One weight block unpacked for the GEMM: signed codes, the lanes' `-128·Σw`, the scale.
+#[derive(Clone, Copy)]
+struct WBlock {
+    w: __m256i,
+    corr: __m256i,
+    d: f32,
+}
+
+/// One token pair's block for the GEMM: both tokens' codes biased by +128 (token `2q` in the
+/// low half), and their scales spread over the halves.
+#[derive(Clone, Copy)]
+struct APair {
+    a: __m512i,
+    d: __m512,
+}
+
+/// GEMM (several tokens). Every row of the call is unpacked once; the tokens run in pairs and
+/// in blocks whose prepared activations stay in L2; tiles of 4 rows × 4 pairs keep 16
+/// accumulators in registers for the whole row length (the per-lane chains must run over all
+/// blocks in order).
+///
+/// # Safety
+/// As [`run_legacy`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemm_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    const R: usize = 4;
+    const P: usize = 4;
+    let nb = g.cols / QK;
+    let bs = legacy_block_bytes(KIND);
+    let off = _mm256_set1_epi8(legacy_offset(KIND) as u8 as i8);
+    let ones = _mm256_set1_epi8(1);
+    let npairs = g.ntok.div_ceil(2);
+    // Pairs per token block: their prepared activations (128 bytes per block) within ~192 KiB.
+    let pb = ((192 * 1024) / (nb * 128).max(1)).max(P) / P * P;
+    let mut wsc: Vec<WBlock> = Vec::with_capacity(g.nrows * nb);
+    let mut act: Vec<APair> = Vec::with_capacity(pb.min(npairs) * nb);
+    // SAFETY (whole body): rows below `g.nrows`, tokens below `g.ntok` (an odd last token's
+    // partner is a zero block, never read from `g.a`), blocks below `nb`.
+    unsafe {
+        for r in 0..g.nrows {
+            let w = g.w.as_ptr().add(r * g.w_stride);
+            for b in 0..nb {
+                let p = w.add(b * bs);
+                let sw = _mm256_sub_epi8(unpack_u8::<KIND>(p), off);
+                let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, sw);
+                wsc.push(WBlock {
+                    w: sw,
+                    corr: _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<7>(sums)),
+                    d: f16_to_f32(p),
+                });
+            }
+        }
+        let bias = _mm256_set1_epi8(-128);
+        let mut q0 = 0;
+        while q0 < npairs {
+            let q1 = (q0 + pb).min(npairs);
+            act.clear();
+            for q in q0..q1 {
+                let t = 2 * q;
+                let has1 = t + 1 < g.ntok;
+                for b in 0..nb {
+                    let p0 = g.a.as_ptr().add(t * g.a_stride + b * 34 + 2);
+                    let lo = _mm256_xor_si256(_mm256_loadu_si256(p0.cast()), bias);
+                    let (hi, d1) = if has1 {
+                        let p1 = p0.add(g.a_stride);
+                        (
+                            _mm256_xor_si256(_mm256_loadu_si256(p1.cast()), bias),
+                            *g.a_scales.get_unchecked((t + 1) * nb + b),
+                        )
+                    } else {
+                        (bias, 0.0)
+                    };
+                    let d0 = *g.a_scales.get_unchecked(t * nb + b);
+                    act.push(APair {
+                        a: _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi),
+                        d: _mm512_insertf32x8::<1>(
+                            _mm512_castps256_ps512(_mm256_set1_ps(d0)),
+                            _mm256_set1_ps(d1),
+                        ),
+                    });
+                }
+            }
+            let mut r = 0;
+            while r < g.nrows {
+                let nr = if g.nrows - r >= R { R } else { 1 };
+                let mut q = q0;
+                while q < q1 {
+                    let np = if q1 - q >= P { P } else { 1 };
+                    match (nr, np) {
+                        (R, P) => legacy_tile::<R, P>(g, &wsc, &act, nb, r, q0, q, out),
+                        (R, _) => legacy_tile::<R, 1>(g, &wsc, &act, nb, r, q0, q, out),
+                        (_, P) => legacy_tile::<1, P>(g, &wsc, &act, nb, r, q0, q, out),
+                        _ => legacy_tile::<1, 1>(g, &wsc, &act, nb, r, q0, q, out),
+                    }
+                    q += np;
+                }
+                r += nr;
+            }
+            q0 = q1;
+        }
+    }
+}
+
+/// Rows `r0..r0+R` × token pairs `q..q+P` over all `nb` blocks, written to `out` (the second
+/// token of a pair only when it exists).
+///
+/// # Safety
+/// Features as the module; `wsc` holds `nb` blocks of every row, `act` `nb` blocks of the pairs
+/// `q0..` (so `q - q0 + P` of them), `r0 + R <= g.nrows`, `2q < g.ntok`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+unsafe fn legacy_tile<const R: usize, const P: usize>(
+    g: &Gemm<'_>,
+    wsc: &[WBlock],
+    act: &[APair],
+    nb: usize,
+    r0: usize,
+    q0: usize,
+    q: usize,
+    out: &mut [f32],
+) {
+    let mut acc = [[_mm512_setzero_ps(); P]; R];
+    // SAFETY (whole body): indices as the contract.
+    unsafe {
+        for b in 0..nb {
+            let mut ap = [act.get_unchecked(0); P];
+            for j in 0..P {
+                ap[j] = act.get_unchecked((q - q0 + j) * nb + b);
+            }
+            for i in 0..R {
+                let wb = wsc.get_unchecked((r0 + i) * nb + b);
+                let w = _mm512_broadcast_i64x4(wb.w);
+                let c = _mm512_broadcast_i64x4(wb.corr);
+                let dw = _mm512_set1_ps(wb.d);
+                for j in 0..P {
+                    let isum = _mm512_dpbusd_epi32(c, ap[j].a, w);
+                    let d = _mm512_mul_ps(dw, ap[j].d);
+                    acc[i][j] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(isum), acc[i][j]);
+                }
+            }
+        }
+        for i in 0..R {
+            for j in 0..P {
+                let t = 2 * (q + j);
+                let lo = _mm512_castps512_ps256(acc[i][j]);
+                *out.get_unchecked_mut(t * g.nrows + r0 + i) = hsum8(lo);
+                if t + 1 < g.ntok {
+                    let hi = _mm512_extractf32x8_ps::<1>(acc[i][j]);
+                    *out.get_unchecked_mut((t + 1) * g.nrows + r0 + i) = hsum8(hi);
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// k-quants: q4_K, q5_K, q6_K against q8_K.
+
+/// One unpacked weight super-block: 4 × 64 unsigned codes in value order, the sub-block scales
+/// as i16 lanes matching `vpmaddubsw` output, f32 `d` and `dmin`, and the i16 vector that
+/// multiplies the q8_K `bsums` (mins, duplicated per pair of 16, for q4_K/q5_K; the scales for
+/// q6_K, whose codes carry an offset of 32).
+#[derive(Clone, Copy)]
+pub(super) struct KBlock {
+    u: [__m512i; 4],
+    sc: [__m512i; 4],
+    d: f32,
+    dmin: f32,
+    bsum_w: __m256i,
+}
+
+/// # Safety
+/// Features as the module; `p` readable for one `KIND` super-block.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_k<const KIND: u8>(p: *const u8) -> KBlock {
+    // SAFETY (whole body): reads within the super-block at `p` (layouts in scalar.rs).
+    unsafe {
+        let low4 = _mm512_set1_epi8(0x0F);
+        let mut u = [_mm512_setzero_si512(); 4];
+        let mut sc = [_mm512_setzero_si512(); 4];
+        if KIND == Q6_K {
+            let d = f16_to_f32(p.add(208));
+            let sc16 = _mm256_cvtepi8_epi16(_mm_loadu_si128(p.add(192).cast()));
+            let k = 0x0001_0001_0001_0001i64;
+            let idx0 = _mm512_set_epi64(3 * k, 3 * k, 2 * k, 2 * k, k, k, 0, 0);
+            let sc512 = _mm512_castsi256_si512(sc16);
+            let sl = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+            let sr = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(2), 1);
+            let m30 = _mm512_set1_epi8(0x30);
+            for h in 0..2 {
+                let ql = _mm512_loadu_si512(p.add(64 * h).cast());
+                let hb = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(128 + 32 * h).cast()));
+                let ha = _mm512_and_si512(_mm512_sllv_epi16(hb, sl), m30);
+                let hbb = _mm512_and_si512(_mm512_srlv_epi16(hb, sr), m30);
+                u[2 * h] = _mm512_or_si512(_mm512_and_si512(ql, low4), ha);
+                u[2 * h + 1] =
+                    _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql, 4), low4), hbb);
+            }
+            for (c, s) in sc.iter_mut().enumerate() {
+                let idx = _mm512_add_epi16(idx0, _mm512_set1_epi16(4 * c as i16));
+                *s = _mm512_permutexvar_epi16(idx, sc512);
+            }
+            KBlock {
+                u,
+                sc,
+                d,
+                dmin: 0.0,
+                bsum_w: sc16,
+            }
+        } else {
+            let d = f16_to_f32(p);
+            let dmin = f16_to_f32(p.add(2));
+            let (scales, mins) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
+            let sc512 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64)));
+            let m = _mm_cvtsi64_si128(mins as i64);
+            let bsum_w = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
+            let idx0 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(1), 1);
+            let qs = if KIND == Q5_K { p.add(48) } else { p.add(16) };
+            let hb = if KIND == Q5_K {
+                _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16).cast()))
+            } else {
+                _mm512_setzero_si512()
+            };
+            let bit0 = _mm512_inserti64x4(_mm512_set1_epi8(1), _mm256_set1_epi8(2), 1);
+            for c in 0..4 {
+                let qq = _mm512_broadcast_i64x4(_mm256_loadu_si256(qs.add(32 * c).cast()));
+                let sh = _mm512_mask_srli_epi16(qq, 0xFFFF_0000, qq, 4);
+                u[c] = _mm512_and_si512(sh, low4);
+                if KIND == Q5_K {
+                    let bits = _mm512_sllv_epi16(bit0, _mm512_set1_epi16(2 * c as i16));
+                    let hm = _mm512_test_epi8_mask(hb, bits);
+                    u[c] = _mm512_mask_add_epi8(u[c], hm, u[c], _mm512_set1_epi8(16));
+                }
+                let idx = _mm512_add_epi16(idx0, _mm512_set1_epi16(2 * c as i16));
+                sc[c] = _mm512_permutexvar_epi16(idx, sc512);
+            }
+            KBlock {
+                u,
+                sc,
+                d,
+                dmin,
+                bsum_w,
+            }
+        }
+    }
+}
+
+/// One q8_K super-block of a token: its codes, f32 scale and `bsums`.
+#[derive(Clone, Copy)]
+struct KAct {
+    p: *const u8,
+    d: f32,
+    bsums: __m256i,
+}
+
+/// # Safety
+/// Features as the module; `p` readable for one q8_K super-block (f32 d, 256 codes, 16 bsums).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn k_act(p: *const u8) -> KAct {
+    // SAFETY: within the super-block.
+    unsafe {
+        KAct {
+            p: p.add(4),
+            d: p.cast::<f32>().read_unaligned(),
+            bsums: _mm256_loadu_si256(p.add(4 + QK_K).cast()),
+        }
+    }
+}
+
+/// The 64-value chunk `c` of `kb` against the same chunk of `a`: 16 i32 lanes of four scaled
+/// products each.
+///
+/// # Safety
+/// Features as the module; `a.p` readable for 256 codes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn chunk_dot(kb: &KBlock, a: &KAct, c: usize, acc: __m512i) -> __m512i {
+    // SAFETY: within the 256 codes.
+    let av = unsafe { _mm512_loadu_si512(a.p.add(64 * c).cast()) };
+    _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(kb.u[c], av), kb.sc[c])
+}
+
+/// The whole super-block's scaled integer lanes (without the q6_K offset or q4_K mins).
+///
+/// # Safety
+/// As [`chunk_dot`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn block_dot(kb: &KBlock, a: &KAct) -> __m512i {
+    let mut v = _mm512_setzero_si512();
+    for c in 0..4 {
+        // SAFETY: as this function's contract.
+        v = unsafe { chunk_dot(kb, a, c, v) };
+    }
+    v
+}
+
+/// Four vectors summed horizontally into the four lanes of one (exact integer sums).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn reduce4(v: [__m512i; 4]) -> __m128i {
+    let a01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
+    let a23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
+    let b = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23), _mm512_unpackhi_epi64(a01, a23));
+    let c = _mm256_add_epi32(_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64::<1>(b));
+    _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c))
+}
+
+/// The sum of the 8 i32 lanes.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn hsum_i32x8(v: __m256i) -> i32 {
+    let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
+    _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b01>(x)))
+}
+
+/// # Safety
+/// As [`run_legacy`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    let nsb = g.cols / QK_K;
+    let wbs = k_block_bytes(KIND);
+    let ntok = g.ntok;
+    let mut kb: Vec<KBlock> = Vec::with_capacity(nsb);
+    // Token block (a multiple of 4): its activations stay in L2 while the rows stream past.
+    let tb = ((256 * 1024) / g.a_stride.max(1)).max(4) / 4 * 4;
+    // SAFETY (whole body): rows below `g.nrows`, tokens below `ntok` (padding repeats a valid
+    // token), super-blocks below `nsb`, as validated by `Gemm::new`.
+    unsafe {
+        let act = |t: usize, sb: usize| k_act(g.a.as_ptr().add(t * g.a_stride + sb * 292));
+        let mut t0 = 0;
+        while t0 < ntok {
+            let t1 = (t0 + tb).min(ntok);
+            for r in 0..g.nrows {
+                let w = g.w.as_ptr().add(r * g.w_stride);
+                kb.clear();
+                for sb in 0..nsb {
+                    kb.push(unpack_k::<KIND>(w.add(sb * wbs)));
+                }
+                let mut t = t0;
+                while t < t1 {
+                    let order = k_order(g.wty, t, ntok);
+                    let n = if order == KOrder::Sb64 || order == KOrder::Tiled {
+                        (t1 - t).min(4)
+                    } else {
+                        1
+                    };
+                    let mut res = [0f32; 4];
+                    match order {
+                        KOrder::Lanes8 => {
+                            let mut acc = _mm256_setzero_ps();
+                            for sb in 0..nsb {
+                                let (b, a) = (kb.get_unchecked(sb), act(t, sb));
+                                let v = block_dot(b, &a);
+                                let v8 = _mm256_add_epi32(
+                                    _mm512_castsi512_si256(v),
+                                    _mm512_extracti64x4_epi64::<1>(v),
+                                );
+                                let corr = _mm256_madd_epi16(a.bsums, b.bsum_w);
+                                let v8 = _mm256_sub_epi32(v8, _mm256_slli_epi32::<5>(corr));
+                                let d = _mm256_set1_ps(a.d * b.d);
+                                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(v8), acc);
+                            }
+                            res[0] = hsum8(acc);
+                        }
+                        KOrder::Sb256 => {
+                            let (mut acc, mut acc_min) = (0f32, 0f32);
+                            for sb in 0..nsb {
+                                let (b, a) = (kb.get_unchecked(sb), act(t, sb));
+                                let isum = _mm512_reduce_add_epi32(block_dot(b, &a));
+                                let imin = hsum_i32x8(_mm256_madd_epi16(a.bsums, b.bsum_w));
+                                acc = (isum as f32).mul_add(b.d * a.d, acc);
+                                acc_min = (imin as f32).mul_add(b.dmin * a.d, acc_min);
+                            }
+                            res[0] = acc - acc_min;
+                        }
+                        KOrder::Sb64 | KOrder::Tiled => {
+                            let v = k_group(&kb, order, |j, sb| act(t + j.min(n - 1), sb));
+                            _mm_storeu_ps(res.as_mut_ptr(), v);
+                        }
+                    }
+                    for j in 0..n {
+                        *out.get_unchecked_mut((t + j) * g.nrows + r) = res[j];
+                    }
+                    t += n;
+                }
+            }
+            t0 = t1;
+        }
+    }
+}
+
+/// One row (`kb`, all its super-blocks) against four tokens (`act(j, sb)`, j < 4; padding
+/// repeats a token) in [`KOrder::Sb64`] or [`KOrder::Tiled`] order; lane `j` is token `j`.
+///
+/// # Safety
+/// Features as the module; `act` returns readable q8_K super-blocks for every `sb < kb.len()`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn k_group(
+    kb: &[KBlock],
+    order: KOrder,
+    act: impl Fn(usize, usize) -> KAct,
+) -> __m128 {
+    let mut acc = _mm_setzero_ps();
+    let mut acc_min = _mm_setzero_ps();
+    // SAFETY (whole body): `act` as the contract; chunks below 4.
+    unsafe {
+        for (sb, b) in kb.iter().enumerate() {
+            let a = [act(0, sb), act(1, sb), act(2, sb), act(3, sb)];
+            let da = _mm_setr_ps(a[0].d, a[1].d, a[2].d, a[3].d);
+            if order == KOrder::Tiled {
+                let mut v = [_mm512_setzero_si512(); 4];
+                for j in 0..4 {
+                    let corr = _mm256_slli_epi32::<5>(_mm256_madd_epi16(a[j].bsums, b.bsum_w));
+                    v[j] = _mm512_sub_epi32(block_dot(b, &a[j]), _mm512_zextsi256_si512(corr));
+                }
+                let res = _mm_mul_ps(_mm_cvtepi32_ps(reduce4(v)), _mm_set1_ps(b.d));
+                acc = _mm_add_ps(acc, _mm_mul_ps(res, da));
+            } else {
+                // Mins: per token, lanes j = min_j·(bsums[2j] + bsums[2j+1]); pairs of
+                // sub-blocks summed and transposed to one vector per 64 values.
+                let mut m = [_mm256_setzero_si256(); 4];
+                for j in 0..4 {
+                    m[j] = _mm256_madd_epi16(a[j].bsums, b.bsum_w);
+                }
+                let h01 = _mm256_hadd_epi32(m[0], m[1]);
+                let h23 = _mm256_hadd_epi32(m[2], m[3]);
+                let (l01, l23) = (_mm256_castsi256_ps(h01), _mm256_castsi256_ps(h23));
+                let lo = _mm256_shuffle_ps::<0b10_00_10_00>(l01, l23);
+                let hi = _mm256_shuffle_ps::<0b11_01_11_01>(l01, l23);
+                let mins = [
+                    _mm256_castps256_ps128(lo),
+                    _mm256_castps256_ps128(hi),
+                    _mm256_extractf128_ps::<1>(lo),
+                    _mm256_extractf128_ps::<1>(hi),
+                ];
+                let sv = _mm_mul_ps(_mm_set1_ps(b.d), da);
+                let mv = _mm_mul_ps(_mm_set1_ps(b.dmin), da);
+                for c in 0..4 {
+                    let mut v = [_mm512_setzero_si512(); 4];
+                    for j in 0..4 {
+                        v[j] = chunk_dot(b, &a[j], c, _mm512_setzero_si512());
+                    }
+                    let isum = _mm_cvtepi32_ps(reduce4(v));
+                    acc = _mm_fmadd_ps(isum, sv, acc);
+                    let imin = _mm_cvtepi32_ps(_mm_castps_si128(mins[c]));
+                    acc_min = _mm_fmadd_ps(imin, mv, acc_min);
+                }
+            }
+        }
+    }
+    if order == KOrder::Tiled {
+        acc
+    } else {
+        _mm_sub_ps(acc, acc_min)
+    }
+}
