@@ -545,7 +545,8 @@ pub(crate) enum KOrder {
     Sb256,
     /// Repacked `ggml_gemm_q4_K_8x8_q8_K`: the same per 64 values (two sub-blocks).
     Sb64,
-    /// The tiled K-quant matmul (ggml-cpu/tiled): per super-block `acc += (isum * dw) * da`.
+    /// The tiled K-quant matmul (ggml-cpu/tiled): per super-block `acc = fma(isum * dw, da, acc)`
+    /// (its `acc + result * d1` intrinsics, contracted to an FMA by GCC).
     Tiled,
 }
 
@@ -643,7 +644,7 @@ fn vec_dot_q6k(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
             for e in 0..QK_K {
                 isum += sc(e / 16) * (c[e] as i32 - 32) * (q8[e] as i8) as i32;
             }
-            acc += (isum as f32 * dw) * yd;
+            acc = (isum as f32 * dw).mul_add(yd, acc);
         } else {
             // Lane l: bytes 4l..4l+4 of every 32-value chunk, each with its sub-block scale,
             // minus the offset 32 over chunk l's two sub-blocks (via bsums).

@@ -546,7 +546,7 @@ unsafe fn k_group(
                     v[j] = _mm512_sub_epi32(block_dot(b, &a[j]), _mm512_zextsi256_si512(corr));
                 }
                 let res = _mm_mul_ps(_mm_cvtepi32_ps(reduce4(v)), _mm_set1_ps(b.d));
-                acc = _mm_add_ps(acc, _mm_mul_ps(res, da));
+                acc = _mm_fmadd_ps(res, da, acc);
             } else {
                 // Mins: per token, lanes j = min_j·(bsums[2j] + bsums[2j+1]); pairs of
                 // sub-blocks summed and transposed to one vector per 64 values.
