@@ -24,9 +24,26 @@ if [ "$source_only" = 1 ]; then
   echo "llama.cpp source: $dir/src/vendor/llama.cpp"; exit 0
 fi
 command -v cmake >/dev/null || python3 -m pip install --quiet cmake
+# The CPU kernels llama.cpp runs depend on the machine: a native build on an Intel CPU with AMX
+# routes q4_0/q8_0/q4_K/q5_K/q6_K matmuls through its AMX code (which also crashed here,
+# SIGSEGV in ggml_backend_amx_mul_mat under llama-bench), while AMD EPYC (Zen 4) runs the
+# AVX-512 ones. So the reference is built for the same instruction sets everywhere: AVX2/FMA/F16C,
+# plus AVX-512 (F/BW/VL/DQ, VNNI, VBMI, BF16) where the CPU has it, never AMX or AVX-VNNI. Its
+# outputs then do not depend on which x86 machine made them (tests/data/refs).
+flags=$(grep -m1 '^flags' /proc/cpuinfo 2>/dev/null || true)
+has() { case " $flags " in *" $1 "*) echo ON ;; *) echo OFF ;; esac; }
+avx512=OFF
+if [ "$(has avx512f)$(has avx512bw)$(has avx512vl)$(has avx512dq)$(has avx512_vnni)" = ONONONONON ]; then avx512=ON; fi
+isa="-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=$avx512"
+if [ "$avx512" = ON ]; then
+  isa="$isa -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=$(has avx512vbmi) -DGGML_AVX512_BF16=$(has avx512_bf16)"
+fi
+echo "llama.cpp: building for $isa (no AMX, no AVX-VNNI)" >&2
+# shellcheck disable=SC2086
 cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release \
-  -DGGML_NATIVE=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=ON \
-  -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+  -DGGML_NATIVE=OFF $isa -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+  -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=ON \
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
 cmake --build "$dir/build" -j"$(nproc)" --target llama-simple llama-tokenize llama-perplexity \
   llama-bench test-backend-ops llama-quantize 2>&1 | tail -n 3
 echo "llama.cpp: $bin"

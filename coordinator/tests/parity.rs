@@ -59,7 +59,6 @@ fn greedy_continuations_match_llama_cpp_token_for_token() {
     assert!(!cases.is_empty(), "no greedy reference fixtures found");
     let mut checked = 0;
     let mut failures = Vec::new();
-    let mut near_ties = Vec::new();
     for (stem, path) in cases {
         let Some(mp) = model_path(&stem) else {
             println!("skipped: {stem}: model not present (run scripts/fetch-model.sh)");
@@ -111,35 +110,34 @@ fn greedy_continuations_match_llama_cpp_token_for_token() {
                 .unwrap_or(g.tokens.len().min(want.len()));
             let top = &item["top"][first];
             let gap = top[0][1].as_f64().unwrap_or(f64::MAX) - top[1][1].as_f64().unwrap_or(0.0);
-            let msg = format!("{stem}: {prompt:?}: first difference at token {first} (llama.cpp top-2 gap {gap:.4})");
-            if LOGIT_PARITY_ONLY.contains(&stem.as_str()) {
-                near_ties.push(msg);
-            } else {
-                failures.push(format!("{msg}: got {:?} want {:?}", g.tokens, want));
-            }
+            failures.push(format!(
+                "{stem}: {prompt:?}: first difference at token {first} (llama.cpp top-2 gap {gap:.4}): got {:?} want {:?}",
+                g.tokens, want
+            ));
         }
-        if LOGIT_PARITY_ONLY.contains(&stem.as_str()) {
-            // Teacher-force llama.cpp's tokens and compare logits step by step instead.
-            let worst = teacher_forced_logit_error(&model, items, &stem, &mut failures);
-            println!("greedy parity: {stem}: teacher-forced max |logit - llama.cpp| over top-5 = {worst:.3} (limit {LOGIT_TOL})");
-        }
-        println!("greedy parity: {stem}: {ok}/{total} continuations identical to llama.cpp");
+        // Teacher-force llama.cpp's tokens and compare logits step by step too: the quantized
+        // matmuls, RoPE, GELU and attention round like llama.cpp's x86 CPU backend, so on
+        // quantized models the logits are equal, not just close (docs/parity.md).
+        let worst = teacher_forced_logit_error(&model, items, &stem, &mut failures);
+        println!("greedy parity: {stem}: {ok}/{total} continuations identical to llama.cpp; teacher-forced max |logit - llama.cpp| over top-5 = {worst:.2e}");
         checked += 1;
-    }
-    for n in &near_ties {
-        println!("greedy parity: diverged (logit parity checked instead): {n}");
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));
     assert!(checked > 0, "no model was present to check");
 }
 
-/// Models whose k-quant matmuls do not yet sum in llama.cpp's float order (repacked Q4_K 8x8,
-/// Q6_K): one-ulp differences flip Q8 activation roundings and move logits by up to ~1, so
-/// greedy runs part at llama.cpp's near-ties. For these the test checks logits under teacher
-/// forcing instead of token identity (docs/parity.md); every other model must match exactly.
-const LOGIT_PARITY_ONLY: &[&str] = &["gemma-3-270m-q4_k_m"];
-/// Largest tolerated |logit - llama.cpp| for the ids of llama.cpp's top-5 at any step.
-const LOGIT_TOL: f64 = 1.5;
+/// Largest tolerated |logit - llama.cpp| for the ids of llama.cpp's top-5 at any step, relative
+/// to max(1, |logit|). The fixtures print logits to 9 significant digits. Quantized models agree
+/// to the last bit or two (their matmuls, RoPE, GELU and attention round like llama.cpp's x86
+/// CPU backend); f16-weight models to ~5e-4, because our f16 matmuls keep their own summation
+/// order (llama.cpp's tinyBLAS one is not reproduced yet).
+fn logit_tol(stem: &str) -> f64 {
+    if stem.contains("f16") {
+        2e-3
+    } else {
+        1e-6
+    }
+}
 /// Where llama.cpp's top-1 leads its top-2 by more than this, our top-1 must agree.
 const CONFIDENT_GAP: f64 = 1.0;
 
@@ -161,7 +159,7 @@ fn teacher_forced_logit_error(
             let t5 = t5.as_array().unwrap();
             for e in t5 {
                 let (id, l) = (e[0].as_u64().unwrap() as usize, e[1].as_f64().unwrap());
-                worst = worst.max((logits[id] as f64 - l).abs());
+                worst = worst.max((logits[id] as f64 - l).abs() / l.abs().max(1.0));
             }
             let gap = t5[0][1].as_f64().unwrap() - t5[1][1].as_f64().unwrap();
             let ours = ternfleet_coordinator::sampler::argmax(&logits);
@@ -173,9 +171,10 @@ fn teacher_forced_logit_error(
                 .unwrap();
         }
     }
-    if worst > LOGIT_TOL {
+    if worst > logit_tol(stem) {
         failures.push(format!(
-            "{stem}: logits differ from llama.cpp's by up to {worst:.3} (> {LOGIT_TOL})"
+            "{stem}: logits differ from llama.cpp's by up to {worst:.3e} (> {:.0e}, relative)",
+            logit_tol(stem)
         ));
     }
     worst
