@@ -54,6 +54,10 @@ pub(crate) struct Kernels {
     pub scale_f16: fn(&mut [f16], f32),
     /// `y[i] = fma(x[i], v, y[i])` in f32 (equal lengths).
     pub mad_f32: fn(&mut [f32], &[f32], f32),
+    /// Flash-attention tile pieces (see `scalar::fa_scores`, `fa_pv`, `softmax_exp`).
+    pub fa_scores: fn(&[f32], &[f32], &mut [f32]),
+    pub fa_pv: fn(&mut [f32], &[f32], &[f32]),
+    pub softmax_exp: fn(&mut [f32], f32) -> f64,
 }
 
 /// A matmul over a validated problem; `out.len() == g.ntok * g.nrows`.
@@ -77,6 +81,9 @@ const SCALAR: Kernels = Kernels {
     mad_f16: crate::scalar::mad_f16,
     scale_f16: crate::scalar::scale_f16,
     mad_f32: crate::scalar::mad_f32,
+    fa_scores: crate::scalar::fa_scores,
+    fa_pv: crate::scalar::fa_pv,
+    softmax_exp: crate::scalar::softmax_exp,
 };
 
 /// The kernels of `isa`, or `None` when this CPU lacks its features.

@@ -236,6 +236,30 @@ pub fn mad_f32(y: &mut [f32], x: &[f32], v: f32) {
     (dispatch::selected().mad_f32)(y, x, v)
 }
 
+/// Flash-attention scores of one query against a tile of keys, as llama.cpp's tiled path
+/// (`ggml_compute_forward_flash_attn_ext_tiled`) sums them: `out[j] = Σ_d q[d]·kt[d·w + j]`,
+/// one FMA per `d` in order, where `kt` is the tile transposed (`q.len()` rows of `w =
+/// out.len()` keys). Bit-identical on every ISA. Panics when `kt.len() != q.len() * w`.
+pub fn fa_scores(q: &[f32], kt: &[f32], out: &mut [f32]) {
+    assert_eq!(kt.len(), q.len() * out.len(), "fa_scores: kt is not q.len() x out.len()");
+    (dispatch::selected().fa_scores)(q, kt, out)
+}
+
+/// `acc[i] += Σ_j p[j]·v[j·n + i]` with `n = acc.len()`, one FMA per `j` in order (the P·V
+/// product of llama.cpp's tiled flash attention). Bit-identical on every ISA. Panics when
+/// `v.len() != p.len() * n`.
+pub fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32]) {
+    assert_eq!(v.len(), p.len() * acc.len(), "fa_pv: v is not p.len() x acc.len()");
+    (dispatch::selected().fa_pv)(acc, p, v)
+}
+
+/// `x[i] = exp(x[i] - max)` in place, returning `Σ x[i]` as llama.cpp's
+/// `ggml_vec_soft_max_f32` computes both (AVX-512 build: its polynomial `ggml_v_expf` 16 lanes
+/// at a time, lane sums halved into an f64; libm `expf` for a tail). Bit-identical on every ISA.
+pub fn softmax_exp(x: &mut [f32], max: f32) -> f64 {
+    (dispatch::selected().softmax_exp)(x, max)
+}
+
 /// `y[i] = f16(y[i] * v)`: llama.cpp's `ggml_vec_scale_f16`.
 pub fn scale_f16(y: &mut [half::f16], v: f32) {
     (dispatch::selected().scale_f16)(y, v)

@@ -782,3 +782,94 @@ pub(crate) fn ggml_order_dot(n: usize, at: impl Fn(usize) -> (f32, f32)) -> f32 
     }
     sum as f32
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tiled flash attention (llama.cpp's `ggml_compute_forward_flash_attn_ext_tiled`, used for 64
+// or more queries): f32 score and P·V GEMMs that sum each element in one sequential FMA chain,
+// and the vectorised `ggml_v_expf` of its softmax.
+
+/// `out[j] = Σ_d q[d]·kt[d·w + j]` (`w = out.len()`), one FMA per `d` in order from 0: the
+/// elements of `simd_gemm(KQ, Q, Kᵀ)` in ggml-cpu/simd-gemm.h.
+pub(crate) fn fa_scores(q: &[f32], kt: &[f32], out: &mut [f32]) {
+    let w = out.len();
+    for (j, o) in out.iter_mut().enumerate() {
+        let mut acc = 0f32;
+        for (d, &qd) in q.iter().enumerate() {
+            acc = kt[d * w + j].mul_add(qd, acc);
+        }
+        *o = acc;
+    }
+}
+
+/// `acc[i] += Σ_j p[j]·v[j·n + i]` (`n = acc.len()`), one FMA per `j` in order: the elements
+/// of `simd_gemm(VKQ, P, V)`.
+pub(crate) fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32]) {
+    let n = acc.len();
+    for (j, &pj) in p.iter().enumerate() {
+        for (i, a) in acc.iter_mut().enumerate() {
+            *a = v[j * n + i].mul_add(pj, *a);
+        }
+    }
+}
+
+const EXP_SHIFT: u32 = 0x4b40_0000; // 0x1.8p23
+const EXP_LOG2E: u32 = 0x3fb8_aa3b; // 0x1.715476p+0
+const EXP_LN2_HI: u32 = 0x3f31_7200; // 0x1.62e4p-1
+const EXP_LN2_LO: u32 = 0x35bf_be8e; // 0x1.7f7d1cp-20
+const EXP_P: [u32; 5] = [
+    0x3c07_2010, // 0x1.0e4020p-7
+    0x3d2b_9f17, // 0x1.573e2ep-5
+    0x3e2a_af33, // 0x1.555e66p-3
+    0x3eff_fedb, // 0x1.fffdb6p-2
+    0x3f7f_fff6, // 0x1.ffffecp-1
+];
+
+/// One lane of ggml's AVX-512 `ggml_v_expf` (ggml-cpu/vec.h): `2^n · p(b)` with
+/// `n = round(x·log2 e)`, `b = x - n·ln 2` in two FMAs, `p` a degree-5 polynomial, and
+/// `_mm512_scalef_ps` for the power of two; 0 or ∞ when `|n| > 192`.
+pub(crate) fn ggml_v_expf(x: f32) -> f32 {
+    let f = f32::from_bits;
+    let r = f(EXP_SHIFT);
+    let z = x.mul_add(f(EXP_LOG2E), r);
+    let n = z - r;
+    if n.abs() > 192.0 {
+        return if n <= 0.0 { 0.0 } else { f32::INFINITY };
+    }
+    let b = (-n).mul_add(f(EXP_LN2_LO), (-n).mul_add(f(EXP_LN2_HI), x));
+    let u = b * b;
+    let p = |i: usize| f(EXP_P[i]);
+    let j = p(0)
+        .mul_add(b, p(1))
+        .mul_add(u, p(2).mul_add(b, p(3)))
+        .mul_add(u, p(4).mul_add(b, 1.0));
+    // scalef: j·2^floor(n), one rounding (subnormal results included) via the exact f64 product.
+    (j as f64 * (n.floor() as f64).exp2()) as f32
+}
+
+/// `ggml_vec_soft_max_f32` (AVX-512 build): `x[i] = exp(x[i] - max)` and the sum, 16 lanes at
+/// a time with `ggml_v_expf` and `_mm512_reduce_add_ps` (halving: +8, +4, +2, +1) into an f64,
+/// the tail with libm `expf`.
+pub(crate) fn softmax_exp(x: &mut [f32], max: f32) -> f64 {
+    let mut sum = 0f64;
+    let mut chunks = x.chunks_exact_mut(16);
+    for c in &mut chunks {
+        let mut v = [0f32; 16];
+        for (o, xi) in v.iter_mut().zip(c.iter_mut()) {
+            *xi = ggml_v_expf(*xi - max);
+            *o = *xi;
+        }
+        let mut width = 8;
+        while width > 0 {
+            for l in 0..width {
+                v[l] += v[l + width];
+            }
+            width /= 2;
+        }
+        sum += v[0] as f64;
+    }
+    for xi in chunks.into_remainder() {
+        *xi = (*xi - max).exp();
+        sum += *xi as f64;
+    }
+    sum
+}

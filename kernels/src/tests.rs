@@ -694,3 +694,76 @@ fn matmul_n_zero_and_empty_ranges_are_fine() {
         matmul_with(isa, &m, &act, 0..4, &mut []).unwrap();
     }
 }
+
+#[test]
+fn flash_attention_pieces_are_bit_identical_on_every_isa() {
+    let mut rng = Rng(23);
+    for (dk, w) in [(1usize, 1usize), (64, 64), (256, 64), (80, 37), (128, 17), (3, 70)] {
+        let q: Vec<f32> = (0..dk).map(|_| rng.normalish()).collect();
+        let kt: Vec<f32> = (0..dk * w).map(|_| rng.normalish()).collect();
+        let mut want = vec![0f32; w];
+        scalar::fa_scores(&q, &kt, &mut want);
+        // The reference is a faithful dot product (one FMA chain per key).
+        for j in 0..w {
+            let exact: f64 = (0..dk).map(|d| q[d] as f64 * kt[d * w + j] as f64).sum();
+            let scale: f64 = (0..dk).map(|d| (q[d] * kt[d * w + j]).abs() as f64).sum();
+            assert!((want[j] as f64 - exact).abs() <= 1e-5 * scale + 1e-30);
+        }
+        let p: Vec<f32> = (0..w).map(|_| rng.f32()).collect();
+        let v: Vec<f32> = (0..w * dk).map(|_| rng.normalish()).collect();
+        let acc0: Vec<f32> = (0..dk).map(|_| rng.normalish()).collect();
+        let mut want_pv = acc0.clone();
+        scalar::fa_pv(&mut want_pv, &p, &v);
+        for isa in Isa::ALL {
+            let Some(k) = kernels_for(isa) else { continue };
+            let mut got = vec![f32::NAN; w];
+            (k.fa_scores)(&q, &kt, &mut got);
+            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{isa:?} fa_scores dk={dk} w={w}");
+            let mut acc = acc0.clone();
+            (k.fa_pv)(&mut acc, &p, &v);
+            assert_eq!(bits(&acc), bits(&want_pv), "{isa:?} fa_pv dk={dk} w={w}");
+        }
+    }
+}
+
+#[test]
+fn softmax_exp_follows_ggml_v_expf_on_every_isa() {
+    let mut rng = Rng(29);
+    // Scores below a max, with the values that take the special paths: -inf (masked), far
+    // below (subnormal and zero results), exactly the max, NaN.
+    let mut x: Vec<f32> = (0..200).map(|_| -rng.f32() * 30.0).collect();
+    x.extend([f32::NEG_INFINITY, -87.0, -100.0, -104.0, -140.0, -200.0, 0.0, -0.0, f32::NAN]);
+    x.extend((0..23).map(|i| -(i as f32) * 0.37));
+    for n in [0usize, 5, 16, 31, 64, x.len()] {
+        let mut want = x[..n].to_vec();
+        let sum = scalar::softmax_exp(&mut want, 0.0);
+        for (i, (&w, &xi)) in want.iter().zip(&x[..n]).enumerate() {
+            if xi.is_nan() {
+                assert!(w.is_nan());
+                continue;
+            }
+            // ggml's polynomial is within a few ulp of exp (and exactly 0 for masked scores).
+            let e = (xi as f64).exp();
+            assert!(
+                (w as f64 - e).abs() <= 4e-7 * e + 1e-44,
+                "x[{i}] = {xi}: {w} vs {e}"
+            );
+        }
+        for isa in Isa::ALL {
+            let Some(k) = kernels_for(isa) else { continue };
+            let mut got = x[..n].to_vec();
+            let s = (k.softmax_exp)(&mut got, 0.0);
+            assert_eq!(s.to_bits(), sum.to_bits(), "{isa:?} sum n={n}");
+            for i in 0..n {
+                assert!(
+                    got[i].to_bits() == want[i].to_bits() || (got[i].is_nan() && want[i].is_nan()),
+                    "{isa:?} n={n} x[{i}]={}: {} vs {}",
+                    x[i],
+                    got[i],
+                    want[i]
+                );
+            }
+        }
+    }
+}

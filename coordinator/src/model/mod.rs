@@ -10,8 +10,7 @@ use std::sync::Arc;
 
 use half::f16;
 use rayon::prelude::*;
-use ternfleet_kernels::{Activations, GgmlType, QMatrix};
-use ternfleet_node::compute::matmul_par;
+use ternfleet_kernels::Activations;
 use ternfleet_node::compute::Linear;
 use ternfleet_node::expert::{dump, ExpertBackend, ExpertBatch, LocalExperts, Route};
 use ternfleet_shared::gguf::GgufFile;
@@ -319,7 +318,7 @@ const FA_TILE_Q: usize = 64;
 /// - fewer than 64 queries (decode, short prompts): Q rounded to f16, K·Q by
 ///   `ggml_vec_dot_f16`, online softmax in key order with an f16 V accumulator
 ///   (`ggml_vec_scale_f16` / `ggml_vec_mad_f16`), divided by the sum at the end;
-/// - 64 or more (prefill): Q in f32, K widened to f32, f32 softmax and accumulation.
+/// - 64 or more (prefill): the tiled kernel, see [`attention_batched`].
 fn attention(
     cfg: &ModelConfig,
     cache: &KvCache,
@@ -371,14 +370,15 @@ fn attention(
     });
 }
 
-/// Queries per block of [`attention_batched`]: each block multiplies only against the keys
-/// its causal mask can reach, so about half of the score and P·V products are skipped.
-const ATTN_BLOCK: usize = 128;
+/// Keys per tile of ggml's tiled flash attention (ggml-cpu/common.h `GGML_FA_TILE_KV`).
+const FA_TILE_KV: usize = 64;
 
-/// Attention for 64 or more queries (prefill), as two f32 GEMMs per KV head and block of
-/// queries through the kernels: scores = Q·Kᵀ against every position up to the block's last,
-/// masked causal softmax in place, then P·V (V transposed per block). Like ggml's tiled
-/// flash-attention path it keeps Q, K, V in f32.
+/// Attention for 64 or more queries (prefill), computed as llama.cpp's tiled flash attention
+/// (`ggml_compute_forward_flash_attn_ext_tiled`) rounds it, so prompts of any length give its
+/// logits: Q stays f32, K and V are widened from the f16 cache; per query, keys go in tiles of
+/// 64 from position 0: scores as one FMA chain over the head dimension, scaled, masked, the
+/// running max and sum updated once per tile (`ggml_vec_soft_max_f32` with ggml's polynomial
+/// exp, summed in f64), and P·V accumulated one FMA per key in order; divided by the sum last.
 fn attention_batched(
     cfg: &ModelConfig,
     cache: &KvCache,
@@ -388,80 +388,72 @@ fn attention_batched(
     window: Option<usize>,
     out: &mut [f32],
 ) {
+    const W: usize = FA_TILE_KV;
     let (hk, hv) = (cfg.head_dim_k, cfg.head_dim_v);
     let (k_dim, v_dim) = cache.dims();
     let group = cfg.n_head / cfg.n_head_kv;
     let n = q.len() / cfg.q_dim();
     let n_kv = p0 + n;
-    let keys = &cache.keys(il)[..n_kv * k_dim];
-    let values = &cache.values(il)[..n_kv * v_dim];
-    let mut act = Activations::new();
-    let mut row = vec![0f32; hk.max(hv)];
-    for g in 0..cfg.n_head_kv {
-        // K of this head as an f32 matrix (row j = position j); any prefix of rows is valid.
-        let mut kb = Vec::with_capacity(n_kv * hk * 4);
-        let mut vf = vec![0f32; n_kv * hv];
-        for j in 0..n_kv {
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(
-                &keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk],
-                &mut row[..hk],
-            );
-            row[..hk]
-                .iter()
-                .for_each(|v| kb.extend_from_slice(&v.to_le_bytes()));
-            half::slice::HalfFloatSliceExt::convert_to_f32_slice(
-                &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv],
-                &mut vf[j * hv..(j + 1) * hv],
-            );
-        }
-        for t0 in (0..n).step_by(ATTN_BLOCK) {
-            let t1 = (t0 + ATTN_BLOCK).min(n);
-            let (rows, kv) = ((t1 - t0) * group, p0 + t1);
-            // Query rows ordered (token, head in group).
-            let mut qg = Vec::with_capacity(rows * hk);
-            for t in t0..t1 {
-                let base = t * cfg.q_dim() + g * group * hk;
-                qg.extend_from_slice(&q[base..base + group * hk]);
-            }
-            let km = QMatrix::new(GgmlType::F32, kv, hk, &kb[..kv * hk * 4])
-                .expect("K prefix is kv x head_dim by construction");
-            act.quantize_for(GgmlType::F32, &qg, rows, hk)
-                .expect("f32 activations need no quantization");
-            let mut scores = vec![0f32; rows * kv];
-            matmul_par(&km, &act, &mut scores).expect("scores buffer is rows x kv");
-            scores.par_chunks_mut(kv).enumerate().for_each(|(r, srow)| {
-                let pos = p0 + t0 + r / group;
-                let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-                let valid = &mut srow[lo..=pos];
-                valid.iter_mut().for_each(|s| *s *= cfg.kq_scale);
-                let max = valid.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let mut sum = 0f32;
-                for s in valid.iter_mut() {
-                    *s = (*s - max).exp();
-                    sum += *s;
+    let ntiles = n_kv.div_ceil(W);
+    let keys = cache.keys(il);
+    let values = cache.values(il);
+    // Per KV head: every key tile transposed (hk rows of W keys) and every value tile (W rows
+    // of hv), in f32, zero past the last position.
+    let tiles: Vec<(Vec<f32>, Vec<f32>)> = (0..cfg.n_head_kv)
+        .into_par_iter()
+        .map(|g| {
+            let mut kt = vec![0f32; ntiles * hk * W];
+            let mut vt = vec![0f32; ntiles * W * hv];
+            for j in 0..n_kv {
+                let (tile, c) = (j / W, j % W);
+                let krow = &keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk];
+                let kt_tile = &mut kt[tile * hk * W..(tile + 1) * hk * W];
+                for (d, kv) in krow.iter().enumerate() {
+                    kt_tile[d * W + c] = kv.to_f32();
                 }
-                let inv = 1.0 / sum;
-                valid.iter_mut().for_each(|s| *s *= inv);
-                srow[..lo].iter_mut().for_each(|s| *s = 0.0);
-                srow[pos + 1..].iter_mut().for_each(|s| *s = 0.0);
-            });
-            let mut vb = vec![0u8; hv * kv * 4];
-            for (d, dst) in vb.chunks_exact_mut(kv * 4).enumerate() {
-                for (j, b) in dst.chunks_exact_mut(4).enumerate() {
-                    b.copy_from_slice(&vf[j * hv + d].to_le_bytes());
-                }
+                let vrow = &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv];
+                half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                    vrow,
+                    &mut vt[j * hv..(j + 1) * hv],
+                );
             }
-            let vm = QMatrix::new(GgmlType::F32, hv, kv, &vb)
-                .expect("Vᵀ is head_dim x kv by construction");
-            act.quantize_for(GgmlType::F32, &scores, rows, kv)
-                .expect("f32 activations need no quantization");
-            let mut o = vec![0f32; rows * hv];
-            matmul_par(&vm, &act, &mut o).expect("output buffer is rows x head_dim");
-            for (r, src) in o.chunks_exact(hv).enumerate() {
-                let (t, head) = (t0 + r / group, g * group + r % group);
-                let dst = t * cfg.n_head * hv + head * hv;
-                out[dst..dst + hv].copy_from_slice(src);
+            (kt, vt)
+        })
+        .collect();
+    out.par_chunks_mut(hv).enumerate().for_each(|(i, o)| {
+        let (t, head) = (i / cfg.n_head, i % cfg.n_head);
+        let (kt, vt) = &tiles[head / group];
+        let pos = p0 + t;
+        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
+        let qrow = &q[t * cfg.q_dim() + head * hk..t * cfg.q_dim() + (head + 1) * hk];
+        let mut vkq = vec![0f32; hv];
+        let (mut sum, mut max) = (0f32, f32::NEG_INFINITY);
+        let mut kq = [0f32; W];
+        for tile in lo / W..=pos / W {
+            let k0 = tile * W;
+            ternfleet_kernels::fa_scores(qrow, &kt[tile * hk * W..(tile + 1) * hk * W], &mut kq);
+            for (j, s) in kq.iter_mut().enumerate() {
+                *s = if k0 + j < lo || k0 + j > pos {
+                    f32::NEG_INFINITY
+                } else {
+                    *s * cfg.kq_scale
+                };
             }
+            let tile_max = kq.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            if tile_max == f32::NEG_INFINITY {
+                continue;
+            }
+            let new_max = max.max(tile_max);
+            if new_max > max {
+                let ms = (max - new_max).exp();
+                vkq.iter_mut().for_each(|v| *v *= ms);
+                sum *= ms;
+            }
+            max = new_max;
+            sum = (sum as f64 + ternfleet_kernels::softmax_exp(&mut kq, new_max)) as f32;
+            ternfleet_kernels::fa_pv(&mut vkq, &kq, &vt[k0 * hv..(k0 + W) * hv]);
         }
-    }
+        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
+        o.iter_mut().zip(&vkq).for_each(|(o, v)| *o = v * inv);
+    });
 }

@@ -39,6 +39,10 @@ impl Avx2 {
             mad_f16,
             scale_f16,
             mad_f32,
+            // ggml's AVX2 build has its own `ggml_v_expf`; we follow the AVX-512 one everywhere.
+            fa_scores: crate::scalar::fa_scores,
+            fa_pv: crate::scalar::fa_pv,
+            softmax_exp: crate::scalar::softmax_exp,
         }
     }
 }

@@ -40,6 +40,9 @@ impl Avx512 {
             mad_f16,
             scale_f16,
             mad_f32,
+            fa_scores,
+            fa_pv,
+            softmax_exp,
         }
     }
 }
@@ -322,4 +325,148 @@ unsafe fn load_one<const KIND: u8>(p: *const u8) -> f32 {
 #[cfg(test)]
 pub(crate) fn has_matmul(ty: GgmlType) -> bool {
     matmul_for(ty).is_some()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tiled flash attention pieces, bit-identical to `scalar::fa_scores` / `fa_pv` / `softmax_exp`.
+
+fn fa_scores(q: &[f32], kt: &[f32], out: &mut [f32]) {
+    // SAFETY: token-gated (see above); `kt` holds `q.len() * out.len()` floats (checked by the
+    // public wrapper, re-checked here for the raw loop).
+    assert!(kt.len() >= q.len() * out.len());
+    unsafe { fa_scores_raw(q, kt.as_ptr(), out) }
+}
+
+/// # Safety
+/// Features as the module; `kt` readable for `q.len() * out.len()` floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn fa_scores_raw(q: &[f32], kt: *const f32, out: &mut [f32]) {
+    let w = out.len();
+    let mut j0 = 0;
+    // SAFETY (whole body): columns below `w` of rows below `q.len()`; masked tails.
+    unsafe {
+        while j0 < w {
+            // Four 16-key accumulators (64 keys) per pass, the last ones masked.
+            let mut m = [0u16; 4];
+            for (c, mc) in m.iter_mut().enumerate() {
+                let left = w.saturating_sub(j0 + 16 * c);
+                *mc = if left >= 16 { 0xFFFF } else { (1u16 << left) - 1 };
+            }
+            let mut acc = [_mm512_setzero_ps(); 4];
+            for (d, &qd) in q.iter().enumerate() {
+                let qv = _mm512_set1_ps(qd);
+                let row = kt.add(d * w + j0);
+                for c in 0..4 {
+                    if m[c] != 0 {
+                        let k = _mm512_maskz_loadu_ps(m[c], row.add(16 * c));
+                        acc[c] = _mm512_fmadd_ps(k, qv, acc[c]);
+                    }
+                }
+            }
+            for c in 0..4 {
+                if m[c] != 0 {
+                    _mm512_mask_storeu_ps(out.as_mut_ptr().add(j0 + 16 * c), m[c], acc[c]);
+                }
+            }
+            j0 += 64;
+        }
+    }
+}
+
+fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32]) {
+    assert!(v.len() >= p.len() * acc.len());
+    // SAFETY: token-gated; `v` holds `p.len()` rows of `acc.len()` floats.
+    unsafe { fa_pv_raw(acc, p, v.as_ptr()) }
+}
+
+/// # Safety
+/// Features as the module; `v` readable for `p.len() * acc.len()` floats.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn fa_pv_raw(acc: &mut [f32], p: &[f32], v: *const f32) {
+    let n = acc.len();
+    let mut i0 = 0;
+    // SAFETY (whole body): columns below `n` of rows below `p.len()`; masked tails.
+    unsafe {
+        while i0 < n {
+            let mut m = [0u16; 4];
+            for (c, mc) in m.iter_mut().enumerate() {
+                let left = n.saturating_sub(i0 + 16 * c);
+                *mc = if left >= 16 { 0xFFFF } else { (1u16 << left) - 1 };
+            }
+            let a = acc.as_mut_ptr().add(i0);
+            let mut r = [_mm512_setzero_ps(); 4];
+            for c in 0..4 {
+                r[c] = _mm512_maskz_loadu_ps(m[c], a.add(16 * c));
+            }
+            for (j, &pj) in p.iter().enumerate() {
+                let pv = _mm512_set1_ps(pj);
+                let row = v.add(j * n + i0);
+                for c in 0..4 {
+                    if m[c] != 0 {
+                        let x = _mm512_maskz_loadu_ps(m[c], row.add(16 * c));
+                        r[c] = _mm512_fmadd_ps(x, pv, r[c]);
+                    }
+                }
+            }
+            for c in 0..4 {
+                _mm512_mask_storeu_ps(a.add(16 * c), m[c], r[c]);
+            }
+            i0 += 64;
+        }
+    }
+}
+
+fn softmax_exp(x: &mut [f32], max: f32) -> f64 {
+    // SAFETY: token-gated.
+    unsafe { softmax_exp_raw(x, max) }
+}
+
+/// # Safety
+/// Features as the module.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn softmax_exp_raw(x: &mut [f32], max: f32) -> f64 {
+    let f = |b: u32| _mm512_set1_ps(f32::from_bits(b));
+    let mut sum = 0f64;
+    let n16 = x.len() / 16 * 16;
+    let mv = _mm512_set1_ps(max);
+    // SAFETY (whole body): 16-element groups below `n16`.
+    unsafe {
+        for i in (0..n16).step_by(16) {
+            let p = x.as_mut_ptr().add(i);
+            let xv = _mm512_sub_ps(_mm512_loadu_ps(p), mv);
+            let r = f(0x4b40_0000);
+            let z = _mm512_fmadd_ps(xv, f(0x3fb8_aa3b), r);
+            let n = _mm512_sub_ps(z, r);
+            let b = _mm512_fnmadd_ps(n, f(0x35bf_be8e), _mm512_fnmadd_ps(n, f(0x3f31_7200), xv));
+            let d = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
+            let u = _mm512_mul_ps(b, b);
+            let j = _mm512_fmadd_ps(
+                _mm512_fmadd_ps(
+                    _mm512_fmadd_ps(f(0x3c07_2010), b, f(0x3d2b_9f17)),
+                    u,
+                    _mm512_fmadd_ps(f(0x3e2a_af33), b, f(0x3eff_fedb)),
+                ),
+                u,
+                _mm512_fmadd_ps(f(0x3f7f_fff6), b, _mm512_set1_ps(1.0)),
+            );
+            let mut res = _mm512_scalef_ps(j, n);
+            if d != 0 {
+                let le0 = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
+                let alt = _mm512_mask_blend_ps(le0, _mm512_set1_ps(f32::INFINITY), _mm512_setzero_ps());
+                res = _mm512_mask_blend_ps(d, res, alt);
+            }
+            _mm512_storeu_ps(p, res);
+            // `_mm512_reduce_add_ps` as GCC expands it: halves +8, +4, +2, +1.
+            let h = _mm256_add_ps(_mm512_castps512_ps256(res), _mm512_extractf32x8_ps::<1>(res));
+            let q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
+            let q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+            let q = _mm_add_ss(q, _mm_movehdup_ps(q));
+            sum += _mm_cvtss_f32(q) as f64;
+        }
+    }
+    for xi in &mut x[n16..] {
+        *xi = (*xi - max).exp();
+        sum += *xi as f64;
+    }
+    sum
 }
