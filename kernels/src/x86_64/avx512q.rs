@@ -85,8 +85,9 @@ pub(super) unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     }
 }
 
-/// GEMV (one token): one row at a time (a single sequential weight stream is what the
-/// hardware prefetchers follow best), against activations prepared once per call.
+/// GEMV (one token): four rows at a time, two per 512-bit register (row `r` in the low half,
+/// `r + 1` in the high half), each half one row's own chain of per-block FMAs; activations
+/// prepared once per call, broadcast to both halves. Remaining rows one at a time.
 ///
 /// # Safety
 /// As [`run_legacy`], with `g.ntok == 1`.
@@ -102,24 +103,99 @@ unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     unsafe {
         for b in 0..nb {
             let a = _mm256_loadu_si256(g.a.as_ptr().add(b * 34 + 2).cast());
-            codes.push(a);
+            codes.push(_mm512_broadcast_i64x4(a));
             let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, a);
-            corr.push(_mm256_mullo_epi32(sums, negk));
+            corr.push(_mm512_broadcast_i64x4(_mm256_mullo_epi32(sums, negk)));
         }
-        for r in 0..g.nrows {
+        let sel_a = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+        let sel_b = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+        let mut r = 0;
+        while r + 4 <= g.nrows {
+            let w = g.w.as_ptr().add(r * g.w_stride);
+            let st = g.w_stride;
+            let mut acc_a = _mm512_setzero_ps();
+            let mut acc_b = _mm512_setzero_ps();
+            for b in 0..nb {
+                let p = w.add(b * bs);
+                let (ua, ub) = (
+                    unpack_pair_u8::<KIND>(p, p.add(st)),
+                    unpack_pair_u8::<KIND>(p.add(2 * st), p.add(3 * st)),
+                );
+                let c = *corr.get_unchecked(b);
+                let a = *codes.get_unchecked(b);
+                let ia = _mm512_dpbusd_epi32(c, ua, a);
+                let ib = _mm512_dpbusd_epi32(c, ub, a);
+                // The four rows' f16 scales, times the activation's, spread per half.
+                let dh = _mm_setr_epi16(
+                    p.cast::<i16>().read_unaligned(),
+                    p.add(st).cast::<i16>().read_unaligned(),
+                    p.add(2 * st).cast::<i16>().read_unaligned(),
+                    p.add(3 * st).cast::<i16>().read_unaligned(),
+                    0,
+                    0,
+                    0,
+                    0,
+                );
+                let dd = _mm_mul_ps(_mm_cvtph_ps(dh), _mm_set1_ps(*g.a_scales.get_unchecked(b)));
+                let dz = _mm512_castps128_ps512(dd);
+                let (da, db) = (_mm512_permutexvar_ps(sel_a, dz), _mm512_permutexvar_ps(sel_b, dz));
+                acc_a = _mm512_fmadd_ps(da, _mm512_cvtepi32_ps(ia), acc_a);
+                acc_b = _mm512_fmadd_ps(db, _mm512_cvtepi32_ps(ib), acc_b);
+            }
+            *out.get_unchecked_mut(r) = hsum8(_mm512_castps512_ps256(acc_a));
+            *out.get_unchecked_mut(r + 1) = hsum8(_mm512_extractf32x8_ps::<1>(acc_a));
+            *out.get_unchecked_mut(r + 2) = hsum8(_mm512_castps512_ps256(acc_b));
+            *out.get_unchecked_mut(r + 3) = hsum8(_mm512_extractf32x8_ps::<1>(acc_b));
+            r += 4;
+        }
+        while r < g.nrows {
             let w = g.w.as_ptr().add(r * g.w_stride);
             let mut acc = _mm256_setzero_ps();
             for b in 0..nb {
                 let p = w.add(b * bs);
                 let isum = _mm256_dpbusd_epi32(
-                    *corr.get_unchecked(b),
+                    _mm512_castsi512_si256(*corr.get_unchecked(b)),
                     unpack_u8::<KIND>(p),
-                    *codes.get_unchecked(b),
+                    _mm512_castsi512_si256(*codes.get_unchecked(b)),
                 );
                 let d = _mm256_set1_ps(f16_to_f32(p) * *g.a_scales.get_unchecked(b));
                 acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
             }
             *out.get_unchecked_mut(r) = hsum8(acc);
+            r += 1;
+        }
+    }
+}
+
+/// The unsigned codes of the blocks at `p0` (low half) and `p1` (high half), value order.
+///
+/// # Safety
+/// Features as the module; `p0`, `p1` readable for one `KIND` block each.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_pair_u8<const KIND: u8>(p0: *const u8, p1: *const u8) -> __m512i {
+    // SAFETY (whole body): reads within the two blocks.
+    unsafe {
+        if KIND == Q8_0 {
+            let lo = _mm256_loadu_si256(p0.add(2).cast());
+            let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), _mm256_loadu_si256(p1.add(2).cast()));
+            return _mm512_xor_si512(v, _mm512_set1_epi8(-128));
+        }
+        let qoff = if KIND == Q4_0 { 2 } else { 6 };
+        let q = _mm256_inserti128_si256::<1>(
+            _mm256_castsi128_si256(_mm_loadu_si128(p0.add(qoff).cast())),
+            _mm_loadu_si128(p1.add(qoff).cast()),
+        );
+        // 128-bit lanes [q0, q0, q1, q1], the second of each pair shifted to its high nibbles.
+        let qq = _mm512_shuffle_i64x2::<0b01_01_00_00>(_mm512_castsi256_si512(q), _mm512_castsi256_si512(q));
+        let sh = _mm512_mask_srli_epi16(qq, 0xFF00_FF00, qq, 4);
+        let u = _mm512_and_si512(sh, _mm512_set1_epi8(0x0F));
+        if KIND == Q5_0 {
+            let h0 = p0.add(2).cast::<u32>().read_unaligned() as u64;
+            let h1 = p1.add(2).cast::<u32>().read_unaligned() as u64;
+            _mm512_mask_add_epi8(u, h0 | (h1 << 32), u, _mm512_set1_epi8(16))
+        } else {
+            u
         }
     }
 }
@@ -448,6 +524,11 @@ fn hsum_i32x8(v: __m256i) -> i32 {
 /// As [`run_legacy`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        // SAFETY: as this function's contract.
+        unsafe { gemv_k::<KIND>(g, out) };
+        return;
+    }
     let nsb = g.cols / QK_K;
     let wbs = k_block_bytes(KIND);
     let ntok = g.ntok;
@@ -584,5 +665,80 @@ unsafe fn k_group(
         acc
     } else {
         _mm_sub_ps(acc, acc_min)
+    }
+}
+
+/// GEMV (one token) of a k-quant: super-blocks unpacked as they stream past. q4_K/q5_K
+/// ([`KOrder::Sb256`]) take four rows at a time, so one transposing reduction serves their
+/// four integer sums and the f32 chains run in the lanes of one register; q6_K
+/// ([`KOrder::Lanes8`]) keeps its eight lanes per row.
+///
+/// # Safety
+/// As [`run_k`], with `g.ntok == 1`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    let nsb = g.cols / QK_K;
+    let wbs = k_block_bytes(KIND);
+    // SAFETY (whole body): rows below `g.nrows`, super-blocks below `nsb`.
+    unsafe {
+        let act = |sb: usize| k_act(g.a.as_ptr().add(sb * 292));
+        let mut r = 0;
+        if KIND != Q6_K {
+            while r + 4 <= g.nrows {
+                let w = g.w.as_ptr().add(r * g.w_stride);
+                let mut acc = _mm_setzero_ps();
+                let mut acc_min = _mm_setzero_ps();
+                for sb in 0..nsb {
+                    let a = act(sb);
+                    let mut v = [_mm512_setzero_si512(); 4];
+                    let mut m = [_mm256_setzero_si256(); 4];
+                    let mut d = [0f32; 4];
+                    let mut dm = [0f32; 4];
+                    for i in 0..4 {
+                        let kb = unpack_k::<KIND>(w.add(i * g.w_stride + sb * wbs));
+                        v[i] = block_dot(&kb, &a);
+                        m[i] = _mm256_madd_epi16(a.bsums, kb.bsum_w);
+                        d[i] = kb.d;
+                        dm[i] = kb.dmin;
+                    }
+                    let isum = _mm_cvtepi32_ps(reduce4(v));
+                    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
+                    let imin = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+                    let da = _mm_set1_ps(a.d);
+                    let sv = _mm_mul_ps(_mm_loadu_ps(d.as_ptr()), da);
+                    let mv = _mm_mul_ps(_mm_loadu_ps(dm.as_ptr()), da);
+                    acc = _mm_fmadd_ps(isum, sv, acc);
+                    acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), mv, acc_min);
+                }
+                _mm_storeu_ps(out.as_mut_ptr().add(r), _mm_sub_ps(acc, acc_min));
+                r += 4;
+            }
+        }
+        while r < g.nrows {
+            let w = g.w.as_ptr().add(r * g.w_stride);
+            *out.get_unchecked_mut(r) = if KIND == Q6_K {
+                let mut acc = _mm256_setzero_ps();
+                for sb in 0..nsb {
+                    let (b, a) = (unpack_k::<KIND>(w.add(sb * wbs)), act(sb));
+                    let v = block_dot(&b, &a);
+                    let v8 = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+                    let corr = _mm256_madd_epi16(a.bsums, b.bsum_w);
+                    let v8 = _mm256_sub_epi32(v8, _mm256_slli_epi32::<5>(corr));
+                    acc = _mm256_fmadd_ps(_mm256_set1_ps(a.d * b.d), _mm256_cvtepi32_ps(v8), acc);
+                }
+                hsum8(acc)
+            } else {
+                let (mut acc, mut acc_min) = (0f32, 0f32);
+                for sb in 0..nsb {
+                    let (b, a) = (unpack_k::<KIND>(w.add(sb * wbs)), act(sb));
+                    let isum = _mm512_reduce_add_epi32(block_dot(&b, &a));
+                    let imin = hsum_i32x8(_mm256_madd_epi16(a.bsums, b.bsum_w));
+                    acc = (isum as f32).mul_add(b.d * a.d, acc);
+                    acc_min = (imin as f32).mul_add(b.dmin * a.d, acc_min);
+                }
+                acc - acc_min
+            };
+            r += 1;
+        }
     }
 }
