@@ -117,6 +117,13 @@ unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
             let mut acc_b = _mm512_setzero_ps();
             for b in 0..nb {
                 let p = w.add(b * bs);
+                // The rows two groups ahead, a block at a time (a hint: never faults). The
+                // hardware prefetchers alone left the 4-stream GEMV at ~7 GB/s from DRAM, with
+                // these ~11 GB/s (one core, Gemma's LM head).
+                let q = p.wrapping_add(PF_GROUPS * 4 * st);
+                for i in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(i * st).cast());
+                }
                 let (ua, ub) = (
                     unpack_pair_u8::<KIND>(p, p.add(st)),
                     unpack_pair_u8::<KIND>(p.add(2 * st), p.add(3 * st)),
@@ -166,6 +173,9 @@ unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         }
     }
 }
+
+/// How many 4-row groups ahead the GEMVs prefetch.
+const PF_GROUPS: usize = 2;
 
 /// The unsigned codes of the blocks at `p0` (low half) and `p1` (high half), value order.
 ///
@@ -695,7 +705,12 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                     let mut d = [0f32; 4];
                     let mut dm = [0f32; 4];
                     for i in 0..4 {
-                        let kb = unpack_k::<KIND>(w.add(i * g.w_stride + sb * wbs));
+                        let p = w.add(i * g.w_stride + sb * wbs);
+                        let q = p.wrapping_add(PF_GROUPS * 4 * g.w_stride);
+                        for l in (0..wbs).step_by(64) {
+                            _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(l).cast());
+                        }
+                        let kb = unpack_k::<KIND>(p);
                         v[i] = block_dot(&kb, &a);
                         m[i] = _mm256_madd_epi16(a.bsums, kb.bsum_w);
                         d[i] = kb.d;
@@ -719,7 +734,12 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
             *out.get_unchecked_mut(r) = if KIND == Q6_K {
                 let mut acc = _mm256_setzero_ps();
                 for sb in 0..nsb {
-                    let (b, a) = (unpack_k::<KIND>(w.add(sb * wbs)), act(sb));
+                    let p = w.add(sb * wbs);
+                    let q = p.wrapping_add(PF_GROUPS * 4 * g.w_stride);
+                    for l in (0..wbs).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(l).cast());
+                    }
+                    let (b, a) = (unpack_k::<KIND>(p), act(sb));
                     let v = block_dot(&b, &a);
                     let v8 = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
                     let corr = _mm256_madd_epi16(a.bsums, b.bsum_w);
