@@ -35,7 +35,11 @@ pub enum PerplexityError {
     Forward(#[from] ForwardError),
 }
 
-/// Computes perplexity of `text` at context `n_ctx`, `batch` tokens per forward pass, calling
+/// llama-perplexity's default `n_batch` (tokens per `llama_decode`).
+const LLAMA_PPL_N_BATCH: usize = 2048;
+
+/// Computes perplexity of `text` at context `n_ctx`, `batch` tokens per forward pass (llama.cpp's
+/// `n_ubatch`; shared among the chunks llama-perplexity evaluates together), calling
 /// `progress(done, total, running_ppl)` after each chunk. `max_chunks` limits the chunks scored.
 pub fn perplexity(
     model: &Model,
@@ -78,8 +82,15 @@ pub fn perplexity(
         }
         cache.clear();
         let mut logits = Vec::with_capacity((n_ctx - first) * n_vocab);
+        // llama-perplexity decodes n_seq = 2048 / n_ctx chunks at once as parallel sequences,
+        // and llama.cpp splits that batch into ubatches of `batch` tokens holding an equal
+        // share of every sequence. The share decides which attention kernel (and rounding) it
+        // uses, so each chunk goes through our forward passes in the same pieces.
+        let n_seq = (LLAMA_PPL_N_BATCH / n_ctx).max(1);
+        let group = (n_chunk - c / n_seq * n_seq).min(n_seq);
+        let step = if n_seq == 1 { batch } else { batch / group }.max(1);
         let mut pos = 0;
-        for part in chunk.chunks(batch.max(1)) {
+        for part in chunk.chunks(step) {
             let end = pos + part.len();
             if end > first {
                 let from = first.saturating_sub(pos);

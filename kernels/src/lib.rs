@@ -241,7 +241,11 @@ pub fn mad_f32(y: &mut [f32], x: &[f32], v: f32) {
 /// one FMA per `d` in order, where `kt` is the tile transposed (`q.len()` rows of `w =
 /// out.len()` keys). Bit-identical on every ISA. Panics when `kt.len() != q.len() * w`.
 pub fn fa_scores(q: &[f32], kt: &[f32], out: &mut [f32]) {
-    assert_eq!(kt.len(), q.len() * out.len(), "fa_scores: kt is not q.len() x out.len()");
+    assert_eq!(
+        kt.len(),
+        q.len() * out.len(),
+        "fa_scores: kt is not q.len() x out.len()"
+    );
     (dispatch::selected().fa_scores)(q, kt, out)
 }
 
@@ -249,7 +253,11 @@ pub fn fa_scores(q: &[f32], kt: &[f32], out: &mut [f32]) {
 /// product of llama.cpp's tiled flash attention). Bit-identical on every ISA. Panics when
 /// `v.len() != p.len() * n`.
 pub fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32]) {
-    assert_eq!(v.len(), p.len() * acc.len(), "fa_pv: v is not p.len() x acc.len()");
+    assert_eq!(
+        v.len(),
+        p.len() * acc.len(),
+        "fa_pv: v is not p.len() x acc.len()"
+    );
     (dispatch::selected().fa_pv)(acc, p, v)
 }
 

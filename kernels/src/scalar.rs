@@ -656,7 +656,8 @@ fn vec_dot_q6k(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
                         lane += sc(e / 16) * c[e] as i32 * (q8[e] as i8) as i32;
                     }
                 }
-                lane -= 32 * (bsums[2 * l] as i32 * sc(2 * l) + bsums[2 * l + 1] as i32 * sc(2 * l + 1));
+                lane -= 32
+                    * (bsums[2 * l] as i32 * sc(2 * l) + bsums[2 * l + 1] as i32 * sc(2 * l + 1));
                 lanes_acc[l] = d.mul_add(lane as f32, lanes_acc[l]);
             }
         }

@@ -698,7 +698,14 @@ fn matmul_n_zero_and_empty_ranges_are_fine() {
 #[test]
 fn flash_attention_pieces_are_bit_identical_on_every_isa() {
     let mut rng = Rng(23);
-    for (dk, w) in [(1usize, 1usize), (64, 64), (256, 64), (80, 37), (128, 17), (3, 70)] {
+    for (dk, w) in [
+        (1usize, 1usize),
+        (64, 64),
+        (256, 64),
+        (80, 37),
+        (128, 17),
+        (3, 70),
+    ] {
         let q: Vec<f32> = (0..dk).map(|_| rng.normalish()).collect();
         let kt: Vec<f32> = (0..dk * w).map(|_| rng.normalish()).collect();
         let mut want = vec![0f32; w];
@@ -733,7 +740,17 @@ fn softmax_exp_follows_ggml_v_expf_on_every_isa() {
     // Scores below a max, with the values that take the special paths: -inf (masked), far
     // below (subnormal and zero results), exactly the max, NaN.
     let mut x: Vec<f32> = (0..200).map(|_| -rng.f32() * 30.0).collect();
-    x.extend([f32::NEG_INFINITY, -87.0, -100.0, -104.0, -140.0, -200.0, 0.0, -0.0, f32::NAN]);
+    x.extend([
+        f32::NEG_INFINITY,
+        -87.0,
+        -100.0,
+        -104.0,
+        -140.0,
+        -200.0,
+        0.0,
+        -0.0,
+        f32::NAN,
+    ]);
     x.extend((0..23).map(|i| -(i as f32) * 0.37));
     for n in [0usize, 5, 16, 31, 64, x.len()] {
         let mut want = x[..n].to_vec();

@@ -350,7 +350,11 @@ unsafe fn fa_scores_raw(q: &[f32], kt: *const f32, out: &mut [f32]) {
             let mut m = [0u16; 4];
             for (c, mc) in m.iter_mut().enumerate() {
                 let left = w.saturating_sub(j0 + 16 * c);
-                *mc = if left >= 16 { 0xFFFF } else { (1u16 << left) - 1 };
+                *mc = if left >= 16 {
+                    0xFFFF
+                } else {
+                    (1u16 << left) - 1
+                };
             }
             let mut acc = [_mm512_setzero_ps(); 4];
             for (d, &qd) in q.iter().enumerate() {
@@ -391,7 +395,11 @@ unsafe fn fa_pv_raw(acc: &mut [f32], p: &[f32], v: *const f32) {
             let mut m = [0u16; 4];
             for (c, mc) in m.iter_mut().enumerate() {
                 let left = n.saturating_sub(i0 + 16 * c);
-                *mc = if left >= 16 { 0xFFFF } else { (1u16 << left) - 1 };
+                *mc = if left >= 16 {
+                    0xFFFF
+                } else {
+                    (1u16 << left) - 1
+                };
             }
             let a = acc.as_mut_ptr().add(i0);
             let mut r = [_mm512_setzero_ps(); 4];
@@ -452,12 +460,16 @@ unsafe fn softmax_exp_raw(x: &mut [f32], max: f32) -> f64 {
             let mut res = _mm512_scalef_ps(j, n);
             if d != 0 {
                 let le0 = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
-                let alt = _mm512_mask_blend_ps(le0, _mm512_set1_ps(f32::INFINITY), _mm512_setzero_ps());
+                let alt =
+                    _mm512_mask_blend_ps(le0, _mm512_set1_ps(f32::INFINITY), _mm512_setzero_ps());
                 res = _mm512_mask_blend_ps(d, res, alt);
             }
             _mm512_storeu_ps(p, res);
             // `_mm512_reduce_add_ps` as GCC expands it: halves +8, +4, +2, +1.
-            let h = _mm256_add_ps(_mm512_castps512_ps256(res), _mm512_extractf32x8_ps::<1>(res));
+            let h = _mm256_add_ps(
+                _mm512_castps512_ps256(res),
+                _mm512_extractf32x8_ps::<1>(res),
+            );
             let q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h));
             let q = _mm_add_ps(q, _mm_movehl_ps(q, q));
             let q = _mm_add_ss(q, _mm_movehdup_ps(q));

@@ -145,7 +145,10 @@ unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                 );
                 let dd = _mm_mul_ps(_mm_cvtph_ps(dh), _mm_set1_ps(*g.a_scales.get_unchecked(b)));
                 let dz = _mm512_castps128_ps512(dd);
-                let (da, db) = (_mm512_permutexvar_ps(sel_a, dz), _mm512_permutexvar_ps(sel_b, dz));
+                let (da, db) = (
+                    _mm512_permutexvar_ps(sel_a, dz),
+                    _mm512_permutexvar_ps(sel_b, dz),
+                );
                 acc_a = _mm512_fmadd_ps(da, _mm512_cvtepi32_ps(ia), acc_a);
                 acc_b = _mm512_fmadd_ps(db, _mm512_cvtepi32_ps(ib), acc_b);
             }
@@ -188,7 +191,10 @@ unsafe fn unpack_pair_u8<const KIND: u8>(p0: *const u8, p1: *const u8) -> __m512
     unsafe {
         if KIND == Q8_0 {
             let lo = _mm256_loadu_si256(p0.add(2).cast());
-            let v = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), _mm256_loadu_si256(p1.add(2).cast()));
+            let v = _mm512_inserti64x4::<1>(
+                _mm512_castsi256_si512(lo),
+                _mm256_loadu_si256(p1.add(2).cast()),
+            );
             return _mm512_xor_si512(v, _mm512_set1_epi8(-128));
         }
         let qoff = if KIND == Q4_0 { 2 } else { 6 };
@@ -197,7 +203,10 @@ unsafe fn unpack_pair_u8<const KIND: u8>(p0: *const u8, p1: *const u8) -> __m512
             _mm_loadu_si128(p1.add(qoff).cast()),
         );
         // 128-bit lanes [q0, q0, q1, q1], the second of each pair shifted to its high nibbles.
-        let qq = _mm512_shuffle_i64x2::<0b01_01_00_00>(_mm512_castsi256_si512(q), _mm512_castsi256_si512(q));
+        let qq = _mm512_shuffle_i64x2::<0b01_01_00_00>(
+            _mm512_castsi256_si512(q),
+            _mm512_castsi256_si512(q),
+        );
         let sh = _mm512_mask_srli_epi16(qq, 0xFF00_FF00, qq, 4);
         let u = _mm512_and_si512(sh, _mm512_set1_epi8(0x0F));
         if KIND == Q5_0 {
@@ -514,9 +523,18 @@ unsafe fn block_dot(kb: &KBlock, a: &KAct) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
 fn reduce4(v: [__m512i; 4]) -> __m128i {
-    let a01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[0], v[1]), _mm512_unpackhi_epi32(v[0], v[1]));
-    let a23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v[2], v[3]), _mm512_unpackhi_epi32(v[2], v[3]));
-    let b = _mm512_add_epi32(_mm512_unpacklo_epi64(a01, a23), _mm512_unpackhi_epi64(a01, a23));
+    let a01 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[0], v[1]),
+        _mm512_unpackhi_epi32(v[0], v[1]),
+    );
+    let a23 = _mm512_add_epi32(
+        _mm512_unpacklo_epi32(v[2], v[3]),
+        _mm512_unpackhi_epi32(v[2], v[3]),
+    );
+    let b = _mm512_add_epi32(
+        _mm512_unpacklo_epi64(a01, a23),
+        _mm512_unpackhi_epi64(a01, a23),
+    );
     let c = _mm256_add_epi32(_mm512_castsi512_si256(b), _mm512_extracti64x4_epi64::<1>(b));
     _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c))
 }
@@ -618,11 +636,7 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// Features as the module; `act` returns readable q8_K super-blocks for every `sb < kb.len()`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn k_group(
-    kb: &[KBlock],
-    order: KOrder,
-    act: impl Fn(usize, usize) -> KAct,
-) -> __m128 {
+unsafe fn k_group(kb: &[KBlock], order: KOrder, act: impl Fn(usize, usize) -> KAct) -> __m128 {
     let mut acc = _mm_setzero_ps();
     let mut acc_min = _mm_setzero_ps();
     // SAFETY (whole body): `act` as the contract; chunks below 4.
@@ -717,8 +731,12 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                         dm[i] = kb.dmin;
                     }
                     let isum = _mm_cvtepi32_ps(reduce4(v));
-                    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
-                    let imin = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+                    let h = _mm256_hadd_epi32(
+                        _mm256_hadd_epi32(m[0], m[1]),
+                        _mm256_hadd_epi32(m[2], m[3]),
+                    );
+                    let imin =
+                        _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
                     let da = _mm_set1_ps(a.d);
                     let sv = _mm_mul_ps(_mm_loadu_ps(d.as_ptr()), da);
                     let mv = _mm_mul_ps(_mm_loadu_ps(dm.as_ptr()), da);
@@ -741,7 +759,10 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                     }
                     let (b, a) = (unpack_k::<KIND>(p), act(sb));
                     let v = block_dot(&b, &a);
-                    let v8 = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+                    let v8 = _mm256_add_epi32(
+                        _mm512_castsi512_si256(v),
+                        _mm512_extracti64x4_epi64::<1>(v),
+                    );
                     let corr = _mm256_madd_epi16(a.bsums, b.bsum_w);
                     let v8 = _mm256_sub_epi32(v8, _mm256_slli_epi32::<5>(corr));
                     acc = _mm256_fmadd_ps(_mm256_set1_ps(a.d * b.d), _mm256_cvtepi32_ps(v8), acc);
