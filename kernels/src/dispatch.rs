@@ -17,7 +17,7 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
-    /// AVX-512 F/BW/VL with VNNI (plus AVX2, FMA, F16C).
+    /// AVX-512 F/BW/VL/DQ with VNNI (plus AVX2, FMA, F16C).
     Avx512,
 }
 
@@ -55,8 +55,8 @@ pub(crate) struct Kernels {
     /// `y[i] = fma(x[i], v, y[i])` in f32 (equal lengths).
     pub mad_f32: fn(&mut [f32], &[f32], f32),
     /// Flash-attention tile pieces (see `scalar::fa_scores`, `fa_pv`, `softmax_exp`).
-    pub fa_scores: fn(&[f32], &[f32], &mut [f32]),
-    pub fa_pv: fn(&mut [f32], &[f32], &[f32]),
+    pub fa_scores: fn(&[f32], &[f32], usize, &mut [f32]),
+    pub fa_pv: fn(&mut [f32], &[f32], &[f32], usize),
     pub softmax_exp: fn(&mut [f32], f32) -> f64,
 }
 

@@ -236,29 +236,37 @@ pub fn mad_f32(y: &mut [f32], x: &[f32], v: f32) {
     (dispatch::selected().mad_f32)(y, x, v)
 }
 
-/// Flash-attention scores of one query against a tile of keys, as llama.cpp's tiled path
-/// (`ggml_compute_forward_flash_attn_ext_tiled`) sums them: `out[j] = Σ_d q[d]·kt[d·w + j]`,
-/// one FMA per `d` in order, where `kt` is the tile transposed (`q.len()` rows of `w =
-/// out.len()` keys). Bit-identical on every ISA. Panics when `kt.len() != q.len() * w`.
-pub fn fa_scores(q: &[f32], kt: &[f32], out: &mut [f32]) {
-    assert_eq!(
-        kt.len(),
-        q.len() * out.len(),
-        "fa_scores: kt is not q.len() x out.len()"
+/// Flash-attention scores of query rows against a tile of `w` keys, as llama.cpp's tiled path
+/// (`ggml_compute_forward_flash_attn_ext_tiled`) sums them: `out[r·w + j] = Σ_d q[r·dk + d] ·
+/// kt[d·w + j]`, one FMA per `d` in order, where `kt` is the tile transposed (`dk` rows of `w`
+/// keys) and `q` holds whole rows of `dk`. Several rows per call share the tile's loads.
+/// Bit-identical on every ISA. Panics when the lengths do not fit.
+pub fn fa_scores(q: &[f32], kt: &[f32], w: usize, out: &mut [f32]) {
+    assert!(w > 0 && kt.len() % w == 0, "fa_scores: kt is not dk x w");
+    let dk = kt.len() / w;
+    assert!(
+        dk > 0 && q.len() % dk == 0,
+        "fa_scores: q is not whole rows of dk"
     );
-    (dispatch::selected().fa_scores)(q, kt, out)
+    assert_eq!(
+        out.len(),
+        q.len() / dk * w,
+        "fa_scores: out is not rows x w"
+    );
+    (dispatch::selected().fa_scores)(q, kt, w, out)
 }
 
-/// `acc[i] += Σ_j p[j]·v[j·n + i]` with `n = acc.len()`, one FMA per `j` in order (the P·V
-/// product of llama.cpp's tiled flash attention). Bit-identical on every ISA. Panics when
-/// `v.len() != p.len() * n`.
-pub fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32]) {
-    assert_eq!(
-        v.len(),
-        p.len() * acc.len(),
-        "fa_pv: v is not p.len() x acc.len()"
+/// `acc[r·n + i] += Σ_j p[r·w + j]·v[j·n + i]` for each row `r`, one FMA per `j` in order (the
+/// P·V product of llama.cpp's tiled flash attention; `v` is `w` rows of `n`). Bit-identical on
+/// every ISA. Panics when the lengths do not fit.
+pub fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32], n: usize) {
+    assert!(n > 0 && v.len() % n == 0, "fa_pv: v is not w x n");
+    let w = v.len() / n;
+    assert!(
+        acc.len() % n == 0 && p.len() == acc.len() / n * w,
+        "fa_pv: rows differ"
     );
-    (dispatch::selected().fa_pv)(acc, p, v)
+    (dispatch::selected().fa_pv)(acc, p, v, n)
 }
 
 /// `x[i] = exp(x[i] - max)` in place, returning `Σ x[i]` as llama.cpp's

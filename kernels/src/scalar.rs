@@ -789,26 +789,31 @@ pub(crate) fn ggml_order_dot(n: usize, at: impl Fn(usize) -> (f32, f32)) -> f32 
 // or more queries): f32 score and P·V GEMMs that sum each element in one sequential FMA chain,
 // and the vectorised `ggml_v_expf` of its softmax.
 
-/// `out[j] = Σ_d q[d]·kt[d·w + j]` (`w = out.len()`), one FMA per `d` in order from 0: the
-/// elements of `simd_gemm(KQ, Q, Kᵀ)` in ggml-cpu/simd-gemm.h.
-pub(crate) fn fa_scores(q: &[f32], kt: &[f32], out: &mut [f32]) {
-    let w = out.len();
-    for (j, o) in out.iter_mut().enumerate() {
-        let mut acc = 0f32;
-        for (d, &qd) in q.iter().enumerate() {
-            acc = kt[d * w + j].mul_add(qd, acc);
+/// `out[r·w + j] = Σ_d q[r·dk + d]·kt[d·w + j]` for each query row `r` (`dk = kt.len() / w`),
+/// one FMA per `d` in order from 0: the elements of `simd_gemm(KQ, Q, Kᵀ)` in
+/// ggml-cpu/simd-gemm.h.
+pub(crate) fn fa_scores(q: &[f32], kt: &[f32], w: usize, out: &mut [f32]) {
+    let dk = kt.len() / w;
+    for (qr, orow) in q.chunks_exact(dk).zip(out.chunks_exact_mut(w)) {
+        for (j, o) in orow.iter_mut().enumerate() {
+            let mut acc = 0f32;
+            for (d, &qd) in qr.iter().enumerate() {
+                acc = kt[d * w + j].mul_add(qd, acc);
+            }
+            *o = acc;
         }
-        *o = acc;
     }
 }
 
-/// `acc[i] += Σ_j p[j]·v[j·n + i]` (`n = acc.len()`), one FMA per `j` in order: the elements
-/// of `simd_gemm(VKQ, P, V)`.
-pub(crate) fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32]) {
-    let n = acc.len();
-    for (j, &pj) in p.iter().enumerate() {
-        for (i, a) in acc.iter_mut().enumerate() {
-            *a = v[j * n + i].mul_add(pj, *a);
+/// `acc[r·n + i] += Σ_j p[r·w + j]·v[j·n + i]` for each row `r` (`w = v.len() / n`), one FMA
+/// per `j` in order: the elements of `simd_gemm(VKQ, P, V)`.
+pub(crate) fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32], n: usize) {
+    let w = v.len() / n;
+    for (arow, prow) in acc.chunks_exact_mut(n).zip(p.chunks_exact(w)) {
+        for (j, &pj) in prow.iter().enumerate() {
+            for (i, a) in arow.iter_mut().enumerate() {
+                *a = v[j * n + i].mul_add(pj, *a);
+            }
         }
     }
 }

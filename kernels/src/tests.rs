@@ -706,30 +706,43 @@ fn flash_attention_pieces_are_bit_identical_on_every_isa() {
         (128, 17),
         (3, 70),
     ] {
-        let q: Vec<f32> = (0..dk).map(|_| rng.normalish()).collect();
-        let kt: Vec<f32> = (0..dk * w).map(|_| rng.normalish()).collect();
-        let mut want = vec![0f32; w];
-        scalar::fa_scores(&q, &kt, &mut want);
-        // The reference is a faithful dot product (one FMA chain per key).
-        for j in 0..w {
-            let exact: f64 = (0..dk).map(|d| q[d] as f64 * kt[d * w + j] as f64).sum();
-            let scale: f64 = (0..dk).map(|d| (q[d] * kt[d * w + j]).abs() as f64).sum();
-            assert!((want[j] as f64 - exact).abs() <= 1e-5 * scale + 1e-30);
-        }
-        let p: Vec<f32> = (0..w).map(|_| rng.f32()).collect();
-        let v: Vec<f32> = (0..w * dk).map(|_| rng.normalish()).collect();
-        let acc0: Vec<f32> = (0..dk).map(|_| rng.normalish()).collect();
-        let mut want_pv = acc0.clone();
-        scalar::fa_pv(&mut want_pv, &p, &v);
-        for isa in Isa::ALL {
-            let Some(k) = kernels_for(isa) else { continue };
-            let mut got = vec![f32::NAN; w];
-            (k.fa_scores)(&q, &kt, &mut got);
-            let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(&got), bits(&want), "{isa:?} fa_scores dk={dk} w={w}");
-            let mut acc = acc0.clone();
-            (k.fa_pv)(&mut acc, &p, &v);
-            assert_eq!(bits(&acc), bits(&want_pv), "{isa:?} fa_pv dk={dk} w={w}");
+        for rows in [1usize, 2, 3, 4, 5, 9] {
+            let q: Vec<f32> = (0..rows * dk).map(|_| rng.normalish()).collect();
+            let kt: Vec<f32> = (0..dk * w).map(|_| rng.normalish()).collect();
+            let mut want = vec![0f32; rows * w];
+            scalar::fa_scores(&q, &kt, w, &mut want);
+            // The reference is a faithful dot product (one FMA chain per key).
+            for r in 0..rows {
+                for j in 0..w {
+                    let qr = &q[r * dk..(r + 1) * dk];
+                    let exact: f64 = (0..dk).map(|d| qr[d] as f64 * kt[d * w + j] as f64).sum();
+                    let scale: f64 = (0..dk).map(|d| (qr[d] * kt[d * w + j]).abs() as f64).sum();
+                    assert!((want[r * w + j] as f64 - exact).abs() <= 1e-5 * scale + 1e-30);
+                }
+            }
+            let p: Vec<f32> = (0..rows * w).map(|_| rng.f32()).collect();
+            let v: Vec<f32> = (0..w * dk).map(|_| rng.normalish()).collect();
+            let acc0: Vec<f32> = (0..rows * dk).map(|_| rng.normalish()).collect();
+            let mut want_pv = acc0.clone();
+            scalar::fa_pv(&mut want_pv, &p, &v, dk);
+            for isa in Isa::ALL {
+                let Some(k) = kernels_for(isa) else { continue };
+                let mut got = vec![f32::NAN; rows * w];
+                (k.fa_scores)(&q, &kt, w, &mut got);
+                let bits = |x: &[f32]| x.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{isa:?} fa_scores dk={dk} w={w} rows={rows}"
+                );
+                let mut acc = acc0.clone();
+                (k.fa_pv)(&mut acc, &p, &v, dk);
+                assert_eq!(
+                    bits(&acc),
+                    bits(&want_pv),
+                    "{isa:?} fa_pv dk={dk} w={w} rows={rows}"
+                );
+            }
         }
     }
 }

@@ -420,40 +420,74 @@ fn attention_batched(
             (kt, vt)
         })
         .collect();
-    out.par_chunks_mut(hv).enumerate().for_each(|(i, o)| {
-        let (t, head) = (i / cfg.n_head, i % cfg.n_head);
-        let (kt, vt) = &tiles[head / group];
-        let pos = p0 + t;
-        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let qrow = &q[t * cfg.q_dim() + head * hk..t * cfg.q_dim() + (head + 1) * hk];
-        let mut vkq = vec![0f32; hv];
-        let (mut sum, mut max) = (0f32, f32::NEG_INFINITY);
-        let mut kq = [0f32; W];
-        for tile in lo / W..=pos / W {
-            let k0 = tile * W;
-            ternfleet_kernels::fa_scores(qrow, &kt[tile * hk * W..(tile + 1) * hk * W], &mut kq);
-            for (j, s) in kq.iter_mut().enumerate() {
-                *s = if k0 + j < lo || k0 + j > pos {
-                    f32::NEG_INFINITY
-                } else {
-                    *s * cfg.kq_scale
-                };
+    // Tasks of up to 4 consecutive queries of one head: the kernels share each K and V tile
+    // load among them (every row keeps its own max, sum and FMA chains).
+    const R: usize = 4;
+    let groups = n.div_ceil(R);
+    let results: Vec<Vec<f32>> = (0..cfg.n_head * groups)
+        .into_par_iter()
+        .map(|task| {
+            let (head, t0) = (task / groups, task % groups * R);
+            let rows = (n - t0).min(R);
+            let (kt, vt) = &tiles[head / group];
+            let mut qb = Vec::with_capacity(rows * hk);
+            for t in t0..t0 + rows {
+                qb.extend_from_slice(
+                    &q[t * cfg.q_dim() + head * hk..t * cfg.q_dim() + (head + 1) * hk],
+                );
             }
-            let tile_max = kq.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-            if tile_max == f32::NEG_INFINITY {
-                continue;
+            let pos = |r: usize| p0 + t0 + r;
+            let lo = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w));
+            let mut vkq = vec![0f32; rows * hv];
+            let mut sum = [0f32; R];
+            let mut max = [f32::NEG_INFINITY; R];
+            let mut kq = vec![0f32; rows * W];
+            for tile in lo(0) / W..=pos(rows - 1) / W {
+                let k0 = tile * W;
+                ternfleet_kernels::fa_scores(
+                    &qb,
+                    &kt[tile * hk * W..(tile + 1) * hk * W],
+                    W,
+                    &mut kq,
+                );
+                for r in 0..rows {
+                    let row = &mut kq[r * W..(r + 1) * W];
+                    for (j, s) in row.iter_mut().enumerate() {
+                        *s = if k0 + j < lo(r) || k0 + j > pos(r) {
+                            f32::NEG_INFINITY
+                        } else {
+                            *s * cfg.kq_scale
+                        };
+                    }
+                    let tile_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+                    if tile_max == f32::NEG_INFINITY {
+                        // No key of this tile is visible to the row: it adds nothing.
+                        row.fill(0.0);
+                        continue;
+                    }
+                    let new_max = max[r].max(tile_max);
+                    if new_max > max[r] {
+                        let ms = (max[r] - new_max).exp();
+                        vkq[r * hv..(r + 1) * hv].iter_mut().for_each(|v| *v *= ms);
+                        sum[r] *= ms;
+                    }
+                    max[r] = new_max;
+                    sum[r] = (sum[r] as f64 + ternfleet_kernels::softmax_exp(row, new_max)) as f32;
+                }
+                ternfleet_kernels::fa_pv(&mut vkq, &kq, &vt[k0 * hv..(k0 + W) * hv], hv);
             }
-            let new_max = max.max(tile_max);
-            if new_max > max {
-                let ms = (max - new_max).exp();
-                vkq.iter_mut().for_each(|v| *v *= ms);
-                sum *= ms;
+            for r in 0..rows {
+                let inv = if sum[r] == 0.0 { 0.0 } else { 1.0 / sum[r] };
+                vkq[r * hv..(r + 1) * hv].iter_mut().for_each(|v| *v *= inv);
             }
-            max = new_max;
-            sum = (sum as f64 + ternfleet_kernels::softmax_exp(&mut kq, new_max)) as f32;
-            ternfleet_kernels::fa_pv(&mut vkq, &kq, &vt[k0 * hv..(k0 + W) * hv]);
+            vkq
+        })
+        .collect();
+    for (task, res) in results.iter().enumerate() {
+        let (head, t0) = (task / groups, task % groups * R);
+        for (r, row) in res.chunks_exact(hv).enumerate() {
+            let dst = (t0 + r) * cfg.n_head * hv + head * hv;
+            out[dst..dst + hv].copy_from_slice(row);
         }
-        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-        o.iter_mut().zip(&vkq).for_each(|(o, v)| *o = v * inv);
-    });
+    }
 }

@@ -1,4 +1,4 @@
-//! AVX-512 (F, BW, VL, VNNI) kernels: the table, the float-weight matmuls and the f16/f32
+//! AVX-512 (F, BW, VL, DQ, VNNI) kernels: the table, the float-weight matmuls and the f16/f32
 //! helpers attention uses. The quantized matmuls are in `avx512q` (bit-identical to the scalar
 //! reference, in llama.cpp's float order).
 
@@ -24,6 +24,7 @@ impl Avx512 {
         let ok = is_x86_feature_detected!("avx512f")
             && is_x86_feature_detected!("avx512bw")
             && is_x86_feature_detected!("avx512vl")
+            && is_x86_feature_detected!("avx512dq")
             && is_x86_feature_detected!("avx512vnni")
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
@@ -118,7 +119,7 @@ fn mad_f32(y: &mut [f32], x: &[f32], v: f32) {
 ///
 /// # Safety
 /// Features as the module; `y` readable and writable, `x` readable, for `n` f32.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn mad_f32_raw(y: *mut f32, x: *const f32, v: f32, n: usize) {
     let vv = _mm512_set1_ps(v);
     let mut i = 0;
@@ -144,7 +145,7 @@ unsafe fn mad_f32_raw(y: *mut f32, x: *const f32, v: f32, n: usize) {
 /// # Safety
 /// Features as the module; `y` readable and writable for `n` u16, `x` readable for `n` when
 /// `mad`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn mad_raw(y: *mut u16, x: *const u16, v: f32, n: usize, mad: bool) {
     let vv = _mm512_set1_ps(v);
     let mut i = 0;
@@ -172,7 +173,7 @@ unsafe fn mad_raw(y: *mut u16, x: *const u16, v: f32, n: usize, mad: bool) {
 
 /// # Safety
 /// As [`run_legacy`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok == 1 {
         drive!(g, out, tile_float, 4, 1, KIND);
@@ -185,7 +186,7 @@ unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 ///
 /// # Safety
 /// Features as the module; `r0 + R <= g.nrows`, `t0 + T <= g.ntok`, `out.len() == ntok*nrows`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn store<const R: usize, const T: usize>(
     g: &Gemm<'_>,
@@ -212,7 +213,7 @@ unsafe fn store<const R: usize, const T: usize>(
 ///
 /// # Safety
 /// Features as the module; the selected elements at `p` are readable.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn load_f<const KIND: u8>(p: *const u8, m: u16) -> __m512 {
     // SAFETY: masked loads touch only the selected elements.
@@ -232,7 +233,7 @@ unsafe fn load_f<const KIND: u8>(p: *const u8, m: u16) -> __m512 {
 ///
 /// # Safety
 /// As [`tile_legacy`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8>(
     g: &Gemm<'_>,
     r0: usize,
@@ -275,7 +276,7 @@ unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8>(
 ///
 /// # Safety
 /// Features as the module; `a` and `b` readable for `n` elements.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn dot_raw<const KIND: u8>(a: *const u8, b: *const u8, n: usize) -> f32 {
     let esz = if KIND == F32 { 4 } else { 2 };
     let mut acc = [_mm512_setzero_ps(); 4];
@@ -330,23 +331,44 @@ pub(crate) fn has_matmul(ty: GgmlType) -> bool {
 // ---------------------------------------------------------------------------------------------
 // Tiled flash attention pieces, bit-identical to `scalar::fa_scores` / `fa_pv` / `softmax_exp`.
 
-fn fa_scores(q: &[f32], kt: &[f32], out: &mut [f32]) {
-    // SAFETY: token-gated (see above); `kt` holds `q.len() * out.len()` floats (checked by the
-    // public wrapper, re-checked here for the raw loop).
-    assert!(kt.len() >= q.len() * out.len());
-    unsafe { fa_scores_raw(q, kt.as_ptr(), out) }
+fn fa_scores(q: &[f32], kt: &[f32], w: usize, out: &mut [f32]) {
+    let dk = kt.len() / w.max(1);
+    assert!(w > 0 && dk > 0 && q.len() % dk == 0 && out.len() == q.len() / dk * w);
+    let rows = q.len() / dk;
+    let mut r = 0;
+    while r < rows {
+        let n = (rows - r).min(4);
+        let (qr, orow) = (&q[r * dk..(r + n) * dk], &mut out[r * w..(r + n) * w]);
+        // SAFETY: token-gated (see above); the slices hold `n` rows of `dk` / `w`, `kt` is
+        // `dk x w` (asserted).
+        unsafe {
+            match n {
+                4 => fa_scores_raw::<4>(qr, kt.as_ptr(), dk, w, orow),
+                3 => fa_scores_raw::<3>(qr, kt.as_ptr(), dk, w, orow),
+                2 => fa_scores_raw::<2>(qr, kt.as_ptr(), dk, w, orow),
+                _ => fa_scores_raw::<1>(qr, kt.as_ptr(), dk, w, orow),
+            }
+        }
+        r += n;
+    }
 }
 
+/// `R` query rows against the tile, 16 keys per register, each `kt` load shared by the rows.
+///
 /// # Safety
-/// Features as the module; `kt` readable for `q.len() * out.len()` floats.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn fa_scores_raw(q: &[f32], kt: *const f32, out: &mut [f32]) {
-    let w = out.len();
+/// Features as the module; `q` holds `R * dk`, `out` `R * w` floats, `kt` `dk * w`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn fa_scores_raw<const R: usize>(
+    q: &[f32],
+    kt: *const f32,
+    dk: usize,
+    w: usize,
+    out: &mut [f32],
+) {
     let mut j0 = 0;
-    // SAFETY (whole body): columns below `w` of rows below `q.len()`; masked tails.
+    // SAFETY (whole body): columns below `w` of rows below `dk`; masked tails.
     unsafe {
         while j0 < w {
-            // Four 16-key accumulators (64 keys) per pass, the last ones masked.
             let mut m = [0u16; 4];
             for (c, mc) in m.iter_mut().enumerate() {
                 let left = w.saturating_sub(j0 + 16 * c);
@@ -356,20 +378,30 @@ unsafe fn fa_scores_raw(q: &[f32], kt: *const f32, out: &mut [f32]) {
                     (1u16 << left) - 1
                 };
             }
-            let mut acc = [_mm512_setzero_ps(); 4];
-            for (d, &qd) in q.iter().enumerate() {
-                let qv = _mm512_set1_ps(qd);
+            let mut acc = [[_mm512_setzero_ps(); 4]; R];
+            for d in 0..dk {
                 let row = kt.add(d * w + j0);
+                let mut k = [_mm512_setzero_ps(); 4];
                 for c in 0..4 {
                     if m[c] != 0 {
-                        let k = _mm512_maskz_loadu_ps(m[c], row.add(16 * c));
-                        acc[c] = _mm512_fmadd_ps(k, qv, acc[c]);
+                        k[c] = _mm512_maskz_loadu_ps(m[c], row.add(16 * c));
+                    }
+                }
+                for r in 0..R {
+                    let qv = _mm512_set1_ps(*q.get_unchecked(r * dk + d));
+                    for c in 0..4 {
+                        if m[c] != 0 {
+                            acc[r][c] = _mm512_fmadd_ps(k[c], qv, acc[r][c]);
+                        }
                     }
                 }
             }
-            for c in 0..4 {
-                if m[c] != 0 {
-                    _mm512_mask_storeu_ps(out.as_mut_ptr().add(j0 + 16 * c), m[c], acc[c]);
+            for r in 0..R {
+                for c in 0..4 {
+                    if m[c] != 0 {
+                        let o = out.as_mut_ptr().add(r * w + j0 + 16 * c);
+                        _mm512_mask_storeu_ps(o, m[c], acc[r][c]);
+                    }
                 }
             }
             j0 += 64;
@@ -377,19 +409,35 @@ unsafe fn fa_scores_raw(q: &[f32], kt: *const f32, out: &mut [f32]) {
     }
 }
 
-fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32]) {
-    assert!(v.len() >= p.len() * acc.len());
-    // SAFETY: token-gated; `v` holds `p.len()` rows of `acc.len()` floats.
-    unsafe { fa_pv_raw(acc, p, v.as_ptr()) }
+fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32], n: usize) {
+    let w = v.len() / n.max(1);
+    assert!(n > 0 && acc.len() % n == 0 && p.len() == acc.len() / n * w);
+    let rows = acc.len() / n;
+    let mut r = 0;
+    while r < rows {
+        let k = (rows - r).min(4);
+        let (ar, pr) = (&mut acc[r * n..(r + k) * n], &p[r * w..(r + k) * w]);
+        // SAFETY: token-gated; `ar` holds `k` rows of `n`, `pr` `k` rows of `w`, `v` `w x n`.
+        unsafe {
+            match k {
+                4 => fa_pv_raw::<4>(ar, pr, v.as_ptr(), n, w),
+                3 => fa_pv_raw::<3>(ar, pr, v.as_ptr(), n, w),
+                2 => fa_pv_raw::<2>(ar, pr, v.as_ptr(), n, w),
+                _ => fa_pv_raw::<1>(ar, pr, v.as_ptr(), n, w),
+            }
+        }
+        r += k;
+    }
 }
 
+/// `R` rows of P·V, 64 columns at a time, each `v` load shared by the rows.
+///
 /// # Safety
-/// Features as the module; `v` readable for `p.len() * acc.len()` floats.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
-unsafe fn fa_pv_raw(acc: &mut [f32], p: &[f32], v: *const f32) {
-    let n = acc.len();
+/// Features as the module; `acc` holds `R * n`, `p` `R * w` floats, `v` `w * n`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn fa_pv_raw<const R: usize>(acc: &mut [f32], p: &[f32], v: *const f32, n: usize, w: usize) {
     let mut i0 = 0;
-    // SAFETY (whole body): columns below `n` of rows below `p.len()`; masked tails.
+    // SAFETY (whole body): columns below `n` of rows below `w`; masked tails.
     unsafe {
         while i0 < n {
             let mut m = [0u16; 4];
@@ -401,23 +449,33 @@ unsafe fn fa_pv_raw(acc: &mut [f32], p: &[f32], v: *const f32) {
                     (1u16 << left) - 1
                 };
             }
-            let a = acc.as_mut_ptr().add(i0);
-            let mut r = [_mm512_setzero_ps(); 4];
-            for c in 0..4 {
-                r[c] = _mm512_maskz_loadu_ps(m[c], a.add(16 * c));
+            let mut a = [[_mm512_setzero_ps(); 4]; R];
+            for r in 0..R {
+                for c in 0..4 {
+                    a[r][c] = _mm512_maskz_loadu_ps(m[c], acc.as_ptr().add(r * n + i0 + 16 * c));
+                }
             }
-            for (j, &pj) in p.iter().enumerate() {
-                let pv = _mm512_set1_ps(pj);
+            for j in 0..w {
                 let row = v.add(j * n + i0);
+                let mut x = [_mm512_setzero_ps(); 4];
                 for c in 0..4 {
                     if m[c] != 0 {
-                        let x = _mm512_maskz_loadu_ps(m[c], row.add(16 * c));
-                        r[c] = _mm512_fmadd_ps(x, pv, r[c]);
+                        x[c] = _mm512_maskz_loadu_ps(m[c], row.add(16 * c));
+                    }
+                }
+                for r in 0..R {
+                    let pv = _mm512_set1_ps(*p.get_unchecked(r * w + j));
+                    for c in 0..4 {
+                        if m[c] != 0 {
+                            a[r][c] = _mm512_fmadd_ps(x[c], pv, a[r][c]);
+                        }
                     }
                 }
             }
-            for c in 0..4 {
-                _mm512_mask_storeu_ps(a.add(16 * c), m[c], r[c]);
+            for r in 0..R {
+                for c in 0..4 {
+                    _mm512_mask_storeu_ps(acc.as_mut_ptr().add(r * n + i0 + 16 * c), m[c], a[r][c]);
+                }
             }
             i0 += 64;
         }
@@ -431,7 +489,7 @@ fn softmax_exp(x: &mut [f32], max: f32) -> f64 {
 
 /// # Safety
 /// Features as the module.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn softmax_exp_raw(x: &mut [f32], max: f32) -> f64 {
     let f = |b: u32| _mm512_set1_ps(f32::from_bits(b));
     let mut sum = 0f64;

@@ -1,4 +1,4 @@
-//! AVX-512 (F, BW, VL, VNNI) matmuls of quantized weights, bit-identical to the scalar
+//! AVX-512 (F, BW, VL, DQ, VNNI) matmuls of quantized weights, bit-identical to the scalar
 //! reference: they sum in the float order llama.cpp's x86 CPU backend uses (see
 //! `scalar::vec_dot_legacy`, `scalar::KOrder`), so our logits equal its logits.
 //!
@@ -25,7 +25,7 @@ use crate::scalar::{k_order, KOrder};
 use core::arch::x86_64::*;
 
 /// `hsum_float_8` of ggml (x86 quants.c): `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 fn hsum8(x: __m256) -> f32 {
     let r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
@@ -35,7 +35,7 @@ fn hsum8(x: __m256) -> f32 {
 
 /// # Safety
 /// Features as the module; `p` readable for 2 bytes.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 pub(super) unsafe fn f16_to_f32(p: *const u8) -> f32 {
     // SAFETY: 2 readable bytes at `p`.
@@ -50,7 +50,7 @@ pub(super) unsafe fn f16_to_f32(p: *const u8) -> f32 {
 ///
 /// # Safety
 /// Features as the module; `p` readable for one `KIND` block.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn unpack_u8<const KIND: u8>(p: *const u8) -> __m256i {
     // SAFETY (whole body): reads within the block at `p`.
@@ -74,7 +74,7 @@ unsafe fn unpack_u8<const KIND: u8>(p: *const u8) -> __m256i {
 /// # Safety
 /// The CPU has this module's features; `g` comes from `Gemm::new` with `out.len() ==
 /// g.ntok * g.nrows` and `g.wty` of kind `KIND`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok == 1 {
         // SAFETY: as this function's contract.
@@ -91,7 +91,7 @@ pub(super) unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 ///
 /// # Safety
 /// As [`run_legacy`], with `g.ntok == 1`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let nb = g.cols / QK;
     let bs = legacy_block_bytes(KIND);
@@ -184,7 +184,7 @@ const PF_GROUPS: usize = 2;
 ///
 /// # Safety
 /// Features as the module; `p0`, `p1` readable for one `KIND` block each.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn unpack_pair_u8<const KIND: u8>(p0: *const u8, p1: *const u8) -> __m512i {
     // SAFETY (whole body): reads within the two blocks.
@@ -242,7 +242,7 @@ struct APair {
 ///
 /// # Safety
 /// As [`run_legacy`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemm_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     const R: usize = 4;
     const P: usize = 4;
@@ -328,7 +328,7 @@ unsafe fn gemm_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// # Safety
 /// Features as the module; `wsc` holds `nb` blocks of every row, `act` `nb` blocks of the pairs
 /// `q0..` (so `q - q0 + P` of them), `r0 + R <= g.nrows`, `2q < g.ntok`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 #[allow(clippy::too_many_arguments)]
 unsafe fn legacy_tile<const R: usize, const P: usize>(
@@ -393,7 +393,7 @@ pub(super) struct KBlock {
 
 /// # Safety
 /// Features as the module; `p` readable for one `KIND` super-block.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn unpack_k<const KIND: u8>(p: *const u8) -> KBlock {
     // SAFETY (whole body): reads within the super-block at `p` (layouts in scalar.rs).
@@ -478,7 +478,7 @@ struct KAct {
 
 /// # Safety
 /// Features as the module; `p` readable for one q8_K super-block (f32 d, 256 codes, 16 bsums).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn k_act(p: *const u8) -> KAct {
     // SAFETY: within the super-block.
@@ -496,7 +496,7 @@ unsafe fn k_act(p: *const u8) -> KAct {
 ///
 /// # Safety
 /// Features as the module; `a.p` readable for 256 codes.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn chunk_dot(kb: &KBlock, a: &KAct, c: usize, acc: __m512i) -> __m512i {
     // SAFETY: within the 256 codes.
@@ -508,7 +508,7 @@ unsafe fn chunk_dot(kb: &KBlock, a: &KAct, c: usize, acc: __m512i) -> __m512i {
 ///
 /// # Safety
 /// As [`chunk_dot`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn block_dot(kb: &KBlock, a: &KAct) -> __m512i {
     let mut v = _mm512_setzero_si512();
@@ -520,7 +520,7 @@ unsafe fn block_dot(kb: &KBlock, a: &KAct) -> __m512i {
 }
 
 /// Four vectors summed horizontally into the four lanes of one (exact integer sums).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 fn reduce4(v: [__m512i; 4]) -> __m128i {
     let a01 = _mm512_add_epi32(
@@ -540,7 +540,7 @@ fn reduce4(v: [__m512i; 4]) -> __m128i {
 }
 
 /// The sum of the 8 i32 lanes.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 fn hsum_i32x8(v: __m256i) -> i32 {
     let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
@@ -550,7 +550,7 @@ fn hsum_i32x8(v: __m256i) -> i32 {
 
 /// # Safety
 /// As [`run_legacy`].
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok == 1 {
         // SAFETY: as this function's contract.
@@ -634,7 +634,7 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 ///
 /// # Safety
 /// Features as the module; `act` returns readable q8_K super-blocks for every `sb < kb.len()`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn k_group(kb: &[KBlock], order: KOrder, act: impl Fn(usize, usize) -> KAct) -> __m128 {
     let mut acc = _mm_setzero_ps();
@@ -699,7 +699,7 @@ unsafe fn k_group(kb: &[KBlock], order: KOrder, act: impl Fn(usize, usize) -> KA
 ///
 /// # Safety
 /// As [`run_k`], with `g.ntok == 1`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let nsb = g.cols / QK_K;
     let wbs = k_block_bytes(KIND);
