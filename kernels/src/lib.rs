@@ -242,10 +242,13 @@ pub fn mad_f32(y: &mut [f32], x: &[f32], v: f32) {
 /// keys) and `q` holds whole rows of `dk`. Several rows per call share the tile's loads.
 /// Bit-identical on every ISA. Panics when the lengths do not fit.
 pub fn fa_scores(q: &[f32], kt: &[f32], w: usize, out: &mut [f32]) {
-    assert!(w > 0 && kt.len() % w == 0, "fa_scores: kt is not dk x w");
+    assert!(
+        w > 0 && kt.len().is_multiple_of(w),
+        "fa_scores: kt is not dk x w"
+    );
     let dk = kt.len() / w;
     assert!(
-        dk > 0 && q.len() % dk == 0,
+        dk > 0 && q.len().is_multiple_of(dk),
         "fa_scores: q is not whole rows of dk"
     );
     assert_eq!(
@@ -260,10 +263,10 @@ pub fn fa_scores(q: &[f32], kt: &[f32], w: usize, out: &mut [f32]) {
 /// P·V product of llama.cpp's tiled flash attention; `v` is `w` rows of `n`). Bit-identical on
 /// every ISA. Panics when the lengths do not fit.
 pub fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32], n: usize) {
-    assert!(n > 0 && v.len() % n == 0, "fa_pv: v is not w x n");
+    assert!(n > 0 && v.len().is_multiple_of(n), "fa_pv: v is not w x n");
     let w = v.len() / n;
     assert!(
-        acc.len() % n == 0 && p.len() == acc.len() / n * w,
+        acc.len().is_multiple_of(n) && p.len() == acc.len() / n * w,
         "fa_pv: rows differ"
     );
     (dispatch::selected().fa_pv)(acc, p, v, n)

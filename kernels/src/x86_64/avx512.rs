@@ -333,7 +333,7 @@ pub(crate) fn has_matmul(ty: GgmlType) -> bool {
 
 fn fa_scores(q: &[f32], kt: &[f32], w: usize, out: &mut [f32]) {
     let dk = kt.len() / w.max(1);
-    assert!(w > 0 && dk > 0 && q.len() % dk == 0 && out.len() == q.len() / dk * w);
+    assert!(w > 0 && dk > 0 && q.len().is_multiple_of(dk) && out.len() == q.len() / dk * w);
     let rows = q.len() / dk;
     let mut r = 0;
     while r < rows {
@@ -411,7 +411,7 @@ unsafe fn fa_scores_raw<const R: usize>(
 
 fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32], n: usize) {
     let w = v.len() / n.max(1);
-    assert!(n > 0 && acc.len() % n == 0 && p.len() == acc.len() / n * w);
+    assert!(n > 0 && acc.len().is_multiple_of(n) && p.len() == acc.len() / n * w);
     let rows = acc.len() / n;
     let mut r = 0;
     while r < rows {
