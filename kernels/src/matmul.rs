@@ -127,6 +127,24 @@ impl Activations {
         n: usize,
         cols: usize,
     ) -> Result<(), KernelError> {
+        self.quantize_for_with(weight_ty, x, n, cols, |x, y, _, _, q| q(x, y))
+    }
+
+    /// [`Activations::quantize_for`] with the row work handed to `split`, which must call
+    /// `quantize(x_rows, out_rows)` over all of `x` and `out` in pieces of whole rows (`cols`
+    /// floats in, `row_bytes` bytes out per row) — in any order, on any threads. The result is
+    /// the same however it splits (each row is quantized on its own).
+    pub fn quantize_for_with<S>(
+        &mut self,
+        weight_ty: GgmlType,
+        x: &[f32],
+        n: usize,
+        cols: usize,
+        split: S,
+    ) -> Result<(), KernelError>
+    where
+        S: FnOnce(&[f32], &mut [u8], usize, usize, &(dyn Fn(&[f32], &mut [u8]) + Sync)),
+    {
         let ty = vec_dot_type(weight_ty).ok_or(KernelError::Unsupported {
             ty: weight_ty,
             op: "matmul",
@@ -147,10 +165,15 @@ impl Activations {
             .ok_or(KernelError::TooLarge { ty, rows: n, cols })?;
         self.data.resize(total, 0);
         if n > 0 && cols > 0 {
-            for (xr, yr) in x.chunks_exact(cols).zip(self.data.chunks_exact_mut(rb)) {
+            let quantize = |xr: &[f32], yr: &mut [u8]| {
+                assert!(
+                    xr.len().is_multiple_of(cols) && yr.len() == xr.len() / cols * rb,
+                    "quantize_for_with: pieces must be whole, matching rows"
+                );
                 let ok = scalar::quantize(ty, xr, yr);
                 debug_assert!(ok, "vec_dot_type only returns quantizable types");
-            }
+            };
+            split(x, &mut self.data[..total], cols, rb, &quantize);
         }
         self.scales.clear();
         self.sums.clear();

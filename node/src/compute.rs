@@ -168,3 +168,23 @@ pub fn matmul_par(w: &QMatrix<'_>, x: &Activations, out: &mut [f32]) -> Result<(
     }
     Ok(())
 }
+
+/// [`Activations::quantize_for`] with several tokens' rows quantized in parallel on the rayon
+/// pool (one token: in place, no fork). Same bytes either way.
+pub fn quantize_par(
+    act: &mut Activations,
+    weight_ty: GgmlType,
+    x: &[f32],
+    n: usize,
+    cols: usize,
+) -> Result<(), KernelError> {
+    if n < 8 {
+        return act.quantize_for(weight_ty, x, n, cols);
+    }
+    act.quantize_for_with(weight_ty, x, n, cols, |x, y, cols, rb, quantize| {
+        let per = n.div_ceil(rayon::current_num_threads() * 2).max(1);
+        x.par_chunks(per * cols)
+            .zip(y.par_chunks_mut(per * rb))
+            .for_each(|(xs, ys)| quantize(xs, ys));
+    })
+}

@@ -9,7 +9,7 @@
 use half::f16;
 use ternfleet_kernels::Activations;
 
-use crate::compute::{ComputeError, Linear};
+use crate::compute::{quantize_par, ComputeError, Linear};
 
 /// One (token, expert, weight) selection made by a router.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -167,17 +167,17 @@ pub fn run_ffn(w: &FfnWeights, x: &[f32], n: usize, out: &mut [f32]) -> Result<(
     let mut act = Activations::new();
     let mut g = vec![0f32; n * ff];
     let mut u = vec![0f32; n * ff];
-    act.quantize_for(w.gate.ty(), x, n, d)?;
+    quantize_par(&mut act, w.gate.ty(), x, n, d)?;
     w.gate.forward(&act, &mut g)?;
     if w.up.ty() != w.gate.ty() {
-        act.quantize_for(w.up.ty(), x, n, d)?;
+        quantize_par(&mut act, w.up.ty(), x, n, d)?;
     }
     w.up.forward(&act, &mut u)?;
     dump("ffn_gate", &g, ff);
     dump("ffn_up", &u, ff);
     apply_activation(w.act, &mut g, &u);
     dump("ffn_act", &g, ff);
-    act.quantize_for(w.down.ty(), &g, n, ff)?;
+    quantize_par(&mut act, w.down.ty(), &g, n, ff)?;
     w.down.forward(&act, out)?;
     dump("ffn_down", out, d);
     Ok(())

@@ -298,7 +298,7 @@ fn linear(
     b: Option<&[f32]>,
     out: &mut [f32],
 ) -> Result<(), ForwardError> {
-    act.quantize_for(w.ty(), x, n, w.cols())?;
+    ternfleet_node::compute::quantize_par(act, w.ty(), x, n, w.cols())?;
     w.forward(act, out)?;
     if let Some(b) = b {
         ops::add_bias_rows(out, b);
