@@ -1,7 +1,7 @@
 //! The operands of a matmul: a borrowed quantized weight matrix, reusable quantized activations,
 //! and [`Gemm`], the validated view the per-ISA kernels receive.
 
-use crate::quant::{GgmlType, QK};
+use crate::quant::GgmlType;
 use crate::{scalar, vec_dot_type, KernelError};
 
 /// A borrowed row-major quantized weight matrix: `rows` rows of `cols` elements, each row
@@ -96,8 +96,7 @@ pub(crate) fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize, KernelError>
 /// `n` activation rows of `cols` elements, quantized to the `vec_dot_type` of a weight type.
 ///
 /// Besides the ggml-format bytes (which the scalar reference reads), a Q8_0 quantization keeps
-/// each block's scale as f32 and the sum of its 32 quants, so the SIMD kernels neither convert
-/// f16 per block nor reduce horizontally to correct for unsigned weight codes. The buffers are
+/// each block's scale as f32, so the SIMD kernels do not convert f16 per block. The buffers are
 /// reused: a call allocates only when it needs more room than any before it.
 #[derive(Debug, Default, Clone)]
 pub struct Activations {
@@ -108,8 +107,6 @@ pub struct Activations {
     data: Vec<u8>,
     /// Q8_0 only: per block `d` as f32, `n * cols / 32` of them.
     scales: Vec<f32>,
-    /// Q8_0 only: per block the sum of the 32 quants.
-    sums: Vec<i32>,
 }
 
 impl Activations {
@@ -176,12 +173,9 @@ impl Activations {
             split(x, &mut self.data[..total], cols, rb, &quantize);
         }
         self.scales.clear();
-        self.sums.clear();
         if ty == GgmlType::Q8_0 {
             for b in self.data.chunks_exact(GgmlType::Q8_0.type_size()) {
                 self.scales.push(scalar::f16_at(b, 0));
-                self.sums
-                    .push(b[2..2 + QK].iter().map(|&q| q as i8 as i32).sum());
             }
         }
         self.ty = Some(ty);
@@ -224,9 +218,8 @@ pub(crate) struct Gemm<'a> {
     pub a: &'a [u8],
     pub a_stride: usize,
     pub ntok: usize,
-    /// Q8_0 activations: per-block f32 scales and quant sums (`ntok * cols / 32` each).
+    /// Q8_0 activations: per-block f32 scales (`ntok * cols / 32`).
     pub a_scales: &'a [f32],
-    pub a_sums: &'a [i32],
 }
 
 impl<'a> Gemm<'a> {
@@ -279,7 +272,6 @@ impl<'a> Gemm<'a> {
             a_stride: x.row_bytes,
             ntok: x.n,
             a_scales: &x.scales,
-            a_sums: &x.sums,
         })
     }
 

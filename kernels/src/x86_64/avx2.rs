@@ -15,6 +15,7 @@ use super::{BF16, F16, F32, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
 use crate::matmul::Gemm;
 use crate::quant::{GgmlType, QK, QK_K};
+use crate::scalar::{k_order, KOrder};
 use core::arch::x86_64::*;
 use half::f16;
 
@@ -320,7 +321,10 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
                 av[t] = _mm256_loadu_si256(ap.add(2).cast());
                 dav[t] = _mm256_set1_ps(*g.a_scales.as_ptr().add(i));
                 if KIND != Q8_0 {
-                    cv[t] = _mm256_setr_epi32(-k * *g.a_sums.as_ptr().add(i), 0, 0, 0, 0, 0, 0, 0);
+                    // `-offset · Σa` over each lane's four activations (ggml sums per lane).
+                    let s4 =
+                        _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), av[t]), ones);
+                    cv[t] = _mm256_mullo_epi32(s4, _mm256_set1_epi32(-k));
                 }
             }
             for r in 0..R {
@@ -376,6 +380,13 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
     let low4 = _mm256_set1_epi8(0x0F);
     let m30 = _mm256_set1_epi8(0x30);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // The float order per token (scalar::k_order): Lanes8 keeps `acc`, the others these.
+    let mut acc_s = [[0f32; T]; R];
+    let mut acc_m = [[0f32; T]; R];
+    let mut order = [KOrder::Lanes8; T];
+    for t in 0..T {
+        order[t] = k_order(g.wty, t0 + t, g.ntok);
+    }
     // SAFETY (whole body): offsets within rows r0..r0+R and tokens t0..t0+T, nsb super-blocks
     // each (q8_K: f32 d at 0, qs at 4, bsums at 260).
     unsafe {
@@ -464,7 +475,22 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
                             let a1 = _mm256_loadu_si256(ap[t].add(36 + 64 * c).cast());
                             let p0 = _mm256_madd_epi16(_mm256_maddubs_epi16(lo, a0), s0);
                             let p1 = _mm256_madd_epi16(_mm256_maddubs_epi16(hi, a1), s1);
-                            isum[t] = _mm256_add_epi32(isum[t], _mm256_add_epi32(p0, p1));
+                            let pc = _mm256_add_epi32(p0, p1);
+                            if order[t] == KOrder::Sb64 {
+                                // One FMA per 64 values (the repacked q4_K GEMM), scales and mins.
+                                let ad = ap[t].cast::<f32>().read_unaligned();
+                                let bs = _mm256_loadu_si256(ap[t].add(4 + QK_K).cast());
+                                let mins = _mm256_madd_epi16(bs, bsum_w);
+                                let mut lanes = [0i32; 8];
+                                _mm256_storeu_si256(lanes.as_mut_ptr().cast(), mins);
+                                let imin = lanes[2 * c] + lanes[2 * c + 1];
+                                let dw = _mm_cvtss_f32(_mm256_castps256_ps128(d));
+                                let dm = _mm_cvtss_f32(_mm256_castps256_ps128(dmin));
+                                acc_s[r][t] = (hsum_i32(pc) as f32).mul_add(dw * ad, acc_s[r][t]);
+                                acc_m[r][t] = (imin as f32).mul_add(dm * ad, acc_m[r][t]);
+                            } else {
+                                isum[t] = _mm256_add_epi32(isum[t], pc);
+                            }
                         }
                     }
                 }
@@ -472,6 +498,24 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
                     let ad = _mm256_set1_ps(ap[t].cast::<f32>().read_unaligned());
                     let bsums = _mm256_loadu_si256(ap[t].add(4 + QK_K).cast());
                     let corr = _mm256_madd_epi16(bsums, bsum_w);
+                    let (dw, ads) = (
+                        _mm_cvtss_f32(_mm256_castps256_ps128(d)),
+                        _mm_cvtss_f32(_mm256_castps256_ps128(ad)),
+                    );
+                    if order[t] == KOrder::Sb64 {
+                        continue;
+                    }
+                    if order[t] == KOrder::Tiled {
+                        let i = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(corr, 5));
+                        acc_s[r][t] = (hsum_i32(i) as f32 * dw).mul_add(ads, acc_s[r][t]);
+                        continue;
+                    }
+                    if order[t] == KOrder::Sb256 {
+                        let dm = _mm_cvtss_f32(_mm256_castps256_ps128(dmin));
+                        acc_s[r][t] = (hsum_i32(isum[t]) as f32).mul_add(dw * ads, acc_s[r][t]);
+                        acc_m[r][t] = (hsum_i32(corr) as f32).mul_add(dm * ads, acc_m[r][t]);
+                        continue;
+                    }
                     if KIND == Q6_K {
                         let i = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(corr, 5));
                         acc[r][t] =
@@ -491,8 +535,25 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
                 }
             }
         }
-        store(g, r0, t0, &acc, out);
+        for r in 0..R {
+            for t in 0..T {
+                *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) = match order[t] {
+                    KOrder::Lanes8 => hsum(acc[r][t]),
+                    KOrder::Tiled => acc_s[r][t],
+                    KOrder::Sb64 | KOrder::Sb256 => acc_s[r][t] - acc_m[r][t],
+                };
+            }
+        }
     }
+}
+
+/// The sum of the 8 i32 lanes (exact).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hsum_i32(v: __m256i) -> i32 {
+    let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
+    let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
+    _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b01>(x)))
 }
 
 // ---------------------------------------------------------------------------------------------
