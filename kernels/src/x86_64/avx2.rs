@@ -203,11 +203,10 @@ unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     }
 }
 
-/// # Safety
-/// AVX2 available.
+/// ggml's `hsum_float_8`: `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn hsum(v: __m256) -> f32 {
+pub(super) fn hsum(v: __m256) -> f32 {
     let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     let s = _mm_add_ss(s, _mm_movehdup_ps(s));
@@ -550,7 +549,7 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
 /// The sum of the 8 i32 lanes (exact).
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn hsum_i32(v: __m256i) -> i32 {
+pub(super) fn hsum_i32(v: __m256i) -> i32 {
     let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
     let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
     _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b01>(x)))

@@ -17,21 +17,13 @@
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
 
+use super::avx2::{hsum as hsum8, hsum_i32};
 use super::{k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset};
 use super::{Q4_0, Q5_0, Q5_K, Q6_K, Q8_0};
 use crate::matmul::Gemm;
 use crate::quant::{QK, QK_K};
 use crate::scalar::{k_order, KOrder};
 use core::arch::x86_64::*;
-
-/// `hsum_float_8` of ggml (x86 quants.c): `((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7))`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-#[inline]
-fn hsum8(x: __m256) -> f32 {
-    let r = _mm_add_ps(_mm256_extractf128_ps::<1>(x), _mm256_castps256_ps128(x));
-    let r = _mm_add_ps(r, _mm_movehl_ps(r, r));
-    _mm_cvtss_f32(_mm_add_ss(r, _mm_movehdup_ps(r)))
-}
 
 /// # Safety
 /// Features as the module; `p` readable for 2 bytes.
@@ -539,15 +531,6 @@ fn reduce4(v: [__m512i; 4]) -> __m128i {
     _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c))
 }
 
-/// The sum of the 8 i32 lanes.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-#[inline]
-fn hsum_i32x8(v: __m256i) -> i32 {
-    let x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256::<1>(v));
-    let x = _mm_add_epi32(x, _mm_unpackhi_epi64(x, x));
-    _mm_cvtsi128_si32(_mm_add_epi32(x, _mm_shuffle_epi32::<0b01>(x)))
-}
-
 /// # Safety
 /// As [`run_legacy`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -607,7 +590,7 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                             for sb in 0..nsb {
                                 let (b, a) = (kb.get_unchecked(sb), act(t, sb));
                                 let isum = _mm512_reduce_add_epi32(block_dot(b, &a));
-                                let imin = hsum_i32x8(_mm256_madd_epi16(a.bsums, b.bsum_w));
+                                let imin = hsum_i32(_mm256_madd_epi16(a.bsums, b.bsum_w));
                                 acc = (isum as f32).mul_add(b.d * a.d, acc);
                                 acc_min = (imin as f32).mul_add(b.dmin * a.d, acc_min);
                             }
@@ -773,7 +756,7 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                 for sb in 0..nsb {
                     let (b, a) = (unpack_k::<KIND>(w.add(sb * wbs)), act(sb));
                     let isum = _mm512_reduce_add_epi32(block_dot(&b, &a));
-                    let imin = hsum_i32x8(_mm256_madd_epi16(a.bsums, b.bsum_w));
+                    let imin = hsum_i32(_mm256_madd_epi16(a.bsums, b.bsum_w));
                     acc = (isum as f32).mul_add(b.d * a.d, acc);
                     acc_min = (imin as f32).mul_add(b.dmin * a.d, acc_min);
                 }
