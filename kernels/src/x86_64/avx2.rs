@@ -449,6 +449,20 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
                     let (scales, mins) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
                     let m = _mm_cvtsi64_si128(mins as i64);
                     bsum_w = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
+                    // Sb64 tokens: per sub-block j, min_j · (bsums[2j] + bsums[2j+1]), and the
+                    // super-block's scales as f32, once per (row, token) rather than per chunk.
+                    let (dw, dm) = (
+                        _mm_cvtss_f32(_mm256_castps256_ps128(d)),
+                        _mm_cvtss_f32(_mm256_castps256_ps128(dmin)),
+                    );
+                    let mut min_lanes = [[0i32; 8]; T];
+                    for t in 0..T {
+                        if order[t] == KOrder::Sb64 {
+                            let bs = _mm256_loadu_si256(ap[t].add(4 + QK_K).cast());
+                            let mins = _mm256_madd_epi16(bs, bsum_w);
+                            _mm256_storeu_si256(min_lanes[t].as_mut_ptr().cast(), mins);
+                        }
+                    }
                     let qs = if KIND == Q5_K { p.add(48) } else { p.add(16) };
                     let qh = if KIND == Q5_K {
                         _mm256_loadu_si256(p.add(16).cast())
@@ -478,13 +492,7 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
                             if order[t] == KOrder::Sb64 {
                                 // One FMA per 64 values (the repacked q4_K GEMM), scales and mins.
                                 let ad = ap[t].cast::<f32>().read_unaligned();
-                                let bs = _mm256_loadu_si256(ap[t].add(4 + QK_K).cast());
-                                let mins = _mm256_madd_epi16(bs, bsum_w);
-                                let mut lanes = [0i32; 8];
-                                _mm256_storeu_si256(lanes.as_mut_ptr().cast(), mins);
-                                let imin = lanes[2 * c] + lanes[2 * c + 1];
-                                let dw = _mm_cvtss_f32(_mm256_castps256_ps128(d));
-                                let dm = _mm_cvtss_f32(_mm256_castps256_ps128(dmin));
+                                let imin = min_lanes[t][2 * c] + min_lanes[t][2 * c + 1];
                                 acc_s[r][t] = (hsum_i32(pc) as f32).mul_add(dw * ad, acc_s[r][t]);
                                 acc_m[r][t] = (imin as f32).mul_add(dm * ad, acc_m[r][t]);
                             } else {

@@ -531,6 +531,40 @@ fn reduce4(v: [__m512i; 4]) -> __m128i {
     _mm_add_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256::<1>(c))
 }
 
+/// One super-block of [`KOrder::Lanes8`] (q6_K `vec_dot`): the eight lanes of four products
+/// (both 256-bit halves of [`block_dot`] summed), less the offset 32 via `bsums`, then
+/// `acc = fma(da·dw, lanes, acc)`.
+///
+/// # Safety
+/// As [`chunk_dot`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn lanes8_step(acc: __m256, b: &KBlock, a: &KAct) -> __m256 {
+    // SAFETY: as this function's contract.
+    let v = unsafe { block_dot(b, a) };
+    let v8 = _mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64::<1>(v));
+    let corr = _mm256_madd_epi16(a.bsums, b.bsum_w);
+    let v8 = _mm256_sub_epi32(v8, _mm256_slli_epi32::<5>(corr));
+    _mm256_fmadd_ps(_mm256_set1_ps(a.d * b.d), _mm256_cvtepi32_ps(v8), acc)
+}
+
+/// One super-block of [`KOrder::Sb256`] (repacked q4_K GEMV): `(acc, acc_min)` each advanced by
+/// one FMA of the super-block's exact integer sum.
+///
+/// # Safety
+/// As [`chunk_dot`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn sb256_step(acc: (f32, f32), b: &KBlock, a: &KAct) -> (f32, f32) {
+    // SAFETY: as this function's contract.
+    let isum = _mm512_reduce_add_epi32(unsafe { block_dot(b, a) });
+    let imin = hsum_i32(_mm256_madd_epi16(a.bsums, b.bsum_w));
+    (
+        (isum as f32).mul_add(b.d * a.d, acc.0),
+        (imin as f32).mul_add(b.dmin * a.d, acc.1),
+    )
+}
+
 /// # Safety
 /// As [`run_legacy`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -572,29 +606,16 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                         KOrder::Lanes8 => {
                             let mut acc = _mm256_setzero_ps();
                             for sb in 0..nsb {
-                                let (b, a) = (kb.get_unchecked(sb), act(t, sb));
-                                let v = block_dot(b, &a);
-                                let v8 = _mm256_add_epi32(
-                                    _mm512_castsi512_si256(v),
-                                    _mm512_extracti64x4_epi64::<1>(v),
-                                );
-                                let corr = _mm256_madd_epi16(a.bsums, b.bsum_w);
-                                let v8 = _mm256_sub_epi32(v8, _mm256_slli_epi32::<5>(corr));
-                                let d = _mm256_set1_ps(a.d * b.d);
-                                acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(v8), acc);
+                                acc = lanes8_step(acc, kb.get_unchecked(sb), &act(t, sb));
                             }
                             res[0] = hsum8(acc);
                         }
                         KOrder::Sb256 => {
-                            let (mut acc, mut acc_min) = (0f32, 0f32);
+                            let mut acc = (0f32, 0f32);
                             for sb in 0..nsb {
-                                let (b, a) = (kb.get_unchecked(sb), act(t, sb));
-                                let isum = _mm512_reduce_add_epi32(block_dot(b, &a));
-                                let imin = hsum_i32(_mm256_madd_epi16(a.bsums, b.bsum_w));
-                                acc = (isum as f32).mul_add(b.d * a.d, acc);
-                                acc_min = (imin as f32).mul_add(b.dmin * a.d, acc_min);
+                                acc = sb256_step(acc, kb.get_unchecked(sb), &act(t, sb));
                             }
-                            res[0] = acc - acc_min;
+                            res[0] = acc.0 - acc.1;
                         }
                         KOrder::Sb64 | KOrder::Tiled => {
                             let v = k_group(&kb, order, |j, sb| act(t + j.min(n - 1), sb));
@@ -740,27 +761,15 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                     for l in (0..wbs).step_by(64) {
                         _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(l).cast());
                     }
-                    let (b, a) = (unpack_k::<KIND>(p), act(sb));
-                    let v = block_dot(&b, &a);
-                    let v8 = _mm256_add_epi32(
-                        _mm512_castsi512_si256(v),
-                        _mm512_extracti64x4_epi64::<1>(v),
-                    );
-                    let corr = _mm256_madd_epi16(a.bsums, b.bsum_w);
-                    let v8 = _mm256_sub_epi32(v8, _mm256_slli_epi32::<5>(corr));
-                    acc = _mm256_fmadd_ps(_mm256_set1_ps(a.d * b.d), _mm256_cvtepi32_ps(v8), acc);
+                    acc = lanes8_step(acc, &unpack_k::<KIND>(p), &act(sb));
                 }
                 hsum8(acc)
             } else {
-                let (mut acc, mut acc_min) = (0f32, 0f32);
+                let mut acc = (0f32, 0f32);
                 for sb in 0..nsb {
-                    let (b, a) = (unpack_k::<KIND>(w.add(sb * wbs)), act(sb));
-                    let isum = _mm512_reduce_add_epi32(block_dot(&b, &a));
-                    let imin = hsum_i32(_mm256_madd_epi16(a.bsums, b.bsum_w));
-                    acc = (isum as f32).mul_add(b.d * a.d, acc);
-                    acc_min = (imin as f32).mul_add(b.dmin * a.d, acc_min);
+                    acc = sb256_step(acc, &unpack_k::<KIND>(w.add(sb * wbs)), &act(sb));
                 }
-                acc - acc_min
+                acc.0 - acc.1
             };
             r += 1;
         }
