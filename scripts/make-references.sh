@@ -12,7 +12,8 @@
 # scripts/build-llama-cpp.sh (run first if missing), g++, python3 with numpy and gguf.
 # Takes about 10 minutes on 2 cores, most of it Gemma's perplexity runs.
 #
-# usage: scripts/make-references.sh [--models-only | --refs-only] [--skip-gemma]
+# usage: scripts/make-references.sh [--models-only | --refs-only] [--skip-gemma] [--only NAME,NAME]
+#   --only: make the references of these test models only (e.g. tiny-qwen3moe-q8_0)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 L="$root/target/llama.cpp"
@@ -20,14 +21,16 @@ B="$L/build"
 S="$L/src/vendor/llama.cpp"
 bin="$B/bin"
 
-models=1; refs=1; gemma=1
-for a in "$@"; do
-  case "$a" in
+models=1; refs=1; gemma=1; only=""
+while [ $# -gt 0 ]; do
+  case "$1" in
     --models-only) refs=0 ;;
     --refs-only) models=0 ;;
     --skip-gemma) gemma=0 ;;
-    *) echo "usage: $0 [--models-only | --refs-only] [--skip-gemma]" >&2; exit 2 ;;
+    --only) only="${2:-}"; gemma=0; shift ;;
+    *) echo "usage: $0 [--models-only | --refs-only] [--skip-gemma] [--only NAME,NAME]" >&2; exit 2 ;;
   esac
+  shift
 done
 
 # The reference engine. build-llama-cpp.sh exits early once its binaries exist.
@@ -57,7 +60,7 @@ if [ "$models" = 1 ]; then
 fi
 [ "$refs" = 1 ] || exit 0
 
-export REF_ROOT="$root" REF_BIN="$bin" REF_GREEDY="$ref" REF_GEMMA="$gemma"
+export REF_ROOT="$root" REF_BIN="$bin" REF_GREEDY="$ref" REF_GEMMA="$gemma" REF_ONLY="$only"
 python3 - <<'EOF'
 import hashlib, json, os, re, subprocess, sys
 
@@ -91,7 +94,7 @@ ENGINE = {
     "source": "llama-cpp-python 0.3.36 sdist from PyPI, vendor/llama.cpp (scripts/build-llama-cpp.sh)",
     "llama_cpp_commit": "ggml-org/llama.cpp@" + changelog_commit() + " (the sdist's CHANGELOG, first entry)",
     "llama_cpp_version": "0.5.0 (CMake LLAMA_VERSION)",
-    "build": "CMAKE_BUILD_TYPE=Release GGML_NATIVE=ON, CPU backend only (OpenMP, repack on)",
+    "build": "CMAKE_BUILD_TYPE=Release, GGML_NATIVE=OFF with explicit AVX2/AVX-512 flags and no AMX (scripts/build-llama-cpp.sh), CPU backend only (OpenMP, repack on)",
     "cpu": next((l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")), "?"),
 }
 
@@ -255,7 +258,11 @@ def ppl_ref(name, model, ctx, check_batch=None):
     print(f"wrote {rel(path)}: PPL {doc['ppl']} over {doc['chunks']} chunks, {doc['tokens']} tokens", file=sys.stderr)
 
 tiny_prompts = ["The capital of France is", "This License applies to any program", "Le café de la gare était"]
-for name in ["tiny-llama-f16", "tiny-llama-q8_0", "tiny-llama-q4_k", "tiny-qwen3-f16", "tiny-qwen2-f16"]:
+only = [n for n in os.environ.get("REF_ONLY", "").split(",") if n]
+for name in ["tiny-llama-f16", "tiny-llama-q8_0", "tiny-llama-q4_k", "tiny-qwen3-f16", "tiny-qwen2-f16",
+             "tiny-mixtral-q8_0", "tiny-qwen3moe-q8_0", "tiny-qwen2moe-q8_0"]:
+    if only and name not in only:
+        continue
     model = os.path.join(root, "tests/data/models", name + ".gguf")
     greedy_refs(name, model, tiny_prompts)
     ppl_ref(name, model, 128, check_batch=128)

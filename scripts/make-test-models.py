@@ -16,6 +16,20 @@ the reference outputs in tests/data/refs/ (scripts/make-references.sh). What eac
   tiny-qwen2-f16.gguf    arch qwen2: q/k/v biases, tied output (no output.weight, llama.cpp
                          uses token_embd), rope NEOX, the same BPE vocab.
 
+Mixture-of-experts models (every 2-D/3-D weight Q8_0, routers F32 as llama.cpp's converter
+writes them; stacked expert tensors ffn_{gate,up,down}_exps [n_embd, n_ff_exp, n_expert]):
+
+  tiny-mixtral-q8_0.gguf   arch llama with llama.expert_count 8, top-2 (Mixtral): softmax, top-k,
+                           weights renormalised; the llama SPM vocab.
+  tiny-qwen3moe-q8_0.gguf  arch qwen3moe, 16 experts of width 64, top-4, renormalised; qk norms.
+  tiny-qwen2moe-q8_0.gguf  arch qwen2moe, 20 experts of width 64, top-4, NOT renormalised, plus a
+                           shared expert of width 256 gated by sigmoid(ffn_gate_inp_shexp . x);
+                           q/k/v biases. 20 experts: ggml's softmax takes 16 with its vector exp
+                           and 4 with libm's, both paths are exercised.
+
+Router weights give logits with a std of about ROUTER_STD, so routing is decided by the input
+and not a near-uniform tie.
+
 Vocabularies are trained here by a few hundred BPE steps over tests/data/text/gpl-3.txt (so the
 text tokenizes into real multi-byte pieces, while rarer characters such as "é" fall back to
 bytes). Weights: normal(0, 1) embeddings (0.005 for the tied model, see make_weights),
@@ -40,6 +54,7 @@ from gguf.quants import quantize
 
 N_VOCAB = 512
 LOGIT_STD = 4.0  # target spread of the logits, set through output_norm.weight
+ROUTER_STD = 1.5  # spread of the MoE router logits
 
 # GPT-2 / Qwen2 pre-tokenizer (llama-vocab.cpp, LLAMA_VOCAB_PRE_TYPE_QWEN2), with the Unicode
 # classes narrowed to ASCII (the training text is ASCII). Only used to train the merges.
@@ -196,6 +211,32 @@ def make_weights(cfg, seed):
     return t
 
 
+def make_moe_weights(cfg, seed):
+    """make_weights with each layer's FFN replaced by routed experts (and a shared expert)."""
+    t = make_weights(dict(cfg, n_ff=8), seed)
+    w = Weights(seed + 100)
+    E, NE, FE = cfg["n_embd"], cfg["n_expert"], cfg["n_ff_exp"]
+    for i in range(cfg["n_layer"]):
+        p = f"blk.{i}."
+        for k in ("ffn_gate", "ffn_up", "ffn_down"):
+            del t[p + k + ".weight"]
+        t[p + "ffn_gate_inp.weight"] = w.normal((NE, E), ROUTER_STD * E ** -0.5)
+        t[p + "ffn_gate_exps.weight"] = w.normal((NE, FE, E), E ** -0.5)
+        t[p + "ffn_up_exps.weight"] = w.normal((NE, FE, E), E ** -0.5)
+        # down: each token mixes k experts, so scale like one FFN of width k * FE
+        t[p + "ffn_down_exps.weight"] = w.normal((NE, E, FE), (cfg["n_expert_used"] * FE) ** -0.5)
+        if cfg.get("n_ff_shexp"):
+            S = cfg["n_ff_shexp"]
+            t[p + "ffn_gate_inp_shexp.weight"] = w.normal(E, E ** -0.5)
+            t[p + "ffn_gate_shexp.weight"] = w.normal((S, E), E ** -0.5)
+            t[p + "ffn_up_shexp.weight"] = w.normal((S, E), E ** -0.5)
+            t[p + "ffn_down_shexp.weight"] = w.normal((E, S), S ** -0.5)
+    return t
+
+
+F32_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+
+
 def write(path, cfg, vocab, tensors, qtype):
     arch = cfg["arch"]
     wr = gguf.GGUFWriter(path, arch)
@@ -205,7 +246,16 @@ def write(path, cfg, vocab, tensors, qtype):
     wr.add_context_length(cfg["n_ctx"])
     wr.add_embedding_length(cfg["n_embd"])
     wr.add_block_count(cfg["n_layer"])
-    wr.add_feed_forward_length(cfg["n_ff"])
+    if "n_expert" in cfg:
+        wr.add_feed_forward_length(cfg["n_ff_exp"] if arch == "llama" else cfg["n_ff"])
+        wr.add_expert_count(cfg["n_expert"])
+        wr.add_expert_used_count(cfg["n_expert_used"])
+        if arch != "llama":
+            wr.add_expert_feed_forward_length(cfg["n_ff_exp"])
+        if cfg.get("n_ff_shexp"):
+            wr.add_expert_shared_feed_forward_length(cfg["n_ff_shexp"])
+    else:
+        wr.add_feed_forward_length(cfg["n_ff"])
     wr.add_head_count(cfg["n_head"])
     wr.add_head_count_kv(cfg["n_head_kv"])
     wr.add_layer_norm_rms_eps(cfg["rms_eps"])
@@ -213,7 +263,7 @@ def write(path, cfg, vocab, tensors, qtype):
     wr.add_vocab_size(N_VOCAB)
     if arch == "llama":
         wr.add_rope_dimension_count(cfg["head_dim"])
-    if arch == "qwen3":
+    if arch in ("qwen3", "qwen3moe"):
         wr.add_key_length(cfg["head_dim"])
         wr.add_value_length(cfg["head_dim"])
     if vocab["model"] == "llama":
@@ -240,7 +290,7 @@ def write(path, cfg, vocab, tensors, qtype):
         wr.add_pad_token_id(eot)
         wr.add_add_bos_token(False)
     for name, a in tensors.items():
-        if a.ndim == 1:
+        if a.ndim == 1 or name.endswith(F32_TENSORS):
             wr.add_tensor(name, a.astype(np.float32))
         elif qtype is None:
             wr.add_tensor(name, a.astype(np.float16))
@@ -282,6 +332,14 @@ def main():
     write(os.path.join(args.out, "tiny-llama-q8_0.gguf"), llama, spm, lw, QT.Q8_0)
     write(os.path.join(args.out, "tiny-qwen3-f16.gguf"), qwen3, bpe, make_weights(qwen3, seed=3), None)
     write(os.path.join(args.out, "tiny-qwen2-f16.gguf"), qwen2, bpe, make_weights(qwen2, seed=2), None)
+
+    mixtral = dict(llama, n_expert=8, n_expert_used=2, n_ff_exp=128)
+    qwen3moe = dict(qwen3, arch="qwen3moe", n_expert=16, n_expert_used=4, n_ff_exp=64, n_ff=256)
+    qwen2moe = dict(qwen2, arch="qwen2moe", n_expert=20, n_expert_used=4, n_ff_exp=64, n_ff=256,
+                    n_ff_shexp=256, tied_output=False)
+    write(os.path.join(args.out, "tiny-mixtral-q8_0.gguf"), mixtral, spm, make_moe_weights(mixtral, seed=11), QT.Q8_0)
+    write(os.path.join(args.out, "tiny-qwen3moe-q8_0.gguf"), qwen3moe, bpe, make_moe_weights(qwen3moe, seed=13), QT.Q8_0)
+    write(os.path.join(args.out, "tiny-qwen2moe-q8_0.gguf"), qwen2moe, bpe, make_moe_weights(qwen2moe, seed=12), QT.Q8_0)
 
 
 if __name__ == "__main__":

@@ -279,6 +279,14 @@ pub fn softmax_exp(x: &mut [f32], max: f32) -> f64 {
     (dispatch::selected().softmax_exp)(x, max)
 }
 
+/// `g[i] = silu(g[i]) * u[i]` as llama.cpp's `ggml_vec_swiglu_f32` rounds it (AVX-512 build):
+/// 16 lanes at a time `x / (1 + ggml_v_expf(-x)) * u`, the tail with libm `expf`. Scalar on
+/// every ISA (the FFN's matmuls dwarf it). Panics when the lengths differ.
+pub fn swiglu(g: &mut [f32], u: &[f32]) {
+    assert_eq!(g.len(), u.len(), "swiglu of slices of different lengths");
+    scalar::swiglu(g, u)
+}
+
 /// `y[i] = f16(y[i] * v)`: llama.cpp's `ggml_vec_scale_f16`.
 pub fn scale_f16(y: &mut [half::f16], v: f32) {
     (dispatch::selected().scale_f16)(y, v)

@@ -852,6 +852,20 @@ pub(crate) fn ggml_v_expf(x: f32) -> f32 {
     (j as f64 * (n.floor() as f64).exp2()) as f32
 }
 
+/// `ggml_vec_swiglu_f32` (AVX-512 build): `ggml_v_silu(x) * u` for whole 16-lane chunks
+/// (`x / (1 + ggml_v_expf(0 - x))`, a true division), `x / (1 + expf(-x)) * u` for the tail.
+pub(crate) fn swiglu(g: &mut [f32], u: &[f32]) {
+    let whole = g.len() - g.len() % 16;
+    let (gv, gt) = g.split_at_mut(whole);
+    let (uv, ut) = u.split_at(whole);
+    for (x, u) in gv.iter_mut().zip(uv) {
+        *x = *x / (1.0 + ggml_v_expf(0.0 - *x)) * u;
+    }
+    for (x, u) in gt.iter_mut().zip(ut) {
+        *x = *x / (1.0 + (-*x).exp()) * u;
+    }
+}
+
 /// `ggml_vec_soft_max_f32` (AVX-512 build): `x[i] = exp(x[i] - max)` and the sum, 16 lanes at
 /// a time with `ggml_v_expf` and `_mm512_reduce_add_ps` (halving: +8, +4, +2, +1) into an f64,
 /// the tail with libm `expf`.

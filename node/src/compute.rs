@@ -77,6 +77,55 @@ impl Linear {
         Ok(lin)
     }
 
+    /// Matrix `index` of a 3-D tensor of stacked matrices (dims `[cols, rows, n]`, as ggml
+    /// stores MoE expert weights `ffn_{gate,up,down}_exps`): a view, nothing copied.
+    pub fn stacked(
+        file: &Arc<GgufFile>,
+        t: &TensorInfo,
+        index: usize,
+    ) -> Result<Linear, ComputeError> {
+        let err = |msg: String| ComputeError::Tensor {
+            name: t.name.clone(),
+            msg,
+        };
+        if t.dims.len() != 3 {
+            return Err(err(format!(
+                "expected stacked matrices [cols, rows, n], got dims {:?}",
+                t.dims
+            )));
+        }
+        let n = usize::try_from(t.dims[2]).map_err(|_| err("too many matrices".into()))?;
+        if index >= n {
+            return Err(err(format!("matrix {index} of {n}")));
+        }
+        if ternfleet_kernels::vec_dot_type(t.ty).is_none() {
+            return Err(err(format!("type {} has no matmul kernel", t.ty.name())));
+        }
+        let size = usize::try_from(t.size).map_err(|_| err("size too large".into()))?;
+        if size % n != 0 {
+            return Err(err(format!("{size} bytes do not split into {n} matrices")));
+        }
+        let per = size / n;
+        let start = usize::try_from(t.offset)
+            .ok()
+            .and_then(|o| o.checked_add(per * index))
+            .ok_or_else(|| err("offset too large".into()))?;
+        let end = start + per;
+        if end > file.data().len() {
+            return Err(err(format!("data {start}..{end} past end of file")));
+        }
+        let lin = Linear {
+            file: file.clone(),
+            name: format!("{}[{index}]", t.name),
+            ty: t.ty,
+            rows: usize::try_from(t.dims[1]).map_err(|_| err("too many rows".into()))?,
+            cols: usize::try_from(t.dims[0]).map_err(|_| err("too many columns".into()))?,
+            bytes: start..end,
+        };
+        QMatrix::new(lin.ty, lin.rows, lin.cols, lin.data()).map_err(|e| err(e.to_string()))?;
+        Ok(lin)
+    }
+
     /// The tensor name in the model file.
     pub fn name(&self) -> &str {
         &self.name

@@ -7,7 +7,7 @@
 //! weight 1, so the dense path and the MoE path are the same code.
 
 use half::f16;
-use ternfleet_kernels::Activations;
+use ternfleet_kernels::{Activations, GgmlType};
 
 use crate::compute::{quantize_par, ComputeError, Linear};
 
@@ -31,7 +31,7 @@ pub struct ExpertBatch<'a> {
     pub hidden: &'a [f32],
     /// Rows in `hidden`.
     pub n_tokens: usize,
-    /// Selections, any order.
+    /// Selections. Each token sums its expert outputs in this order.
     pub routes: &'a [Route],
 }
 
@@ -76,7 +76,8 @@ pub enum ExpertError {
 
 /// Runs expert FFNs for the coordinator (in process, or over QUIC in a later issue).
 pub trait ExpertBackend: Send + Sync {
-    /// Adds `weight * FFN_{layer,expert}(hidden[token])` into `out[token]` for every route.
+    /// Adds `weight * FFN_{layer,expert}(hidden[token])` into `out[token]` for every route,
+    /// in the order of `routes` (so the coordinator decides the order of each token's sum).
     /// `out` is `n_tokens × n_embd`.
     fn run(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), ExpertError>;
     /// Hint that these experts of `layer` will be needed soon. Fire and forget.
@@ -103,6 +104,10 @@ pub struct FfnWeights {
     pub up: Linear,
     pub down: Linear,
     pub act: Activation,
+    /// A routed expert of an MoE layer. llama.cpp runs those through `MUL_MAT_ID`, which
+    /// multiplies repacked q4_K weights one token at a time (its GEMV float order) however
+    /// many tokens the expert gets; dense FFNs and shared experts batch tokens as usual.
+    pub routed: bool,
 }
 
 impl FfnWeights {
@@ -140,11 +145,7 @@ fn gelu_table() -> &'static [f32] {
 /// `h = act(g) * u` elementwise, in place in `g`.
 pub fn apply_activation(act: Activation, g: &mut [f32], u: &[f32]) {
     match act {
-        Activation::SwiGlu => {
-            for (g, u) in g.iter_mut().zip(u) {
-                *g = *g / (1.0 + (-*g).exp()) * u;
-            }
-        }
+        Activation::SwiGlu => ternfleet_kernels::swiglu(g, u),
         Activation::GeGlu => {
             let table = gelu_table();
             for (g, u) in g.iter_mut().zip(u) {
@@ -161,24 +162,42 @@ pub fn apply_activation(act: Activation, g: &mut [f32], u: &[f32]) {
     }
 }
 
+/// `out = W x` for `n` rows of `x`, one token at a time when `per_token` asks for the GEMV
+/// order of a repacked q4_K expert (see [`FfnWeights::routed`]).
+fn project(
+    w: &Linear,
+    act: &mut Activations,
+    x: &[f32],
+    n: usize,
+    per_token: bool,
+    out: &mut [f32],
+) -> Result<(), ComputeError> {
+    let (cols, rows) = (w.cols(), w.rows());
+    let gemv_only = per_token && matches!(w.ty(), GgmlType::Q4_K | GgmlType::Q5_K);
+    if !gemv_only || n == 1 {
+        quantize_par(act, w.ty(), x, n, cols)?;
+        return w.forward(act, out);
+    }
+    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(rows)) {
+        quantize_par(act, w.ty(), xr, 1, cols)?;
+        w.forward(act, or)?;
+    }
+    Ok(())
+}
+
 /// Runs one FFN over `n` rows of `x` (`n × n_embd`), writing `n × n_embd` into `out`.
 pub fn run_ffn(w: &FfnWeights, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), ComputeError> {
     let (d, ff) = (w.n_embd(), w.n_ff());
     let mut act = Activations::new();
     let mut g = vec![0f32; n * ff];
     let mut u = vec![0f32; n * ff];
-    quantize_par(&mut act, w.gate.ty(), x, n, d)?;
-    w.gate.forward(&act, &mut g)?;
-    if w.up.ty() != w.gate.ty() {
-        quantize_par(&mut act, w.up.ty(), x, n, d)?;
-    }
-    w.up.forward(&act, &mut u)?;
+    project(&w.gate, &mut act, x, n, w.routed, &mut g)?;
+    project(&w.up, &mut act, x, n, w.routed, &mut u)?;
     dump("ffn_gate", &g, ff);
     dump("ffn_up", &u, ff);
     apply_activation(w.act, &mut g, &u);
     dump("ffn_act", &g, ff);
-    quantize_par(&mut act, w.down.ty(), &g, n, ff)?;
-    w.down.forward(&act, out)?;
+    project(&w.down, &mut act, &g, n, w.routed, out)?;
     dump("ffn_down", out, d);
     Ok(())
 }
@@ -239,37 +258,47 @@ impl ExpertBackend for LocalExperts {
                 });
             }
         }
+        // Each route's expert output, then the sums in route order: llama.cpp adds a token's
+        // expert outputs slot by slot in router order (shared expert last), and float addition
+        // is not associative.
+        let mut ys = vec![0f32; b.routes.len() * d];
         for (e, w) in experts.iter().enumerate() {
-            let mine: Vec<&Route> = b.routes.iter().filter(|r| r.expert as usize == e).collect();
+            let mine: Vec<usize> = (0..b.routes.len())
+                .filter(|&i| b.routes[i].expert as usize == e)
+                .collect();
             if mine.is_empty() {
                 continue;
             }
             let n = mine.len();
             let mut y = vec![0f32; n * d];
             // Every token in batch order: use the hidden matrix as it is (the dense case).
-            let identity =
-                n == b.n_tokens && mine.iter().enumerate().all(|(i, r)| r.token as usize == i);
+            let identity = n == b.n_tokens
+                && mine
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &r)| b.routes[r].token as usize == i);
             if identity {
                 run_ffn(w, b.hidden, n, &mut y)?;
             } else {
                 let mut x = Vec::with_capacity(n * d);
-                for r in &mine {
-                    let t = r.token as usize;
+                for &r in &mine {
+                    let t = b.routes[r].token as usize;
                     x.extend_from_slice(&b.hidden[t * d..(t + 1) * d]);
                 }
                 run_ffn(w, &x, n, &mut y)?;
             }
-            for (i, r) in mine.iter().enumerate() {
-                let t = r.token as usize;
-                let dst = &mut out[t * d..(t + 1) * d];
-                let src = &y[i * d..(i + 1) * d];
-                if r.weight == 1.0 {
-                    dst.iter_mut().zip(src).for_each(|(o, v)| *o += v);
-                } else {
-                    dst.iter_mut()
-                        .zip(src)
-                        .for_each(|(o, v)| *o += r.weight * v);
-                }
+            for (i, &r) in mine.iter().enumerate() {
+                ys[r * d..(r + 1) * d].copy_from_slice(&y[i * d..(i + 1) * d]);
+            }
+        }
+        for (r, y) in b.routes.iter().zip(ys.chunks_exact(d)) {
+            let t = r.token as usize;
+            let dst = &mut out[t * d..(t + 1) * d];
+            if r.weight == 1.0 {
+                dst.iter_mut().zip(y).for_each(|(o, v)| *o += v);
+            } else {
+                // `ggml_mul` then `ggml_add`: two roundings, no FMA.
+                dst.iter_mut().zip(y).for_each(|(o, v)| *o += r.weight * v);
             }
         }
         Ok(())

@@ -48,15 +48,27 @@ pub enum RopeType {
 /// and a graph; `tests::every_arch_has_its_parts` checks it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Arch {
+    /// llama, and Mixtral-style MoE when `llama.expert_count` is set.
     Llama,
     Qwen2,
     Qwen3,
     Gemma3,
+    /// Qwen1.5/Qwen2-MoE: routed experts plus a sigmoid-gated shared expert.
+    Qwen2Moe,
+    /// Qwen3-MoE: routed experts, top-k weights renormalised.
+    Qwen3Moe,
 }
 
 impl Arch {
     /// Every supported architecture.
-    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+    pub const ALL: [Arch; 6] = [
+        Arch::Llama,
+        Arch::Qwen2,
+        Arch::Qwen3,
+        Arch::Gemma3,
+        Arch::Qwen2Moe,
+        Arch::Qwen3Moe,
+    ];
 
     /// `general.architecture` value.
     pub fn name(self) -> &'static str {
@@ -65,6 +77,8 @@ impl Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen2Moe => "qwen2moe",
+            Arch::Qwen3Moe => "qwen3moe",
         }
     }
 
@@ -89,9 +103,31 @@ impl Arch {
     pub fn rope_type(self) -> RopeType {
         match self {
             Arch::Llama => RopeType::Norm,
-            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => RopeType::Neox,
+            Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen2Moe | Arch::Qwen3Moe => {
+                RopeType::Neox
+            }
         }
     }
+}
+
+/// The routed-expert part of a Mixture-of-Experts model (llama.cpp `build_moe_ffn`).
+///
+/// Every architecture here gates with a softmax over all experts, picks the `n_expert_used`
+/// most probable, and mixes their outputs with those probabilities; they differ in whether the
+/// chosen probabilities are renormalised to sum to one and in the shared expert.
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Routed experts per layer (`{arch}.expert_count`).
+    pub n_expert: usize,
+    /// Experts each token uses (`{arch}.expert_used_count`).
+    pub n_expert_used: usize,
+    /// Intermediate width of one routed expert.
+    pub n_ff_exp: usize,
+    /// Renormalise the chosen probabilities (qwen3moe, Mixtral: yes; qwen2moe: no).
+    pub norm_weights: bool,
+    /// Intermediate width of the shared expert (qwen2moe), gated per token by
+    /// `sigmoid(ffn_gate_inp_shexp · x)`.
+    pub n_ff_shexp: Option<usize>,
 }
 
 /// Hyperparameters of a dense transformer, validated.
@@ -129,6 +165,8 @@ pub struct ModelConfig {
     pub kq_scale: f32,
     /// `tanh` soft-capping of the final logits, when set.
     pub final_logit_softcap: Option<f32>,
+    /// Routed experts, for MoE models.
+    pub moe: Option<MoeConfig>,
 }
 
 fn key(arch: Arch, k: &str) -> String {
@@ -190,12 +228,13 @@ impl ModelConfig {
             1,
             MAX_LAYERS,
         )?;
-        let n_ff = check_range(
-            "feed_forward_length",
-            req_u32(f, arch, "feed_forward_length")?,
-            1,
-            MAX_DIM,
-        )?;
+        let moe_arch = matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe);
+        // MoE models may leave out the dense width (llama.cpp reads it as optional there).
+        let n_ff = match opt_u32(f, arch, "feed_forward_length")? {
+            Some(v) => check_range("feed_forward_length", v, 1, MAX_DIM)?,
+            None if moe_arch => 0,
+            None => req_u32(f, arch, "feed_forward_length")?,
+        };
         let n_head = check_range(
             "attention.head_count",
             req_u32(f, arch, "attention.head_count")?,
@@ -284,7 +323,9 @@ impl ModelConfig {
             q_scale: 1.0,
             kq_scale: 1.0 / (head_dim_k as f32).sqrt(),
             final_logit_softcap: None,
+            moe: None,
         };
+        cfg.moe = moe_config(f, arch, n_ff)?;
         if arch == Arch::Gemma3 {
             // src/models/gemma3.cpp load_arch_hparams: SWA pattern 6 (every 6th layer global),
             // SWA rope base 10 000 unless given, Q pre-scaled by 1/sqrt(head_dim) (27B: n_embd/n_head).
@@ -310,6 +351,11 @@ impl ModelConfig {
         Ok(cfg)
     }
 
+    /// Whether layer FFNs are routed experts.
+    pub fn is_moe(&self) -> bool {
+        self.moe.is_some()
+    }
+
     /// Width of all query heads.
     pub fn q_dim(&self) -> usize {
         self.n_head * self.head_dim_k
@@ -322,6 +368,78 @@ impl ModelConfig {
     pub fn v_dim(&self) -> usize {
         self.n_head_kv * self.head_dim_v
     }
+}
+
+/// Reads the expert hyperparameters (src/llama-model.cpp `load_hparams`, src/models/*.cpp).
+fn moe_config(f: &GgufFile, arch: Arch, n_ff: usize) -> Result<Option<MoeConfig>, ModelError> {
+    let n_expert = opt_u32(f, arch, "expert_count")?.unwrap_or(0);
+    let moe_arch = matches!(arch, Arch::Qwen2Moe | Arch::Qwen3Moe);
+    if n_expert == 0 {
+        if moe_arch {
+            return Err(ModelError::MissingKey {
+                key: key(arch, "expert_count"),
+                arch: arch.name(),
+            });
+        }
+        return Ok(None);
+    }
+    let n_expert = check_range(&key(arch, "expert_count"), n_expert, 1, 1 << 16)?;
+    let k_used = key(arch, "expert_used_count");
+    let n_expert_used = match f.get_u32(&k_used) {
+        Ok(Some(v)) => v as usize,
+        Ok(None) => {
+            return Err(ModelError::MissingKey {
+                key: k_used,
+                arch: arch.name(),
+            })
+        }
+        Err(_) => {
+            return Err(ModelError::BadValue {
+                key: k_used,
+                msg: "must be one integer (per-layer expert counts are not supported)".into(),
+            })
+        }
+    };
+    check_range(&k_used, n_expert_used, 1, n_expert)?;
+    let (n_ff_exp, norm_weights, n_ff_shexp) = match arch {
+        // Mixtral: experts as wide as the dense FFN, weights renormalised.
+        Arch::Llama => (n_ff, true, None),
+        Arch::Qwen3Moe | Arch::Qwen2Moe => {
+            let exp = match opt_u32(f, arch, "expert_feed_forward_length")? {
+                Some(v) => v,
+                None => n_ff / n_expert_used,
+            };
+            let exp = check_range(&key(arch, "expert_feed_forward_length"), exp, 1, MAX_DIM)?;
+            if arch == Arch::Qwen3Moe {
+                (exp, true, None)
+            } else {
+                let sh = match opt_u32(f, arch, "expert_shared_feed_forward_length")? {
+                    Some(v) => v,
+                    None => n_ff,
+                };
+                let sh = check_range(
+                    &key(arch, "expert_shared_feed_forward_length"),
+                    sh,
+                    1,
+                    MAX_DIM,
+                )?;
+                (exp, false, Some(sh))
+            }
+        }
+        Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => {
+            return Err(ModelError::BadValue {
+                key: key(arch, "expert_count"),
+                msg: format!("{} has no mixture-of-experts variant", arch.name()),
+            })
+        }
+    };
+    Ok(Some(MoeConfig {
+        n_expert,
+        n_expert_used,
+        n_ff_exp,
+        norm_weights,
+        n_ff_shexp,
+    }))
 }
 
 #[cfg(test)]

@@ -3,6 +3,7 @@
 //! (one expert, weight 1) and, later, routed experts on remote nodes.
 
 pub mod config;
+pub mod moe;
 pub mod weights;
 
 use std::path::Path;
@@ -18,7 +19,7 @@ use ternfleet_shared::gguf::GgufFile;
 use crate::kv_cache::{KvCache, KvError};
 use crate::ops;
 use crate::tokenizer::Tokenizer;
-pub use config::{Arch, ModelConfig, ModelError};
+pub use config::{Arch, ModelConfig, ModelError, MoeConfig};
 use weights::DenseWeights;
 
 /// Errors of a forward pass.
@@ -106,9 +107,7 @@ impl Model {
             err,
         })?;
         let (weights, ffns) = weights::load(&file, &cfg).map_err(wrap)?;
-        let experts = Box::new(LocalExperts::new(
-            ffns.into_iter().map(|f| vec![f]).collect(),
-        ));
+        let experts = Box::new(LocalExperts::new(ffns));
         Ok(Model {
             cfg,
             tokenizer,
@@ -256,11 +255,19 @@ impl Model {
             ops::rms_norm_rows(&mut h, &lw.ffn_norm, cfg.rms_eps);
             dump(&format!("ffn_norm-{il}"), &h, d);
             o.iter_mut().for_each(|v| *v = 0.0);
+            let routed;
+            let routes = match &lw.router {
+                None => &all_tokens,
+                Some(r) => {
+                    routed = r.route(&h, n).0;
+                    &routed
+                }
+            };
             let batch = ExpertBatch {
                 layer: il,
                 hidden: &h,
                 n_tokens: n,
-                routes: &all_tokens,
+                routes,
             };
             self.experts.run(&batch, &mut o)?;
             if let Some(pn) = &lw.post_ffn_norm {

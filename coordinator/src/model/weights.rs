@@ -9,6 +9,7 @@ use ternfleet_node::expert::{Activation, FfnWeights};
 use ternfleet_shared::gguf::GgufFile;
 
 use super::config::{Arch, ModelConfig, ModelError};
+use super::moe::Router;
 
 /// A small f32 vector (norm weights, biases), copied out of the file at load.
 pub type Vector = Vec<f32>;
@@ -30,6 +31,8 @@ pub struct LayerWeights {
     pub post_attn_norm: Option<Vector>,
     pub ffn_norm: Vector,
     pub post_ffn_norm: Option<Vector>,
+    /// MoE layers: the router (and shared-expert gate); the experts live in the backend.
+    pub router: Option<Router>,
 }
 
 /// The dense (coordinator-side) weights.
@@ -55,6 +58,36 @@ pub fn layer_tensor_plan(arch: Arch) -> &'static [&'static str] {
             "ffn_gate",
             "ffn_up",
             "ffn_down",
+        ],
+        Arch::Qwen3Moe => &[
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_q_norm",
+            "attn_k_norm",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate_inp",
+            "ffn_gate_exps",
+            "ffn_up_exps",
+            "ffn_down_exps",
+        ],
+        Arch::Qwen2Moe => &[
+            "attn_norm",
+            "attn_q",
+            "attn_k",
+            "attn_v",
+            "attn_output",
+            "ffn_norm",
+            "ffn_gate_inp",
+            "ffn_gate_exps",
+            "ffn_up_exps",
+            "ffn_down_exps",
+            "ffn_gate_inp_shexp",
+            "ffn_gate_shexp",
+            "ffn_up_shexp",
+            "ffn_down_shexp",
         ],
         Arch::Qwen3 => &[
             "attn_norm",
@@ -143,17 +176,80 @@ impl Loader<'_> {
         Ok(Some(out))
     }
 
+    /// An f32 matrix copied out of the file (routers: small, and kept in f32 by llama.cpp's
+    /// converter and quantizer, so the routing decisions are made at full precision).
+    fn f32_matrix(&self, name: &str, cols: usize, rows: usize) -> Result<Vec<f32>, ModelError> {
+        let t = self
+            .file
+            .tensor(name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
+        let want = if rows == 1 {
+            vec![cols as u64]
+        } else {
+            vec![cols as u64, rows as u64]
+        };
+        let got: Vec<u64> = t.dims.iter().copied().filter(|&d| d != 1).collect();
+        let want_nz: Vec<u64> = want.iter().copied().filter(|&d| d != 1).collect();
+        if t.dims[0] != cols as u64 || got != want_nz {
+            return Err(ModelError::TensorShape {
+                name: name.into(),
+                got: t.dims.clone(),
+                want,
+            });
+        }
+        if t.ty != GgmlType::F32 {
+            return Err(ModelError::TensorType {
+                name: name.into(),
+                ty: t.ty.name(),
+                why: "routers must be f32, as llama.cpp's converter writes them",
+            });
+        }
+        let mut out = vec![0f32; cols * rows];
+        ternfleet_kernels::dequantize_row(t.ty, self.file.tensor_data(t), &mut out).map_err(
+            |e| ModelError::BadValue {
+                key: name.into(),
+                msg: e.to_string(),
+            },
+        )?;
+        Ok(out)
+    }
+
+    /// One matrix of a stacked `[cols, rows, n]` expert tensor.
+    fn stacked(
+        &self,
+        name: &str,
+        cols: usize,
+        rows: usize,
+        n: usize,
+        index: usize,
+    ) -> Result<Linear, ModelError> {
+        let t = self
+            .file
+            .tensor(name)
+            .ok_or_else(|| ModelError::MissingTensor { name: name.into() })?;
+        let want = [cols as u64, rows as u64, n as u64];
+        if t.dims != want {
+            return Err(ModelError::TensorShape {
+                name: name.into(),
+                got: t.dims.clone(),
+                want: want.to_vec(),
+            });
+        }
+        Ok(Linear::stacked(self.file, t, index)?)
+    }
+
     fn req_vector(&self, name: &str, len: usize) -> Result<Vector, ModelError> {
         self.vector(name, len)?
             .ok_or_else(|| ModelError::MissingTensor { name: name.into() })
     }
 }
 
-/// Loads the dense weights and the per-layer FFN weights of `file`.
+/// Loads the dense weights and, per layer, the FFN experts of `file` (one for a dense layer;
+/// for an MoE layer the routed experts in order, then the shared expert if any).
 pub fn load(
     file: &Arc<GgufFile>,
     cfg: &ModelConfig,
-) -> Result<(DenseWeights, Vec<FfnWeights>), ModelError> {
+) -> Result<(DenseWeights, Vec<Vec<FfnWeights>>), ModelError> {
     let l = Loader { file };
     let d = cfg.n_embd;
     let token_embd = l.linear("token_embd.weight", d, cfg.n_vocab)?;
@@ -165,13 +261,15 @@ pub fn load(
     let output_norm = l.req_vector("output_norm.weight", d)?;
     let act = match cfg.arch {
         Arch::Gemma3 => Activation::GeGlu,
-        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 => Activation::SwiGlu,
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe => {
+            Activation::SwiGlu
+        }
     };
     let mut layers = Vec::with_capacity(cfg.n_layer);
     let mut ffns = Vec::with_capacity(cfg.n_layer);
     for i in 0..cfg.n_layer {
         let n = |s: &str| format!("blk.{i}.{s}");
-        let has_qk_norm = matches!(cfg.arch, Arch::Qwen3 | Arch::Gemma3);
+        let has_qk_norm = matches!(cfg.arch, Arch::Qwen3 | Arch::Gemma3 | Arch::Qwen3Moe);
         let has_post_norms = cfg.arch == Arch::Gemma3;
         let lw = LayerWeights {
             attn_norm: l.req_vector(&n("attn_norm.weight"), d)?,
@@ -204,12 +302,48 @@ pub fn load(
             } else {
                 None
             },
+            router: None,
         };
-        let ffn = FfnWeights {
-            gate: l.linear(&n("ffn_gate.weight"), d, cfg.n_ff)?,
-            up: l.linear(&n("ffn_up.weight"), d, cfg.n_ff)?,
-            down: l.linear(&n("ffn_down.weight"), cfg.n_ff, d)?,
-            act,
+        let mut lw = lw;
+        let ffn = match &cfg.moe {
+            None => vec![FfnWeights {
+                gate: l.linear(&n("ffn_gate.weight"), d, cfg.n_ff)?,
+                up: l.linear(&n("ffn_up.weight"), d, cfg.n_ff)?,
+                down: l.linear(&n("ffn_down.weight"), cfg.n_ff, d)?,
+                act,
+                routed: false,
+            }],
+            Some(m) => {
+                let (ne, ff) = (m.n_expert, m.n_ff_exp);
+                let mut experts = Vec::with_capacity(ne + 1);
+                for e in 0..ne {
+                    experts.push(FfnWeights {
+                        gate: l.stacked(&n("ffn_gate_exps.weight"), d, ff, ne, e)?,
+                        up: l.stacked(&n("ffn_up_exps.weight"), d, ff, ne, e)?,
+                        down: l.stacked(&n("ffn_down_exps.weight"), ff, d, ne, e)?,
+                        act,
+                        routed: true,
+                    });
+                }
+                let mut shexp_gate = None;
+                if let Some(sh) = m.n_ff_shexp {
+                    experts.push(FfnWeights {
+                        gate: l.linear(&n("ffn_gate_shexp.weight"), d, sh)?,
+                        up: l.linear(&n("ffn_up_shexp.weight"), d, sh)?,
+                        down: l.linear(&n("ffn_down_shexp.weight"), sh, d)?,
+                        act,
+                        routed: false,
+                    });
+                    shexp_gate = Some(l.f32_matrix(&n("ffn_gate_inp_shexp.weight"), d, 1)?);
+                }
+                lw.router = Some(Router::new(
+                    m,
+                    d,
+                    l.f32_matrix(&n("ffn_gate_inp.weight"), d, ne)?,
+                    shexp_gate,
+                ));
+                experts
+            }
         };
         layers.push(lw);
         ffns.push(ffn);
