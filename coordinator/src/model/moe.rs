@@ -65,6 +65,9 @@ pub fn dot(order: DotOrder, a: &[f32], b: &[f32]) -> f32 {
     }
 }
 
+/// `ggml_clamp`'s lower bound on the sum of the chosen probabilities: 2^-14 (6.1035e-5).
+const WEIGHT_SUM_MIN: f32 = 1.0 / 16384.0;
+
 /// One MoE layer's router.
 #[derive(Clone, Debug)]
 pub struct Router {
@@ -125,7 +128,7 @@ impl Router {
             let chosen = &idx[..k];
             let scale = if self.cfg.norm_weights {
                 let sum: f64 = chosen.iter().map(|&e| probs[e] as f64).sum();
-                Some((sum as f32).max(6.103_515_625e-5))
+                Some((sum as f32).max(WEIGHT_SUM_MIN))
             } else {
                 None
             };
