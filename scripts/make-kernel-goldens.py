@@ -9,7 +9,10 @@ scale field replaced by a random finite value) is dequantized with gguf-py
     kernels/tests/data/<type>.f32   the dequantized values, little-endian f32
 
 plus q8_0 quantization: `q8_0_quant_in.f32` (inputs) and `q8_0_quant.bin`
-(`gguf.quants.quantize(x, Q8_0)`, bit-exact with ggml's quantize_row_q8_0_ref).
+(`gguf.quants.quantize(x, Q8_0)`, bit-exact with ggml's quantize_row_q8_0_ref), and ternary
+quantization: `tq_quant_in.f32` (three 256-value super-blocks: random, exact ties, zeros) with
+`tq1_0_quant.bin` / `tq2_0_quant.bin` (`gguf.quants.quantize(x, TQ1_0 / TQ2_0)`, byte-identical
+to ggml's quantize_row_tq{1,2}_0_ref) and their gguf-py dequantizations `tq{1,2}_0_quant.f32`.
 
 Usage: python3 scripts/make-kernel-goldens.py   (needs `pip install gguf numpy`)
 """
@@ -66,6 +69,19 @@ def main():
     x[127] = 127.0
     x.astype("<f4").tofile(os.path.join(OUT, "q8_0_quant_in.f32"))
     quantize(x.reshape(1, -1), T.Q8_0).reshape(-1).tofile(os.path.join(OUT, "q8_0_quant.bin"))
+
+    # TQ1_0 / TQ2_0 quantization (appended last so the files above keep their bytes).
+    x = (rng.standard_normal(256 * 3) * 0.7).astype(np.float32)
+    # Exact ties: amax 2 makes id = 0.5, so +-1 lands on +-0.5 (lroundf: away from zero).
+    x[256:512] = rng.choice(np.array([-2.0, -1.0, 0.0, 1.0, 2.0], dtype=np.float32), 256)
+    x[256] = 2.0
+    x[512:768] = 0.0
+    x.astype("<f4").tofile(os.path.join(OUT, "tq_quant_in.f32"))
+    for t in (T.TQ1_0, T.TQ2_0):
+        q = quantize(x.reshape(1, -1), t).reshape(-1)
+        q.tofile(os.path.join(OUT, f"{t.name.lower()}_quant.bin"))
+        dequantize(q, t).astype("<f4").reshape(-1).tofile(
+            os.path.join(OUT, f"{t.name.lower()}_quant.f32"))
 
 
 if __name__ == "__main__":

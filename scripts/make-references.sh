@@ -56,6 +56,12 @@ if [ "$models" = 1 ]; then
   python3 "$root/scripts/make-test-models.py"
   "$bin/llama-quantize" --pure "$root/tests/data/models/tiny-llama-f16.gguf" \
     "$root/tests/data/models/tiny-llama-q4_k.gguf" Q4_K 2 >/dev/null 2>&1
+  # A ternary model made by llama.cpp: every matrix TQ2_0 but the experts' 64-wide ffn_down
+  # (TQ2_0 rows need multiples of 256; kept q8_0), to show llama.cpp's ternary tensors run
+  # token-identically here.
+  "$bin/llama-quantize" --allow-requantize --pure --tensor-type ffn_down_exps=q8_0 \
+    "$root/tests/data/models/tiny-qwen3moe-q8_0.gguf" \
+    "$root/tests/data/models/tiny-qwen3moe-tq2_0.gguf" TQ2_0 2 >/dev/null 2>&1
   ls -l "$root"/tests/data/models/*.gguf >&2
 fi
 [ "$refs" = 1 ] || exit 0
@@ -260,7 +266,7 @@ def ppl_ref(name, model, ctx, check_batch=None):
 tiny_prompts = ["The capital of France is", "This License applies to any program", "Le café de la gare était"]
 only = [n for n in os.environ.get("REF_ONLY", "").split(",") if n]
 for name in ["tiny-llama-f16", "tiny-llama-q8_0", "tiny-llama-q4_k", "tiny-qwen3-f16", "tiny-qwen2-f16",
-             "tiny-mixtral-q8_0", "tiny-qwen3moe-q8_0", "tiny-qwen2moe-q8_0"]:
+             "tiny-mixtral-q8_0", "tiny-qwen3moe-q8_0", "tiny-qwen2moe-q8_0", "tiny-qwen3moe-tq2_0"]:
     if only and name not in only:
         continue
     model = os.path.join(root, "tests/data/models", name + ".gguf")

@@ -27,6 +27,10 @@ writes them; stacked expert tensors ffn_{gate,up,down}_exps [n_embd, n_ff_exp, n
                            q/k/v biases. 20 experts: ggml's softmax takes 16 with its vector exp
                            and 4 with libm's, both paths are exercised.
 
+  tiny-qwen3moe-tq2_0.gguf the qwen3moe model with every matrix TQ2_0 (ternary, BitNet b1.58
+                           storage), made by llama-quantize --allow-requantize --pure in
+                           make-references.sh; the 64-wide expert ffn_down rows stay q8_0.
+
 Router weights give logits with a std of about ROUTER_STD, so routing is decided by the input
 and not a near-uniform tie.
 

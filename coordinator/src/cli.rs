@@ -16,7 +16,8 @@ pub const DEFAULT_MODEL: &str = "models/gemma-3-270m-q4_k_m.gguf";
 
 /// ternfleet: run Mixture-of-Experts language models across a fleet of ordinary machines.
 ///
-/// This build runs GGUF models on one machine (gemma3, llama, qwen2, qwen3). Log verbosity
+/// This build runs GGUF models and ternfleet bundles on one machine (gemma3, llama, qwen2,
+/// qwen3, and the MoE architectures qwen3moe, qwen2moe and Mixtral-style llama). Log verbosity
 /// follows RUST_LOG (default: info, to stderr). Kernels are chosen from the CPU's features at
 /// start-up; TERNFLEET_KERNELS=scalar|avx2|avx512 overrides the choice.
 #[derive(Parser, Debug)]
@@ -44,6 +45,79 @@ pub enum Command {
     Bench(BenchArgs),
     /// Print a model's configuration and tensor summary.
     Info(ModelArgs),
+    /// Convert a GGUF model into a bundle (the directory nodes serve): a manifest, a
+    /// coordinator part and one checksummed GGUF per routed expert.
+    ///
+    /// MoE models (qwen3moe, qwen2moe, Mixtral) are split as they are. Dense models are
+    /// MoEfied with --experts E: each FFN's neurons are clustered into E equal experts by how
+    /// they co-activate on the --calib text, and a router is fitted per layer. --expert-type
+    /// turns the routed experts ternary (BitNet b1.58: tq2_0/tq1_0 as llama.cpp stores them,
+    /// or ternfleet's tf2/tf1 with 128-wide blocks). Interrupted conversions resume: run the
+    /// same command again.
+    Convert(ConvertArgs),
+    /// Compare a model (or bundle) with a reference on a text: perplexity of both, top-1
+    /// agreement, and per-layer routing agreement for two MoE models with the same experts.
+    Compare(CompareArgs),
+}
+
+/// `ternfleet convert`.
+#[derive(Args, Debug)]
+pub struct ConvertArgs {
+    /// Source model (GGUF).
+    #[arg(short = 'm', long = "model", default_value = DEFAULT_MODEL)]
+    pub model: PathBuf,
+    /// Output bundle directory (created; a finished bundle there is replaced).
+    #[arg(short = 'o', long = "out")]
+    pub out: PathBuf,
+    /// Dense models: experts per layer (the FFN width must divide by it).
+    #[arg(long)]
+    pub experts: Option<usize>,
+    /// Experts a token uses by default (MoEfied default: half; native: the model's).
+    #[arg(long = "top-k")]
+    pub top_k: Option<usize>,
+    /// Dense models: calibration text for the clustering and the routers.
+    #[arg(long)]
+    pub calib: Option<PathBuf>,
+    /// Calibration tokens to use at most.
+    #[arg(long, default_value_t = 4096)]
+    pub calib_tokens: usize,
+    /// Routed experts' weight type: keep, tq2_0, tq1_0, tf2, tf1 or q8_0.
+    #[arg(long = "expert-type", default_value = "keep")]
+    pub expert_type: String,
+    /// Seed of the clustering.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Compute threads (default: all cores).
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
+    /// Print the manifest summary as JSON.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `ternfleet compare`.
+#[derive(Args, Debug)]
+pub struct CompareArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// The reference model or bundle (e.g. the source of a conversion).
+    #[arg(long = "ref")]
+    pub reference: PathBuf,
+    /// Text file.
+    #[arg(short = 'f', long)]
+    pub file: PathBuf,
+    /// Tokens per chunk.
+    #[arg(short = 'c', long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Tokens per forward pass.
+    #[arg(short = 'b', long, default_value_t = 512)]
+    pub batch: usize,
+    /// Score at most this many chunks.
+    #[arg(long)]
+    pub chunks: Option<usize>,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Options every model command shares.
@@ -55,6 +129,9 @@ pub struct ModelArgs {
     /// Compute threads (default: all cores).
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
+    /// MoE models: experts each token uses (default: the model's own).
+    #[arg(long = "top-experts")]
+    pub top_experts: Option<usize>,
 }
 
 /// `ternfleet generate`.
@@ -167,15 +244,56 @@ pub struct BenchArgs {
 }
 
 fn init(args: &ModelArgs) -> Result<Model> {
+    init_runtime(args.threads)?;
+    if !args.model.exists() {
+        let hint = if args.model == std::path::Path::new(DEFAULT_MODEL) {
+            " (run scripts/fetch-model.sh to download the default model)"
+        } else {
+            ""
+        };
+        bail!("model file {} not found{hint}", args.model.display());
+    }
+    let t = std::time::Instant::now();
+    let mut model = Model::open(&args.model)?;
+    if let Some(k) = args.top_experts {
+        let Some(m) = &model.cfg.moe else {
+            bail!(
+                "--top-experts: {} is not a mixture-of-experts model",
+                args.model.display()
+            );
+        };
+        if k == 0 || k > m.n_expert {
+            bail!(
+                "--top-experts {k}: the model has {} experts per layer",
+                m.n_expert
+            );
+        }
+        model.set_top_k(k);
+    }
+    tracing::info!(
+        arch = model.cfg.arch.name(),
+        layers = model.cfg.n_layer,
+        n_embd = model.cfg.n_embd,
+        n_vocab = model.cfg.n_vocab,
+        experts = ?model.cfg.moe.as_ref().map(|m| (m.n_expert, m.n_expert_used)),
+        threads = rayon::current_num_threads(),
+        "loaded {} in {:.2}s",
+        args.model.display(),
+        t.elapsed().as_secs_f64()
+    );
+    Ok(model)
+}
+
+/// Logging, the compute thread pool and the kernel choice.
+fn init_runtime(threads: Option<usize>) -> Result<()> {
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
-    let threads = args
-        .threads
-        .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
+    let threads =
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if threads == 0 {
         bail!("--threads must be at least 1");
     }
@@ -187,27 +305,16 @@ fn init(args: &ModelArgs) -> Result<Model> {
     if let Some(note) = ternfleet_kernels::isa_note() {
         tracing::warn!("kernels: {note}");
     }
-    if !args.model.exists() {
-        let hint = if args.model == std::path::Path::new(DEFAULT_MODEL) {
-            " (run scripts/fetch-model.sh to download the default model)"
-        } else {
-            ""
-        };
-        bail!("model file {} not found{hint}", args.model.display());
-    }
-    let t = std::time::Instant::now();
-    let model = Model::open(&args.model)?;
-    tracing::info!(
-        arch = model.cfg.arch.name(),
-        layers = model.cfg.n_layer,
-        n_embd = model.cfg.n_embd,
-        n_vocab = model.cfg.n_vocab,
-        threads = rayon::current_num_threads(),
-        "loaded {} in {:.2}s",
-        args.model.display(),
-        t.elapsed().as_secs_f64()
+    Ok(())
+}
+
+fn progress_bar(template: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(template)
+            .expect("static progress template is valid"),
     );
-    Ok(model)
+    bar
 }
 
 /// Runs one parsed command line.
@@ -218,7 +325,110 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Perplexity(a) => cmd_perplexity(a),
         Command::Bench(a) => cmd_bench(a),
         Command::Info(a) => cmd_info(a),
+        Command::Convert(a) => cmd_convert(a),
+        Command::Compare(a) => cmd_compare(a),
     }
+}
+
+fn cmd_convert(a: ConvertArgs) -> Result<()> {
+    init_runtime(a.threads)?;
+    let opts = crate::convert::ConvertOptions {
+        model: a.model.clone(),
+        out: a.out.clone(),
+        experts: a.experts,
+        top_k: a.top_k,
+        calib: a.calib.clone(),
+        calib_tokens: a.calib_tokens,
+        expert_type: crate::convert::ExpertType::parse(&a.expert_type)?,
+        seed: a.seed,
+    };
+    let bar =
+        progress_bar("convert {msg:24} {bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}]");
+    let t = std::time::Instant::now();
+    let r = crate::convert::convert(&opts, &|stage, done, total| {
+        bar.set_message(stage.to_string());
+        bar.set_length(total);
+        bar.set_position(done);
+    });
+    bar.finish_and_clear();
+    let r = r?;
+    let m = &r.manifest;
+    let bytes: u64 = m.experts.iter().map(|e| e.part.bytes).sum();
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "out": a.out, "architecture": m.architecture, "layers": m.n_layer,
+                "moe": m.moe, "expert_bytes": bytes, "coordinator_bytes": m.coordinator.bytes,
+                "written": r.written, "reused": r.reused, "notes": m.provenance.notes,
+            })
+        );
+    } else {
+        println!(
+            "bundle {}: {} {} layers x {} experts (top-{} by default, {:?} gating), experts {:.1} MiB + coordinator {:.1} MiB; {} parts written, {} reused, {:.1}s",
+            a.out.display(),
+            m.architecture,
+            m.n_layer,
+            m.moe.n_expert,
+            m.moe.n_expert_used,
+            m.moe.gating,
+            bytes as f64 / (1 << 20) as f64,
+            m.coordinator.bytes as f64 / (1 << 20) as f64,
+            r.written,
+            r.reused,
+            t.elapsed().as_secs_f64()
+        );
+        for n in &m.provenance.notes {
+            println!("note: {n}");
+        }
+    }
+    Ok(())
+}
+
+fn cmd_compare(a: CompareArgs) -> Result<()> {
+    let model = init(&a.model)?;
+    let reference = Model::open(&a.reference)
+        .with_context(|| format!("reference {}", a.reference.display()))?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
+    let bar = progress_bar(
+        "compare {msg:9} {bar:40} {pos}/{len} chunks [{elapsed_precise}<{eta_precise}]",
+    );
+    let r = crate::compare::compare(
+        &model,
+        &reference,
+        &text,
+        a.ctx,
+        a.batch,
+        a.chunks,
+        |what, done, total| {
+            bar.set_message(what.to_string());
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        },
+    );
+    bar.finish_and_clear();
+    let r = r?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+    } else {
+        println!(
+            "perplexity {:.4} vs reference {:.4} ({:+.2} %); top-1 agreement {:.2} % over {} positions",
+            r.ppl,
+            r.ppl_ref,
+            100.0 * (r.ppl / r.ppl_ref - 1.0),
+            100.0 * r.top1_agreement,
+            r.scored
+        );
+        if let Some(ra) = &r.routing_agreement {
+            let v: Vec<String> = ra.iter().map(|x| format!("{:.1}", 100.0 * x)).collect();
+            println!(
+                "routing agreement per layer (% of tokens with the same expert set): {}",
+                v.join(" ")
+            );
+        }
+    }
+    Ok(())
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
@@ -320,12 +530,8 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let model = init(&a.model)?;
     let text = std::fs::read_to_string(&a.file)
         .with_context(|| format!("reading {}", a.file.display()))?;
-    let bar = indicatif::ProgressBar::new(0);
-    bar.set_style(
-        indicatif::ProgressStyle::with_template(
-            "perplexity {bar:40} {pos}/{len} chunks, {msg} [{elapsed_precise}<{eta_precise}]",
-        )
-        .expect("static progress template is valid"),
+    let bar = progress_bar(
+        "perplexity {bar:40} {pos}/{len} chunks, {msg} [{elapsed_precise}<{eta_precise}]",
     );
     let r = crate::perplexity::perplexity(
         &model,

@@ -9,6 +9,8 @@
 //! - [`sampler::Sampler`] — greedy / temperature / top-k / top-p / min-p / repetition penalty.
 pub mod bench;
 pub mod cli;
+pub mod compare;
+pub mod convert;
 pub mod generate;
 pub mod kv_cache;
 pub mod model;

@@ -47,7 +47,32 @@ pub fn perplexity(
     n_ctx: usize,
     batch: usize,
     max_chunks: Option<usize>,
+    progress: impl FnMut(usize, usize, f64),
+) -> Result<Perplexity, PerplexityError> {
+    perplexity_observed(
+        model,
+        text,
+        n_ctx,
+        batch,
+        max_chunks,
+        progress,
+        &mut crate::model::NoObserver,
+        |_| {},
+    )
+}
+
+/// [`perplexity`], showing `obs` inside every forward pass and `scored` the logits rows of
+/// each chunk's scored positions (`(n_ctx - 1 - n_ctx/2) × n_vocab`, in order).
+#[allow(clippy::too_many_arguments)]
+pub fn perplexity_observed(
+    model: &Model,
+    text: &str,
+    n_ctx: usize,
+    batch: usize,
+    max_chunks: Option<usize>,
     mut progress: impl FnMut(usize, usize, f64),
+    obs: &mut dyn crate::model::Observer,
+    mut scored: impl FnMut(&[f32]),
 ) -> Result<Perplexity, PerplexityError> {
     if n_ctx < 8 {
         return Err(PerplexityError::BadCtx(n_ctx));
@@ -94,9 +119,9 @@ pub fn perplexity(
             let end = pos + part.len();
             if end > first {
                 let from = first.saturating_sub(pos);
-                logits.extend(model.forward(&mut cache, part, Logits::From(from))?);
+                logits.extend(model.forward_observed(&mut cache, part, Logits::From(from), obs)?);
             } else {
-                model.forward(&mut cache, part, Logits::Last)?;
+                model.forward_observed(&mut cache, part, Logits::Last, obs)?;
             }
             pos = end;
         }
@@ -106,6 +131,7 @@ pub fn perplexity(
             nll -= ops::log_softmax_at(row, tokens[start + first + r + 1] as usize);
             count += 1;
         }
+        scored(&logits[..(n_ctx - 1 - first) * n_vocab]);
         let running = (nll / count as f64).exp();
         ppl_chunks.push(running);
         progress(c + 1, n_chunk, running);

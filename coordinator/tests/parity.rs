@@ -260,4 +260,5 @@ const EXACT_PPL: &[&str] = &[
     "tiny-mixtral-q8_0",
     "tiny-qwen3moe-q8_0",
     "tiny-qwen2moe-q8_0",
+    "tiny-qwen3moe-tq2_0",
 ];

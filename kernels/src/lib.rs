@@ -23,6 +23,7 @@ mod dispatch;
 mod matmul;
 pub mod quant;
 mod scalar;
+mod ternary;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
 
@@ -53,7 +54,7 @@ pub enum KernelError {
         rows: usize,
         cols: usize,
     },
-    #[error("{ty:?} is not supported by {op} (supported: F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K)")]
+    #[error("{ty:?} is not supported by {op} (matmul supports F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, TQ1_0, TQ2_0, TF2, TF1)")]
     Unsupported { ty: GgmlType, op: &'static str },
     #[error("{what}: expected {want} elements, got {got}")]
     InputLen {
@@ -95,6 +96,8 @@ pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
         GgmlType::BF16 => GgmlType::BF16,
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
         GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => GgmlType::Q8_K,
+        GgmlType::TQ1_0 | GgmlType::TQ2_0 => GgmlType::Q8_K,
+        GgmlType::TF2 | GgmlType::TF1 => GgmlType::Q8_TF,
         _ => return None,
     })
 }
@@ -137,12 +140,12 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), K
 
 /// Quantize f32 values to an activation type (Q8_0, Q8_K, F16, BF16, F32), bit-exact with
 /// ggml's `quantize_row_q8_0_ref` / `quantize_row_q8_K_ref` (ggml-quants.c) and its
-/// round-to-nearest-even f16/bf16 conversions. `dst.len()` must equal `ty.row_size(src.len())`.
+/// round-to-nearest-even f16/bf16 conversions, or to a ternary weight type: TQ1_0 / TQ2_0
+/// bit-exact with `quantize_row_tq{1,2}_0_ref`, TF2 / TF1 with per-block absmean scales.
+/// Q8_TF takes ONE token row (its scale is the row's absmax). `dst.len()` must equal
+/// `ty.row_size(src.len())`.
 pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), KernelError> {
-    if !matches!(
-        ty,
-        GgmlType::Q8_0 | GgmlType::Q8_K | GgmlType::F16 | GgmlType::BF16 | GgmlType::F32
-    ) {
+    if !can_quantize(ty) {
         return Err(KernelError::Unsupported {
             ty,
             op: "quantize_row",
@@ -159,6 +162,23 @@ pub fn quantize_row(ty: GgmlType, src: &[f32], dst: &mut [u8]) -> Result<(), Ker
     }
     scalar::quantize(ty, src, dst);
     Ok(())
+}
+
+/// Whether [`quantize_row`] handles `ty`.
+pub fn can_quantize(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::Q8_0
+            | GgmlType::Q8_K
+            | GgmlType::F16
+            | GgmlType::BF16
+            | GgmlType::F32
+            | GgmlType::TQ1_0
+            | GgmlType::TQ2_0
+            | GgmlType::TF2
+            | GgmlType::TF1
+            | GgmlType::Q8_TF
+    )
 }
 
 /// `out[t * rows.len() + (r - rows.start)] = dot(weight row r, activation row t)` for `r` in

@@ -167,8 +167,11 @@ impl Activations {
                     xr.len().is_multiple_of(cols) && yr.len() == xr.len() / cols * rb,
                     "quantize_for_with: pieces must be whole, matching rows"
                 );
-                let ok = scalar::quantize(ty, xr, yr);
-                debug_assert!(ok, "vec_dot_type only returns quantizable types");
+                // Row by row: Q8_TF's scale is per row.
+                for (x1, y1) in xr.chunks_exact(cols).zip(yr.chunks_exact_mut(rb)) {
+                    let ok = scalar::quantize(ty, x1, y1);
+                    debug_assert!(ok, "vec_dot_type only returns quantizable types");
+                }
             };
             split(x, &mut self.data[..total], cols, rb, &quantize);
         }

@@ -2,6 +2,23 @@
 //!
 //! Sizes cite ggml-common.h (`block_q4_K` etc.). Row sizes are computed with checked arithmetic
 //! because the element counts come from files.
+//!
+//! Besides ggml's types the registry holds ternfleet's own ternary formats (ids from
+//! [`TERNFLEET_ID_BASE`] on, outside ggml's range; see docs/ternary.md). [`GgmlType::from_id`]
+//! returns only ggml types, so a GGUF file cannot smuggle ours in under a ggml type id;
+//! [`GgmlType::from_ternfleet_id`] is the explicit way to accept both.
+//!
+//! - `TF2`  `{ f16 d; u8 qs[32] }`, 128 weights in 34 bytes (2.125 bits per weight): the code
+//!   `c = q + 1 ∈ {0,1,2}` of weight `32n + m` is bits `2n..2n+2` of `qs[m]`; the value is
+//!   `q·d` with `d` the block's absmean (BitNet b1.58).
+//! - `TF1`  `{ f16 d; u8 qs[26] }`, 128 weights in 28 bytes (1.75 bits per weight): five codes
+//!   per byte in base 3, the first most significant, stored like TQ1_0 as
+//!   `ceil(Σ c_n·3^(4-n) · 256 / 243)`; weight `32n + m` (n < 4) is trit `n` of `qs[m]` for
+//!   m < 26, and the remaining 24 weights `26 + m + 32n` (m < 6, n < 4) are trit 4 of `qs[6n + m]`.
+//! - `Q8_TF` `{ f32 d; i8 qs[128]; i32 lsums[8] }`, 164 bytes: the activations of TF1/TF2 —
+//!   int8 with ONE absmax scale per token row (`d = amax/127`, repeated in every block of
+//!   the row), plus `lsums[k] = Σ qs[e]` over the block's elements with `(e % 32) / 4 == k`
+//!   (what the unsigned-weight dot products subtract, like Q8_K's `bsums`).
 
 /// A ggml tensor element type. The discriminant is the ggml type id (ggml.h `enum ggml_type`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -30,7 +47,19 @@ pub enum GgmlType {
     BF16 = 30,
     TQ1_0 = 34,
     TQ2_0 = 35,
+    /// ternfleet: ternary, 128-weight blocks, 2 bits per code (module docs).
+    TF2 = TERNFLEET_ID_BASE,
+    /// ternfleet: ternary, 128-weight blocks, 5 codes per byte (module docs).
+    TF1 = TERNFLEET_ID_BASE + 1,
+    /// ternfleet: int8 activations with one scale per row, for TF1/TF2 (module docs).
+    Q8_TF = TERNFLEET_ID_BASE + 2,
 }
+
+/// The first id of ternfleet's own types; ggml's ids stay far below it.
+pub const TERNFLEET_ID_BASE: u32 = 1024;
+/// Block size of ternfleet's ternary formats (at most 128 so that 640-column rows and
+/// 128-column expert slices are whole blocks).
+pub const QK_TF: usize = 128;
 
 /// Super-block size of the k-quants (ggml-common.h `QK_K`).
 pub const QK_K: usize = 256;
@@ -38,8 +67,8 @@ pub const QK_K: usize = 256;
 pub const QK: usize = 32;
 
 impl GgmlType {
-    /// Every type in the registry.
-    pub const ALL: [GgmlType; 22] = [
+    /// Every type in the registry: ggml's, then ternfleet's.
+    pub const ALL: [GgmlType; 25] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -62,11 +91,25 @@ impl GgmlType {
         GgmlType::BF16,
         GgmlType::TQ1_0,
         GgmlType::TQ2_0,
+        GgmlType::TF2,
+        GgmlType::TF1,
+        GgmlType::Q8_TF,
     ];
 
-    /// The type with ggml id `id`, if we know it.
+    /// The ggml type with id `id`, if we know it. Never one of ternfleet's own types: this is
+    /// what a GGUF reader should call for a tensor's type field.
     pub fn from_id(id: u32) -> Option<GgmlType> {
+        Self::from_ternfleet_id(id).filter(|t| t.is_ggml())
+    }
+
+    /// Any type in the registry by id, ternfleet's own included (for our own containers).
+    pub fn from_ternfleet_id(id: u32) -> Option<GgmlType> {
         Self::ALL.iter().copied().find(|t| *t as u32 == id)
+    }
+
+    /// Whether this is one of ggml's types (as opposed to one of ternfleet's own).
+    pub fn is_ggml(self) -> bool {
+        (self as u32) < TERNFLEET_ID_BASE
     }
 
     /// The ggml id.
@@ -99,6 +142,9 @@ impl GgmlType {
             GgmlType::BF16 => "bf16",
             GgmlType::TQ1_0 => "tq1_0",
             GgmlType::TQ2_0 => "tq2_0",
+            GgmlType::TF2 => "tf2",
+            GgmlType::TF1 => "tf1",
+            GgmlType::Q8_TF => "q8_tf",
         }
     }
 
@@ -123,6 +169,7 @@ impl GgmlType {
             | GgmlType::Q8_K
             | GgmlType::TQ1_0
             | GgmlType::TQ2_0 => QK_K,
+            GgmlType::TF2 | GgmlType::TF1 | GgmlType::Q8_TF => QK_TF,
         }
     }
 
@@ -147,6 +194,9 @@ impl GgmlType {
             GgmlType::Q8_K => 4 + QK_K + QK_K / 16 * 2,
             GgmlType::TQ1_0 => 2 + 4 * 13,
             GgmlType::TQ2_0 => 2 + 64,
+            GgmlType::TF2 => 2 + QK_TF / 4,
+            GgmlType::TF1 => 2 + QK_TF.div_ceil(5),
+            GgmlType::Q8_TF => 4 + QK_TF + 4 * 8,
         }
     }
 
@@ -168,10 +218,31 @@ mod tests {
     #[test]
     fn ids_round_trip_and_are_unique() {
         for t in GgmlType::ALL {
-            assert_eq!(GgmlType::from_id(t.id()), Some(t));
+            assert_eq!(GgmlType::from_ternfleet_id(t.id()), Some(t));
+            if t.is_ggml() {
+                assert_eq!(GgmlType::from_id(t.id()), Some(t));
+            }
         }
         assert_eq!(GgmlType::from_id(4), None); // removed Q4_2
         assert_eq!(GgmlType::from_id(39), None);
+    }
+
+    #[test]
+    fn ternfleet_types_are_not_ggml_ids() {
+        for t in [GgmlType::TF2, GgmlType::TF1, GgmlType::Q8_TF] {
+            assert!(!t.is_ggml());
+            assert_eq!(
+                GgmlType::from_id(t.id()),
+                None,
+                "{t:?} accepted as a ggml id"
+            );
+            assert_eq!(GgmlType::from_ternfleet_id(t.id()), Some(t));
+        }
+        assert_eq!(GgmlType::from_ternfleet_id(35), Some(GgmlType::TQ2_0));
+        assert_eq!(GgmlType::TF2.type_size(), 34);
+        assert_eq!(GgmlType::TF1.type_size(), 28);
+        assert_eq!(GgmlType::Q8_TF.type_size(), 164);
+        assert_eq!(GgmlType::TF2.row_size(640), Some(5 * 34));
     }
 
     #[test]

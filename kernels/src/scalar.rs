@@ -21,6 +21,8 @@
 //! - `block_q8_K`  { f32 d; i8 qs[256]; i16 bsums[16] }                      292 bytes
 //! - `block_tq1_0` { u8 qs[48]; u8 qh[4]; f16 d }                            54 bytes
 //! - `block_tq2_0` { u8 qs[64]; f16 d }                                      66 bytes
+//!
+//! The ternary formats' quantizers and dot products live in `crate::ternary`.
 
 // Tile loops index several per-row / per-token arrays with the same counter, and the
 // transcriptions of ggml keep its index arithmetic: iterator chains would obscure both.
@@ -341,6 +343,9 @@ fn dequantize_block(ty: GgmlType, x: &[u8], y: &mut [f32]) -> bool {
                 }
             }
         }
+        GgmlType::TF2 | GgmlType::TF1 | GgmlType::Q8_TF => {
+            crate::ternary::dequantize_tf_block(ty, x, y)
+        }
         _ => return false,
     }
     true
@@ -422,6 +427,10 @@ pub(crate) fn quantize(ty: GgmlType, x: &[f32], y: &mut [u8]) -> bool {
     match ty {
         GgmlType::Q8_0 => quantize_q8_0(x, y),
         GgmlType::Q8_K => quantize_q8_k(x, y),
+        GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::quantize_tq(ty, x, y),
+        GgmlType::TF2 | GgmlType::TF1 => crate::ternary::quantize_tf(ty, x, y),
+        // One token row: the scale is the row's absmax.
+        GgmlType::Q8_TF => crate::ternary::quantize_q8_tf(x, y),
         GgmlType::F32 => {
             for (v, o) in x.iter().zip(y.chunks_exact_mut(4)) {
                 o.copy_from_slice(&v.to_le_bytes());
@@ -692,6 +701,10 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
             | GgmlType::Q4_K
             | GgmlType::Q5_K
             | GgmlType::Q6_K
+            | GgmlType::TQ1_0
+            | GgmlType::TQ2_0
+            | GgmlType::TF2
+            | GgmlType::TF1
     ) || float_dot_fn(w).is_some()
 }
 
@@ -703,6 +716,8 @@ pub(crate) fn dot(ty: GgmlType, t: usize, ntok: usize, n: usize, w: &[u8], a: &[
         GgmlType::Q4_K => vec_dot_qk45(n, w, a, false, k_order(ty, t, ntok)),
         GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, k_order(ty, t, ntok)),
         GgmlType::Q6_K => vec_dot_q6k(n, w, a, k_order(ty, t, ntok)),
+        GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::vec_dot_tq(ty, n, w, a),
+        GgmlType::TF2 | GgmlType::TF1 => crate::ternary::vec_dot_tf(ty, n, w, a),
         _ => float_dot_fn(ty).expect("Gemm is only built for weight types with a dot")(n, w, a),
     }
 }

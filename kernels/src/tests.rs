@@ -35,6 +35,7 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
         GgmlType::Q6_K => &[208],
         GgmlType::TQ1_0 => &[52],
         GgmlType::TQ2_0 => &[64],
+        GgmlType::TF2 | GgmlType::TF1 => &[0],
         _ => &[],
     }
 }
@@ -68,7 +69,7 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     }
 }
 
-const MATMUL_TYPES: [GgmlType; 9] = [
+const MATMUL_TYPES: [GgmlType; 13] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -78,6 +79,10 @@ const MATMUL_TYPES: [GgmlType; 9] = [
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::TQ1_0,
+    GgmlType::TQ2_0,
+    GgmlType::TF2,
+    GgmlType::TF1,
 ];
 
 fn col_shapes(ty: GgmlType) -> &'static [usize] {
@@ -85,6 +90,7 @@ fn col_shapes(ty: GgmlType) -> &'static [usize] {
         1 => &[1, 7, 16, 33, 200],
         // 4128 and 4160: wider than the AVX-512 GEMV's 64-pair column chunk (odd and even).
         32 => &[32, 64, 96, 640, 4128, 4160],
+        128 => &[128, 640, 1920],
         // 2560: wider than the AVX-512 k-quant GEMM's 8-super-block column chunk.
         _ => &[256, 1024, 2560],
     }
@@ -797,3 +803,5 @@ fn softmax_exp_follows_ggml_v_expf_on_every_isa() {
         }
     }
 }
+
+mod ternary;

@@ -13,5 +13,9 @@
 //! - [`gguf::GgufError`]: every way a file can be wrong, with offsets and names; hostile input
 //!   (TESTING.md "GGUF and bundles: hostile files") never panics and never drives an
 //!   allocation beyond the file's own size.
+//!
+//! [`bundle`] is the directory format nodes serve (`ternfleet convert` writes it): a manifest,
+//! a coordinator part and one GGUF per routed expert, each checksummed.
 
+pub mod bundle;
 pub mod gguf;

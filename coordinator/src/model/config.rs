@@ -4,6 +4,7 @@
 //! `load_arch_hparams`). Every value is checked against the tensors before a forward pass can
 //! run, so the graph code can index without re-validating.
 
+pub use ternfleet_shared::bundle::Gating;
 use ternfleet_shared::gguf::{GgufError, GgufFile};
 
 /// Errors while reading a model's configuration or weights.
@@ -123,8 +124,8 @@ pub struct MoeConfig {
     pub n_expert_used: usize,
     /// Intermediate width of one routed expert.
     pub n_ff_exp: usize,
-    /// Renormalise the chosen probabilities (qwen3moe, Mixtral: yes; qwen2moe: no).
-    pub norm_weights: bool,
+    /// How router scores become expert weights.
+    pub gating: Gating,
     /// Intermediate width of the shared expert (qwen2moe), gated per token by
     /// `sigmoid(ffn_gate_inp_shexp · x)`.
     pub n_ff_shexp: Option<usize>,
@@ -401,9 +402,9 @@ fn moe_config(f: &GgufFile, arch: Arch, n_ff: usize) -> Result<Option<MoeConfig>
         }
     };
     check_range(&k_used, n_expert_used, 1, n_expert)?;
-    let (n_ff_exp, norm_weights, n_ff_shexp) = match arch {
+    let (n_ff_exp, gating, n_ff_shexp) = match arch {
         // Mixtral: experts as wide as the dense FFN, weights renormalised.
-        Arch::Llama => (n_ff, true, None),
+        Arch::Llama => (n_ff, Gating::SoftmaxNorm, None),
         Arch::Qwen3Moe | Arch::Qwen2Moe => {
             let exp = match opt_u32(f, arch, "expert_feed_forward_length")? {
                 Some(v) => v,
@@ -411,7 +412,7 @@ fn moe_config(f: &GgufFile, arch: Arch, n_ff: usize) -> Result<Option<MoeConfig>
             };
             let exp = check_range(&key(arch, "expert_feed_forward_length"), exp, 1, MAX_DIM)?;
             if arch == Arch::Qwen3Moe {
-                (exp, true, None)
+                (exp, Gating::SoftmaxNorm, None)
             } else {
                 let sh = match opt_u32(f, arch, "expert_shared_feed_forward_length")? {
                     Some(v) => v,
@@ -423,7 +424,7 @@ fn moe_config(f: &GgufFile, arch: Arch, n_ff: usize) -> Result<Option<MoeConfig>
                     1,
                     MAX_DIM,
                 )?;
-                (exp, false, Some(sh))
+                (exp, Gating::Softmax, Some(sh))
             }
         }
         Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 => {
@@ -437,7 +438,7 @@ fn moe_config(f: &GgufFile, arch: Arch, n_ff: usize) -> Result<Option<MoeConfig>
         n_expert,
         n_expert_used,
         n_ff_exp,
-        norm_weights,
+        gating,
         n_ff_shexp,
     }))
 }
@@ -452,8 +453,9 @@ mod tests {
             assert_eq!(Arch::from_name(a.name()).ok(), Some(a));
             // Each architecture names its tensors in the loader and has a rope type.
             let _ = a.rope_type();
+            let plan = crate::model::weights::layer_tensor_plan(a);
             assert!(
-                crate::model::weights::layer_tensor_plan(a).contains(&"ffn_down"),
+                plan.contains(&"ffn_down") || plan.contains(&"ffn_down_exps"),
                 "{a:?} has no FFN plan"
             );
         }

@@ -14,6 +14,7 @@ use rayon::prelude::*;
 use ternfleet_kernels::Activations;
 use ternfleet_node::compute::Linear;
 use ternfleet_node::expert::{dump, ExpertBackend, ExpertBatch, LocalExperts, Route};
+use ternfleet_shared::bundle::BundleError;
 use ternfleet_shared::gguf::GgufFile;
 
 use crate::kv_cache::{KvCache, KvError};
@@ -38,6 +39,20 @@ pub enum ForwardError {
     #[error(transparent)]
     Kernel(#[from] ternfleet_kernels::KernelError),
 }
+
+/// Sees inside a forward pass (see [`Model::forward_observed`]). Both methods default to
+/// doing nothing.
+pub trait Observer {
+    /// The normalised FFN input of layer `layer`: `n_tokens × n_embd`.
+    fn ffn_input(&mut self, _layer: usize, _x: &[f32]) {}
+    /// The routes of an MoE layer (per token, best first; a shared expert last) and the
+    /// router's scores (`n_tokens × n_expert`).
+    fn routes(&mut self, _layer: usize, _routes: &[Route], _scores: &[f32]) {}
+}
+
+/// An [`Observer`] that looks at nothing.
+pub struct NoObserver;
+impl Observer for NoObserver {}
 
 /// Which positions of a batch need logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -72,11 +87,21 @@ pub enum LoadError {
         path: String,
         err: crate::tokenizer::TokenizerError,
     },
+    #[error(transparent)]
+    Bundle(#[from] BundleError),
 }
 
+/// Metadata keys of an expert blob naming its place in the model.
+pub const BLOB_LAYER_KEY: &str = "ternfleet.bundle.layer";
+pub const BLOB_EXPERT_KEY: &str = "ternfleet.bundle.expert";
+
 impl Model {
-    /// Opens a GGUF model file and binds its weights (memory-mapped, nothing copied but norms).
+    /// Opens a GGUF model file, or a bundle directory (see [`Model::open_bundle`]), and binds
+    /// its weights (memory-mapped, nothing copied but norms and routers).
     pub fn open(path: &Path) -> Result<Model, LoadError> {
+        if path.is_dir() {
+            return Model::open_bundle(path);
+        }
         let p = path.display().to_string();
         let file = Arc::new(GgufFile::open(path).map_err(|err| LoadError::Gguf {
             path: p.clone(),
@@ -106,7 +131,7 @@ impl Model {
             path: String::new(),
             err,
         })?;
-        let (weights, ffns) = weights::load(&file, &cfg).map_err(wrap)?;
+        let (weights, ffns) = weights::load(&file, &cfg, true).map_err(wrap)?;
         let experts = Box::new(LocalExperts::new(ffns));
         Ok(Model {
             cfg,
@@ -115,6 +140,132 @@ impl Model {
             experts,
             file,
         })
+    }
+
+    /// Opens a bundle written by `ternfleet convert`: checks the manifest, the size and
+    /// SHA-256 of every part and that each part is the one the manifest describes, then binds
+    /// the coordinator part and every expert blob (all held by this process's backend).
+    pub fn open_bundle(dir: &Path) -> Result<Model, LoadError> {
+        use ternfleet_shared::bundle::{Gating, Manifest};
+        let man = Manifest::read(dir)?;
+        let cpath = Manifest::verify_part(dir, &man.coordinator)?;
+        let cp = cpath.display().to_string();
+        let mismatch = |path: &Path, msg: String| {
+            LoadError::Bundle(BundleError::Mismatch {
+                path: path.to_owned(),
+                msg,
+            })
+        };
+        let file = Arc::new(GgufFile::open(&cpath).map_err(|err| LoadError::Gguf {
+            path: cp.clone(),
+            err,
+        })?);
+        let wrap = |err| LoadError::Model {
+            path: cp.clone(),
+            err,
+        };
+        let mut cfg = ModelConfig::from_gguf(&file).map_err(wrap)?;
+        if cfg.arch.name() != man.architecture || cfg.n_layer != man.n_layer {
+            return Err(mismatch(
+                &cpath,
+                format!(
+                    "architecture {} with {} layers, the manifest says {} with {}",
+                    cfg.arch.name(),
+                    cfg.n_layer,
+                    man.architecture,
+                    man.n_layer
+                ),
+            ));
+        }
+        let mi = &man.moe;
+        let moe = MoeConfig {
+            n_expert: mi.n_expert,
+            n_expert_used: mi.n_expert_used,
+            n_ff_exp: mi.n_ff_exp,
+            gating: mi.gating,
+            n_ff_shexp: mi.n_ff_shexp,
+        };
+        if let Some(own) = &cfg.moe {
+            if own.n_expert != moe.n_expert
+                || own.n_ff_exp != moe.n_ff_exp
+                || own.n_ff_shexp != moe.n_ff_shexp
+            {
+                return Err(mismatch(
+                    &cpath,
+                    format!("its experts are {own:?}, the manifest says {moe:?}"),
+                ));
+            }
+        }
+        cfg.moe = Some(moe);
+        let tokenizer = Tokenizer::from_gguf(&file).map_err(|err| LoadError::Tokenizer {
+            path: cp.clone(),
+            err,
+        })?;
+        let (weights, shared) = weights::load(&file, &cfg, false).map_err(wrap)?;
+        let routed = mi.gating != Gating::TopKUnit;
+        let blobs: Vec<ternfleet_node::expert::FfnWeights> = man
+            .experts
+            .par_iter()
+            .map(|e| {
+                let path = Manifest::verify_part(dir, &e.part)?;
+                let p = path.display().to_string();
+                let f = Arc::new(GgufFile::open(&path).map_err(|err| LoadError::Gguf {
+                    path: p.clone(),
+                    err,
+                })?);
+                let at = |k: &str| f.get_u32(k).ok().flatten().map(|v| v as usize);
+                if at(BLOB_LAYER_KEY) != Some(e.layer) || at(BLOB_EXPERT_KEY) != Some(e.expert) {
+                    return Err(mismatch(
+                        &path,
+                        format!(
+                            "the blob says layer {:?} expert {:?}, the manifest layer {} expert {}",
+                            at(BLOB_LAYER_KEY),
+                            at(BLOB_EXPERT_KEY),
+                            e.layer,
+                            e.expert
+                        ),
+                    ));
+                }
+                for t in &e.tensors {
+                    let got = f.tensor(&t.name).map(|i| (i.ty.name(), i.dims.clone()));
+                    if got != Some((t.ty.as_str(), t.dims.clone())) {
+                        return Err(mismatch(
+                            &path,
+                            format!(
+                                "tensor {} is {got:?}, the manifest says {} {:?}",
+                                t.name, t.ty, t.dims
+                            ),
+                        ));
+                    }
+                }
+                weights::expert_from_blob(&f, &cfg, mi.n_ff_exp, routed)
+                    .map_err(|err| LoadError::Model { path: p, err })
+            })
+            .collect::<Result<_, _>>()?;
+        let mut blobs = blobs.into_iter();
+        let ffns = shared
+            .into_iter()
+            .map(|sh| {
+                let mut layer: Vec<_> = blobs.by_ref().take(mi.n_expert).collect();
+                layer.extend(sh);
+                layer
+            })
+            .collect();
+        Ok(Model {
+            cfg,
+            tokenizer,
+            weights,
+            experts: Box::new(LocalExperts::new(ffns)),
+            file,
+        })
+    }
+
+    /// Uses `k` experts per token from now on (MoE models; clamped to 1..=n_expert).
+    /// Returns the value in effect.
+    pub fn set_top_k(&mut self, k: usize) -> Option<usize> {
+        let m = self.cfg.moe.as_mut()?;
+        m.n_expert_used = k.clamp(1, m.n_expert);
+        Some(m.n_expert_used)
     }
 
     /// The mapped file.
@@ -134,6 +285,18 @@ impl Model {
         cache: &mut KvCache,
         tokens: &[u32],
         want: Logits,
+    ) -> Result<Vec<f32>, ForwardError> {
+        self.forward_observed(cache, tokens, want, &mut NoObserver)
+    }
+
+    /// [`Model::forward`], showing `obs` each layer's FFN input and routing decisions
+    /// (MoEfication calibration, routing statistics).
+    pub fn forward_observed(
+        &self,
+        cache: &mut KvCache,
+        tokens: &[u32],
+        want: Logits,
+        obs: &mut dyn Observer,
     ) -> Result<Vec<f32>, ForwardError> {
         let cfg = &self.cfg;
         let n = tokens.len();
@@ -254,14 +417,17 @@ impl Model {
             h.copy_from_slice(&x);
             ops::rms_norm_rows(&mut h, &lw.ffn_norm, cfg.rms_eps);
             dump(&format!("ffn_norm-{il}"), &h, d);
+            obs.ffn_input(il, &h);
             o.iter_mut().for_each(|v| *v = 0.0);
             let routed;
-            let routes = match &lw.router {
-                None => &all_tokens,
-                Some(r) => {
-                    routed = r.route(&h, n).0;
+            let routes = match (&lw.router, &cfg.moe) {
+                (Some(r), Some(m)) => {
+                    let scores;
+                    (routed, scores) = r.route(m, &h, n);
+                    obs.routes(il, &routed, &scores);
                     &routed
                 }
+                _ => &all_tokens,
             };
             let batch = ExpertBatch {
                 layer: il,

@@ -17,7 +17,7 @@
 
 use ternfleet_node::expert::Route;
 
-use super::config::MoeConfig;
+use super::config::{Gating, MoeConfig};
 
 /// How ggml sums an f32 `mul_mat` row: `ggml_vec_dot_f32` for one token, llamafile's tinyBLAS
 /// for two or more when the shapes allow it.
@@ -71,10 +71,12 @@ const WEIGHT_SUM_MIN: f32 = 1.0 / 16384.0;
 /// One MoE layer's router.
 #[derive(Clone, Debug)]
 pub struct Router {
-    cfg: MoeConfig,
     n_embd: usize,
+    n_expert: usize,
     /// `n_expert × n_embd`, f32.
     gate_inp: Vec<f32>,
+    /// MoEfied layers: a bias per expert added to the score.
+    bias: Option<Vec<f32>>,
     /// qwen2moe: the shared expert's gate vector (`n_embd`).
     shexp_gate: Option<Vec<f32>>,
 }
@@ -82,30 +84,40 @@ pub struct Router {
 impl Router {
     /// A router over `gate_inp` (`n_expert × n_embd`; the loader checked the shapes).
     pub fn new(
-        cfg: &MoeConfig,
         n_embd: usize,
         gate_inp: Vec<f32>,
+        bias: Option<Vec<f32>>,
         shexp_gate: Option<Vec<f32>>,
     ) -> Router {
         Router {
-            cfg: cfg.clone(),
             n_embd,
+            n_expert: gate_inp.len() / n_embd.max(1),
             gate_inp,
+            bias,
             shexp_gate,
         }
     }
 
     /// The routed expert count.
     pub fn n_expert(&self) -> usize {
-        self.cfg.n_expert
+        self.n_expert
+    }
+
+    /// The router matrix (`n_expert × n_embd`) and bias.
+    pub fn weights(&self) -> (&[f32], Option<&[f32]>) {
+        (&self.gate_inp, self.bias.as_deref())
     }
 
     /// Routes `n` rows of `h` (`n × n_embd`, the normalised FFN input): per token its
-    /// `n_expert_used` experts, most probable first, then the shared expert (index
-    /// `n_expert`) if the layer has one. Also returns each token's full probability vector
-    /// (`n × n_expert`) for statistics.
-    pub fn route(&self, h: &[f32], n: usize) -> (Vec<Route>, Vec<f32>) {
-        let (d, ne, k) = (self.n_embd, self.cfg.n_expert, self.cfg.n_expert_used);
+    /// `cfg.n_expert_used` experts, best first, then the shared expert (index `n_expert`) if
+    /// the layer has one. Also returns each token's scores (`n × n_expert`: probabilities for
+    /// softmax gating, the linear scores for [`Gating::TopKUnit`]) for statistics.
+    pub fn route(&self, cfg: &MoeConfig, h: &[f32], n: usize) -> (Vec<Route>, Vec<f32>) {
+        let (d, ne, k) = (
+            self.n_embd,
+            self.n_expert,
+            cfg.n_expert_used.min(self.n_expert),
+        );
         let order = router_dot_order(n, d, ne);
         let shexp_order = router_dot_order(n, d, 1);
         let mut routes = Vec::with_capacity(n * (k + 1));
@@ -119,14 +131,19 @@ impl Router {
             for (p, w) in probs.iter_mut().zip(self.gate_inp.chunks_exact(d)) {
                 *p = dot(order, w, x);
             }
-            softmax(probs);
+            if let Some(b) = &self.bias {
+                probs.iter_mut().zip(b).for_each(|(p, b)| *p += b);
+            }
+            if cfg.gating != Gating::TopKUnit {
+                softmax(probs);
+            }
             idx.clear();
             idx.extend(0..ne);
             // Descending probability; a stable sort keeps lower indices first on ties, as
             // libstdc++'s insertion sort does for ggml_argsort's small rows.
             idx.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
             let chosen = &idx[..k];
-            let scale = if self.cfg.norm_weights {
+            let scale = if cfg.gating == Gating::SoftmaxNorm {
                 let sum: f64 = chosen.iter().map(|&e| probs[e] as f64).sum();
                 Some((sum as f32).max(WEIGHT_SUM_MIN))
             } else {
@@ -137,7 +154,10 @@ impl Router {
                 routes.push(Route {
                     token: t as u32,
                     expert: e as u32,
-                    weight: scale.map_or(p, |s| p / s),
+                    weight: match cfg.gating {
+                        Gating::TopKUnit => 1.0,
+                        _ => scale.map_or(p, |s| p / s),
+                    },
                 });
             }
             if let Some(g) = &self.shexp_gate {
@@ -168,12 +188,12 @@ pub fn softmax(x: &mut [f32]) {
 mod tests {
     use super::*;
 
-    fn cfg(n_expert: usize, k: usize, norm: bool, shared: bool) -> MoeConfig {
+    fn cfg(n_expert: usize, k: usize, gating: Gating, shared: bool) -> MoeConfig {
         MoeConfig {
             n_expert,
             n_expert_used: k,
             n_ff_exp: 8,
-            norm_weights: norm,
+            gating,
             n_ff_shexp: shared.then_some(8),
         }
     }
@@ -182,8 +202,8 @@ mod tests {
     fn picks_top_k_in_probability_order_and_normalises() {
         // 2-wide hidden state, 4 experts whose logits are the first coordinate times 1..4.
         let gate = vec![1.0, 0.0, 3.0, 0.0, 2.0, 0.0, 4.0, 0.0];
-        let r = Router::new(&cfg(4, 2, true, false), 2, gate.clone(), None);
-        let (routes, probs) = r.route(&[1.0, 0.5], 1);
+        let r = Router::new(2, gate.clone(), None, None);
+        let (routes, probs) = r.route(&cfg(4, 2, Gating::SoftmaxNorm, false), &[1.0, 0.5], 1);
         assert_eq!(
             routes.iter().map(|r| r.expert).collect::<Vec<_>>(),
             vec![3, 1]
@@ -198,17 +218,29 @@ mod tests {
         assert!((routes[0].weight + routes[1].weight - 1.0).abs() < 1e-6);
 
         // Without renormalisation the weights are the probabilities themselves.
-        let r = Router::new(&cfg(4, 2, false, false), 2, gate, None);
-        let (routes, probs) = r.route(&[1.0, 0.5], 1);
+        let r = Router::new(2, gate.clone(), None, None);
+        let (routes, probs) = r.route(&cfg(4, 2, Gating::Softmax, false), &[1.0, 0.5], 1);
         assert_eq!(routes[0].weight, probs[3]);
         assert_eq!(routes[1].weight, probs[1]);
+
+        // MoEfied: linear scores plus bias, weight 1 each.
+        let r = Router::new(2, gate, Some(vec![0.0, 0.0, 5.0, 0.0]), None);
+        let (routes, scores) = r.route(&cfg(4, 2, Gating::TopKUnit, false), &[1.0, 0.5], 1);
+        assert_eq!(scores, vec![1.0, 3.0, 7.0, 4.0]);
+        assert_eq!(
+            routes
+                .iter()
+                .map(|r| (r.expert, r.weight))
+                .collect::<Vec<_>>(),
+            vec![(2, 1.0), (3, 1.0)]
+        );
     }
 
     #[test]
     fn shared_expert_comes_last_with_sigmoid_weight() {
         let gate = vec![1.0, 0.0, 0.0, 1.0];
-        let r = Router::new(&cfg(2, 1, false, true), 2, gate, Some(vec![0.5, 0.5]));
-        let (routes, _) = r.route(&[2.0, 1.0, -1.0, 3.0], 2);
+        let r = Router::new(2, gate, None, Some(vec![0.5, 0.5]));
+        let (routes, _) = r.route(&cfg(2, 1, Gating::Softmax, true), &[2.0, 1.0, -1.0, 3.0], 2);
         assert_eq!(routes.len(), 4);
         assert_eq!((routes[0].token, routes[0].expert), (0, 0));
         assert_eq!((routes[1].token, routes[1].expert), (0, 2));

@@ -8,7 +8,7 @@ use ternfleet_node::compute::Linear;
 use ternfleet_node::expert::{Activation, FfnWeights};
 use ternfleet_shared::gguf::GgufFile;
 
-use super::config::{Arch, ModelConfig, ModelError};
+use super::config::{Arch, Gating, ModelConfig, ModelError};
 use super::moe::Router;
 
 /// A small f32 vector (norm weights, biases), copied out of the file at load.
@@ -244,12 +244,51 @@ impl Loader<'_> {
     }
 }
 
+/// The FFN activation of an architecture.
+pub fn activation(arch: Arch) -> Activation {
+    match arch {
+        Arch::Gemma3 => Activation::GeGlu,
+        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe => {
+            Activation::SwiGlu
+        }
+    }
+}
+
+/// Tensor names inside an expert blob of a bundle.
+pub const BLOB_TENSORS: [&str; 3] = ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"];
+
+/// One routed expert from a bundle's expert blob (tensors [`BLOB_TENSORS`], each
+/// `n_embd × n_ff` or `n_ff × n_embd`).
+pub fn expert_from_blob(
+    file: &Arc<GgufFile>,
+    cfg: &ModelConfig,
+    n_ff: usize,
+    routed: bool,
+) -> Result<FfnWeights, ModelError> {
+    let l = Loader { file };
+    let d = cfg.n_embd;
+    Ok(FfnWeights {
+        gate: l.linear(BLOB_TENSORS[0], d, n_ff)?,
+        up: l.linear(BLOB_TENSORS[1], d, n_ff)?,
+        down: l.linear(BLOB_TENSORS[2], n_ff, d)?,
+        act: activation(cfg.arch),
+        routed,
+    })
+}
+
+/// A layer's FFN as the expert backend holds it: the routed experts (or the one dense FFN),
+/// then the shared expert if any.
+pub type LayerFfn = Vec<FfnWeights>;
+
 /// Loads the dense weights and, per layer, the FFN experts of `file` (one for a dense layer;
-/// for an MoE layer the routed experts in order, then the shared expert if any).
+/// for an MoE layer the routed experts in order, then the shared expert if any). With
+/// `routed_in_file` false (a bundle's coordinator part) the routed experts are left out: the
+/// caller loads them from the expert blobs and puts them in front.
 pub fn load(
     file: &Arc<GgufFile>,
     cfg: &ModelConfig,
-) -> Result<(DenseWeights, Vec<Vec<FfnWeights>>), ModelError> {
+    routed_in_file: bool,
+) -> Result<(DenseWeights, Vec<LayerFfn>), ModelError> {
     let l = Loader { file };
     let d = cfg.n_embd;
     let token_embd = l.linear("token_embd.weight", d, cfg.n_vocab)?;
@@ -259,12 +298,7 @@ pub fn load(
         token_embd.clone()
     };
     let output_norm = l.req_vector("output_norm.weight", d)?;
-    let act = match cfg.arch {
-        Arch::Gemma3 => Activation::GeGlu,
-        Arch::Llama | Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen2Moe | Arch::Qwen3Moe => {
-            Activation::SwiGlu
-        }
-    };
+    let act = activation(cfg.arch);
     let mut layers = Vec::with_capacity(cfg.n_layer);
     let mut ffns = Vec::with_capacity(cfg.n_layer);
     for i in 0..cfg.n_layer {
@@ -316,7 +350,7 @@ pub fn load(
             Some(m) => {
                 let (ne, ff) = (m.n_expert, m.n_ff_exp);
                 let mut experts = Vec::with_capacity(ne + 1);
-                for e in 0..ne {
+                for e in (0..ne).filter(|_| routed_in_file) {
                     experts.push(FfnWeights {
                         gate: l.stacked(&n("ffn_gate_exps.weight"), d, ff, ne, e)?,
                         up: l.stacked(&n("ffn_up_exps.weight"), d, ff, ne, e)?,
@@ -336,10 +370,14 @@ pub fn load(
                     });
                     shexp_gate = Some(l.f32_matrix(&n("ffn_gate_inp_shexp.weight"), d, 1)?);
                 }
+                let bias = match m.gating {
+                    Gating::TopKUnit => l.vector(&n("ffn_gate_inp.bias"), ne)?,
+                    Gating::Softmax | Gating::SoftmaxNorm => None,
+                };
                 lw.router = Some(Router::new(
-                    m,
                     d,
                     l.f32_matrix(&n("ffn_gate_inp.weight"), d, ne)?,
+                    bias,
                     shexp_gate,
                 ));
                 experts

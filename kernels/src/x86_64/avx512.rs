@@ -8,7 +8,9 @@
 
 use super::avx512q::{run_k, run_legacy};
 use super::drive;
+use super::tern_avx512::run_tern;
 use super::{BF16, F16, F32, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
+use super::{TF1, TF2, TQ1_0, TQ2_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
 use crate::matmul::Gemm;
 use crate::quant::GgmlType;
@@ -63,6 +65,10 @@ fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
         GgmlType::F32 => mm_f32,
         GgmlType::F16 => mm_f16,
         GgmlType::BF16 => mm_bf16,
+        GgmlType::TQ1_0 => mm_tq1_0,
+        GgmlType::TQ2_0 => mm_tq2_0,
+        GgmlType::TF2 => mm_tf2,
+        GgmlType::TF1 => mm_tf1,
         _ => return None,
     })
 }
@@ -86,6 +92,10 @@ entry!(mm_q6_k, run_k, Q6_K);
 entry!(mm_f32, run_float, F32);
 entry!(mm_f16, run_float, F16);
 entry!(mm_bf16, run_float, BF16);
+entry!(mm_tq1_0, run_tern, TQ1_0);
+entry!(mm_tq2_0, run_tern, TQ2_0);
+entry!(mm_tf2, run_tern, TF2);
+entry!(mm_tf1, run_tern, TF1);
 
 fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: token-gated as above; both slices have `n` elements (checked by the caller).

@@ -5,6 +5,8 @@
 pub(crate) mod avx2;
 pub(crate) mod avx512;
 mod avx512q;
+mod tern_avx2;
+mod tern_avx512;
 
 /// Cover `g.nrows` × `g.ntok` with tiles of R rows × T tokens (edges with 1-row / 1-token
 /// tiles). Expanded inside a `#[target_feature]` function of the module whose tiles it calls.
@@ -63,6 +65,10 @@ pub(crate) const Q6_K: u8 = 5;
 pub(crate) const F32: u8 = 6;
 pub(crate) const F16: u8 = 7;
 pub(crate) const BF16: u8 = 8;
+pub(crate) const TQ1_0: u8 = 9;
+pub(crate) const TQ2_0: u8 = 10;
+pub(crate) const TF2: u8 = 11;
+pub(crate) const TF1: u8 = 12;
 
 /// Bytes per block of a legacy (32-value) kind.
 pub(crate) const fn legacy_block_bytes(kind: u8) -> usize {

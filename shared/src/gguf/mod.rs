@@ -116,6 +116,11 @@ impl Storage {
     }
 }
 
+/// Metadata key (bool) that lets a GGUF file hold ternfleet's own tensor types (its ternary
+/// layouts, ids from `ternfleet_kernels::quant::TERNFLEET_ID_BASE`). llama.cpp cannot read such
+/// files; ternfleet writes them only for expert blobs converted to its layouts.
+pub const EXTENDED_TYPES_KEY: &str = "ternfleet.extended_types";
+
 /// A validated GGUF file: its bytes, metadata and tensor directory.
 pub struct GgufFile {
     storage: Storage,

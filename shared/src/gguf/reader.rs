@@ -356,12 +356,20 @@ pub(crate) fn parse(buf: &[u8]) -> Result<Parsed, GgufError> {
         }
     };
 
+    // ternfleet's bundle parts may hold its own tensor types (ternary layouts); only a file
+    // that says so explicitly gets them, every other file is held to ggml's types.
+    let extended = matches!(
+        kv_index
+            .get(super::EXTENDED_TYPES_KEY)
+            .map(|&i| &metadata[i].1),
+        Some(Value::Bool(true))
+    );
     let n_tensors = usize::try_from(n_tensors).expect("n_tensors <= MAX_TENSORS fits in usize");
     let mut raw = Vec::with_capacity(n_tensors.min(RESERVE_ENTRIES));
     let mut tensor_index = HashMap::with_capacity(n_tensors.min(RESERVE_ENTRIES));
     for i in 0..n_tensors {
         cur.context = Some(format!("tensor #{i}"));
-        let t = read_tensor_info(&mut cur, to_u64(i), alignment)?;
+        let t = read_tensor_info(&mut cur, to_u64(i), alignment, extended)?;
         if tensor_index.contains_key(&t.name) {
             return Err(GgufError::DuplicateTensor {
                 name: t.name,
@@ -432,6 +440,7 @@ fn read_tensor_info(
     cur: &mut Cursor<'_>,
     index: u64,
     alignment: u64,
+    extended: bool,
 ) -> Result<RawTensor, GgufError> {
     // ggml.h `GGML_MAX_NAME` is 64 and gguf.cpp rejects names of 64 bytes or more; we allow
     // MAX_TENSOR_NAME (256) because we never copy names into a fixed ggml buffer, and checking
@@ -480,7 +489,12 @@ fn read_tensor_info(
 
     let type_offset = cur.offset();
     let type_id = cur.u32("tensor type")?;
-    let Some(ty) = GgmlType::from_id(type_id) else {
+    let ty = if extended {
+        GgmlType::from_ternfleet_id(type_id)
+    } else {
+        GgmlType::from_id(type_id)
+    };
+    let Some(ty) = ty else {
         return Err(GgufError::UnknownTensorType {
             tensor: name,
             offset: type_offset,

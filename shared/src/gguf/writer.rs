@@ -203,6 +203,16 @@ impl<'a> GgufWriter<'a> {
             .iter()
             .try_fold(1u64, |acc, &d| acc.checked_mul(d))
             .filter(|&n| i64::try_from(n).is_ok());
+        if !ty.is_ggml() && !self.keys.contains(super::EXTENDED_TYPES_KEY) {
+            return Err(tensor_error(
+                &name,
+                format!(
+                    "type {} is ternfleet's own: set {} = true first",
+                    ty.name(),
+                    super::EXTENDED_TYPES_KEY
+                ),
+            ));
+        }
         let block = ty.block_size() as u64;
         if !dims[0].is_multiple_of(block) {
             return Err(tensor_error(

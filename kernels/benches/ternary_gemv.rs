@@ -1,0 +1,181 @@
+//! Ternary GEMV (one token) at 1 and 2 threads: TQ2_0 and TQ1_0 (llama.cpp's formats, same
+//! float order as llama.cpp) and ternfleet's TF2 / TF1. Prints one line per case,
+//!
+//!     ours TYPE ROWSxCOLS t=THREADS median_us=.. min_us=.. gbs=..
+//!
+//! which benches/ternary-vs-llama-cpp.sh pairs with llama.cpp's lines from
+//! benches/ref/ref-gemv.cpp to print ratios. As in llama.cpp's timing, each run includes
+//! quantizing the f32 activation row. Two threads split the rows in halves; the second thread
+//! is a persistent worker that spins on an epoch counter (as ggml's OpenMP threads do), so no
+//! thread is spawned inside the timed region.
+//!
+//! Environment: TERN_RUNS (default 50), TERN_TYPES (e.g. "tq2_0,tf2"), TERN_SHAPES
+//! (e.g. "4096x14336,2048x5632"), TERN_THREADS (e.g. "1,2").
+//! `cargo bench -- --test` (CI) runs one tiny case so the bench cannot rot.
+
+use std::hint::spin_loop;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::RwLock;
+use std::time::Instant;
+use ternfleet_kernels::{matmul, quantize_row, Activations, GgmlType, QMatrix};
+
+/// splitmix64 → roughly normal f32 (sum of three uniforms).
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn normalish(&mut self) -> f32 {
+        let u = |r: &mut Self| (r.next() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0;
+        u(self) + u(self) + u(self)
+    }
+}
+
+fn weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let rb = ty
+        .row_size(cols as u64)
+        .expect("bench shapes are whole blocks") as usize;
+    let mut w = vec![0u8; rb * rows];
+    let mut row = vec![0f32; cols];
+    for dst in w.chunks_exact_mut(rb) {
+        row.iter_mut().for_each(|v| *v = rng.normalish() * 0.02);
+        quantize_row(ty, &row, dst).expect("sizes match");
+    }
+    w
+}
+
+/// Microseconds per run (quantize the activation row + GEMV), `runs` runs after 5 warm-ups.
+fn time_gemv(m: &QMatrix<'_>, x: &[f32], threads: usize, runs: usize) -> Vec<f64> {
+    let rows = m.rows();
+    // Even split so the AVX-512 kernels keep their row pairs.
+    let split = if threads == 2 { (rows / 2) & !1 } else { rows };
+    let act = RwLock::new(Activations::new());
+    let epoch = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let mut us = Vec::with_capacity(runs);
+    std::thread::scope(|s| {
+        if threads == 2 {
+            s.spawn(|| {
+                let mut out = vec![0f32; rows - split];
+                let mut seen = 0;
+                loop {
+                    while epoch.load(Ordering::Acquire) == seen {
+                        spin_loop();
+                    }
+                    seen = epoch.load(Ordering::Acquire);
+                    if stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    {
+                        let a = act.read().expect("no panics while holding the lock");
+                        matmul(m, &a, split..rows, &mut out).expect("valid bench problem");
+                    }
+                    done.fetch_add(1, Ordering::Release);
+                }
+            });
+        }
+        let mut out = vec![0f32; split];
+        for i in 0..runs + 5 {
+            let t0 = Instant::now();
+            act.write()
+                .expect("no panics while holding the lock")
+                .quantize_for(m.ty(), x, 1, m.cols())
+                .expect("valid bench problem");
+            epoch.fetch_add(1, Ordering::Release);
+            {
+                let a = act.read().expect("no panics while holding the lock");
+                matmul(m, &a, 0..split, &mut out).expect("valid bench problem");
+            }
+            if threads == 2 {
+                while done.load(Ordering::Acquire) != i + 1 {
+                    spin_loop();
+                }
+            }
+            let dt = t0.elapsed().as_secs_f64() * 1e6;
+            if i >= 5 {
+                us.push(dt);
+            }
+        }
+        stop.store(true, Ordering::Release);
+        epoch.fetch_add(1, Ordering::Release);
+    });
+    us.sort_by(f64::total_cmp);
+    us
+}
+
+fn env_list(key: &str, default: &str) -> Vec<String> {
+    std::env::var(key)
+        .unwrap_or_else(|_| default.to_string())
+        .split(',')
+        .map(|s| s.trim().to_ascii_lowercase())
+        .filter(|s| !s.is_empty())
+        .collect()
+}
+
+fn main() {
+    let test_mode = std::env::args().any(|a| a == "--test");
+    let runs: usize = if test_mode {
+        1
+    } else {
+        std::env::var("TERN_RUNS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(50)
+    };
+    let (types, shapes, threads) = if test_mode {
+        (
+            vec!["tf2".to_string()],
+            vec!["8x256".to_string()],
+            vec!["2".to_string()],
+        )
+    } else {
+        (
+            env_list("TERN_TYPES", "tq2_0,tq1_0,tf2,tf1"),
+            env_list("TERN_SHAPES", "4096x14336,2048x5632,5632x2048"),
+            env_list("TERN_THREADS", "1,2"),
+        )
+    };
+    println!("kernels: {}", ternfleet_kernels::isa_name());
+    let mut rng = Rng(42);
+    for shape in &shapes {
+        let Some((rows, cols)) = shape
+            .split_once('x')
+            .and_then(|(r, c)| Some((r.parse::<usize>().ok()?, c.parse::<usize>().ok()?)))
+        else {
+            eprintln!("skipping shape {shape:?}: expected ROWSxCOLS");
+            continue;
+        };
+        let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
+        for tname in &types {
+            let Some(ty) = GgmlType::ALL.into_iter().find(|t| t.name() == tname) else {
+                eprintln!("skipping type {tname:?}");
+                continue;
+            };
+            if ty.row_size(cols as u64).is_none() {
+                eprintln!("skipping {tname} {shape}: {cols} is not whole blocks");
+                continue;
+            }
+            let w = weights(ty, rows, cols, &mut rng);
+            let m = QMatrix::new(ty, rows, cols, &w).expect("sizes match");
+            for t in &threads {
+                let Ok(nt @ (1 | 2)) = t.parse::<usize>() else {
+                    eprintln!("skipping threads {t:?}: 1 or 2");
+                    continue;
+                };
+                let us = time_gemv(&m, &x, nt, runs);
+                let med = us[us.len() / 2];
+                println!(
+                    "ours {tname} {rows}x{cols} t={nt} median_us={med:.1} min_us={:.1} gbs={:.1}",
+                    us[0],
+                    w.len() as f64 / med / 1e3
+                );
+            }
+        }
+    }
+}

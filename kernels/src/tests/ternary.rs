@@ -1,0 +1,230 @@
+//! Ternary formats: quantizers against gguf-py (TQ1_0/TQ2_0) and against independent
+//! recomputations (TF2/TF1/Q8_TF), dots against f64 references. The SIMD-vs-scalar matmul
+//! checks for these types run in `every_simd_matmul_matches_scalar` (MATMUL_TYPES).
+
+use super::{abs_dot, le_f32, Rng};
+use crate::dispatch::Isa;
+use crate::*;
+
+fn quantized(ty: GgmlType, x: &[f32]) -> Vec<u8> {
+    let mut q = vec![0u8; ty.row_size(x.len() as u64).unwrap() as usize];
+    quantize_row(ty, x, &mut q).unwrap();
+    q
+}
+
+fn dequantized(ty: GgmlType, q: &[u8], n: usize) -> Vec<f32> {
+    let mut y = vec![0f32; n];
+    dequantize_row(ty, q, &mut y).unwrap();
+    y
+}
+
+#[test]
+fn tq_quantizers_match_gguf_py_bytes() {
+    // gguf.quants.quantize == ggml quantize_row_tq{1,2}_0_ref (scripts/make-kernel-goldens.py),
+    // including exact ties (lroundf rounds them away from zero) and an all-zero block.
+    let x = le_f32(include_bytes!("../../tests/data/tq_quant_in.f32"));
+    let cases: [(GgmlType, &[u8], &[u8]); 2] = [
+        (
+            GgmlType::TQ1_0,
+            include_bytes!("../../tests/data/tq1_0_quant.bin"),
+            include_bytes!("../../tests/data/tq1_0_quant.f32"),
+        ),
+        (
+            GgmlType::TQ2_0,
+            include_bytes!("../../tests/data/tq2_0_quant.bin"),
+            include_bytes!("../../tests/data/tq2_0_quant.f32"),
+        ),
+    ];
+    for (ty, want, want_f) in cases {
+        let got = quantized(ty, &x);
+        assert_eq!(got, want, "{ty:?} bytes differ from gguf-py");
+        assert_eq!(dequantized(ty, &got, x.len()), le_f32(want_f), "{ty:?}");
+    }
+}
+
+#[test]
+fn tq_scalar_dot_equals_f64_dot_of_gguf_py_values() {
+    // Weights quantized by gguf-py and dequantized by gguf-py; activations q8_K, dequantized.
+    let x = le_f32(include_bytes!("../../tests/data/tq_quant_in.f32"));
+    let cols = x.len();
+    let mut rng = Rng(99);
+    let cases: [(GgmlType, &[u8], &[u8]); 2] = [
+        (
+            GgmlType::TQ1_0,
+            include_bytes!("../../tests/data/tq1_0_quant.bin"),
+            include_bytes!("../../tests/data/tq1_0_quant.f32"),
+        ),
+        (
+            GgmlType::TQ2_0,
+            include_bytes!("../../tests/data/tq2_0_quant.bin"),
+            include_bytes!("../../tests/data/tq2_0_quant.f32"),
+        ),
+    ];
+    for (ty, wq, wf) in cases {
+        let wf = le_f32(wf);
+        let m = QMatrix::new(ty, 1, cols, wq).unwrap();
+        for _ in 0..4 {
+            let a: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
+            let mut act = Activations::new();
+            act.quantize_for(ty, &a, 1, cols).unwrap();
+            let af = dequantized(act.ty(), act.row(0), cols);
+            let want: f64 = wf.iter().zip(&af).map(|(w, a)| *w as f64 * *a as f64).sum();
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+                let mut got = [0f32];
+                matmul_with(isa, &m, &act, 0..1, &mut got).unwrap();
+                let tol = 1e-5 * abs_dot(&wf, &af) as f64 + 1e-6;
+                assert!(
+                    (got[0] as f64 - want).abs() <= tol,
+                    "{isa:?} {ty:?}: {} vs {want}",
+                    got[0]
+                );
+            }
+        }
+    }
+}
+
+/// TF2 / TF1 quantization recomputed in f64 from the definition (absmean per 128-block).
+fn tf_reference(x: &[f32]) -> Vec<f32> {
+    let mut out = Vec::new();
+    for b in x.chunks(128) {
+        let s = b.iter().map(|v| v.abs()).sum::<f32>() / 128.0;
+        let d = half::f16::from_f32(s).to_f32();
+        for &v in b {
+            let q = if s > 0.0 {
+                (v as f64 / s as f64).round().clamp(-1.0, 1.0)
+            } else {
+                0.0
+            };
+            out.push(q as f32 * d);
+        }
+    }
+    out
+}
+
+#[test]
+fn tf_quantizers_follow_the_absmean_definition_and_round_trip() {
+    let mut rng = Rng(5);
+    let mut x: Vec<f32> = (0..128 * 7).map(|_| rng.normalish()).collect();
+    x[128..256].fill(0.0); // zero block: d = 0
+    x[300] = 40.0; // an outlier block
+    for ty in [GgmlType::TF2, GgmlType::TF1] {
+        let q = quantized(ty, &x);
+        assert_eq!(q.len(), 7 * ty.type_size());
+        let got = dequantized(ty, &q, x.len());
+        let want = tf_reference(&x);
+        // Only exact ties (x == s/2) may round differently in f32 and f64: none here.
+        assert_eq!(got, want, "{ty:?}");
+        // Quantizing the dequantized values again is the identity on the codes (the scale
+        // changes: the absmean of {-d, 0, d} values is below d).
+        let again = quantized(ty, &got);
+        let ts = ty.type_size();
+        for (b0, b1) in q.chunks_exact(ts).zip(again.chunks_exact(ts)) {
+            let (c0, c1) = (
+                crate::ternary::tf_codes(ty, b0),
+                crate::ternary::tf_codes(ty, b1),
+            );
+            assert_eq!(c0, c1, "{ty:?} codes are not stable");
+        }
+    }
+    // TF1 and TF2 hold the same codes.
+    assert_eq!(
+        dequantized(GgmlType::TF1, &quantized(GgmlType::TF1, &x), x.len()),
+        dequantized(GgmlType::TF2, &quantized(GgmlType::TF2, &x), x.len())
+    );
+}
+
+#[test]
+fn tf1_packs_every_code_pattern() {
+    // All 3^5 digit patterns of a byte appear, trit 4 slots included.
+    let mut x = vec![0f32; 128 * 243];
+    for (b, blk) in x.chunks_mut(128).enumerate() {
+        for (e, v) in blk.iter_mut().enumerate() {
+            let (byte, t) = crate::ternary::tf1_slot(e);
+            let digit = (b + byte * 7) / 3usize.pow(t as u32) % 3;
+            *v = digit as f32 - 1.0;
+        }
+    }
+    let q = quantized(GgmlType::TF1, &x);
+    let got = dequantized(GgmlType::TF1, &q, x.len());
+    for (i, (g, w)) in got.iter().zip(&x).enumerate() {
+        // Block absmean is 2/3 or so; values are sign(w) · d.
+        assert_eq!(g.signum() * (g != &0.0) as i32 as f32, *w, "element {i}");
+    }
+}
+
+#[test]
+fn q8_tf_has_one_scale_per_row_and_exact_lane_sums() {
+    let mut rng = Rng(8);
+    let x: Vec<f32> = (0..640).map(|_| rng.normalish()).collect();
+    let q = quantized(GgmlType::Q8_TF, &x);
+    let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+    let bs = GgmlType::Q8_TF.type_size();
+    for (b, blk) in q.chunks_exact(bs).enumerate() {
+        assert_eq!(
+            f32::from_le_bytes(blk[0..4].try_into().unwrap()),
+            amax / 127.0
+        );
+        let mut lsums = [0i32; 8];
+        for e in 0..128 {
+            let v = blk[4 + e] as i8;
+            let want = (x[128 * b + e] * 127.0 / amax).round_ties_even();
+            assert_eq!(v as f32, want);
+            lsums[(e % 32) / 4] += v as i32;
+        }
+        for (k, want) in lsums.iter().enumerate() {
+            let o = 4 + 128 + 4 * k;
+            assert_eq!(i32::from_le_bytes(blk[o..o + 4].try_into().unwrap()), *want);
+        }
+    }
+    // Zero rows quantize to zeros with d = 0.
+    let z = quantized(GgmlType::Q8_TF, &[0.0; 128]);
+    assert!(z.iter().all(|&b| b == 0));
+}
+
+#[test]
+fn tf_matmul_equals_f64_dot_of_dequantized_operands() {
+    let mut rng = Rng(21);
+    for ty in [GgmlType::TF2, GgmlType::TF1] {
+        for cols in [128usize, 640, 5632] {
+            let rows = 3;
+            let w: Vec<f32> = (0..rows * cols).map(|_| rng.normalish() * 0.05).collect();
+            let wq = quantized(ty, &w);
+            let wf = dequantized(ty, &wq, w.len());
+            let m = QMatrix::new(ty, rows, cols, &wq).unwrap();
+            let x: Vec<f32> = (0..2 * cols).map(|_| rng.normalish()).collect();
+            let mut act = Activations::new();
+            act.quantize_for(ty, &x, 2, cols).unwrap();
+            for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+                let mut got = vec![0f32; 2 * rows];
+                matmul_with(isa, &m, &act, 0..rows, &mut got).unwrap();
+                for t in 0..2 {
+                    let af = dequantized(act.ty(), act.row(t), cols);
+                    for r in 0..rows {
+                        let wr = &wf[r * cols..(r + 1) * cols];
+                        let want: f64 =
+                            wr.iter().zip(&af).map(|(a, b)| *a as f64 * *b as f64).sum();
+                        let tol = 1e-5 * abs_dot(wr, &af) as f64 + 1e-6;
+                        let g = got[t * rows + r] as f64;
+                        assert!(
+                            (g - want).abs() <= tol,
+                            "{isa:?} {ty:?} {cols}: {g} vs {want}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn ternary_quantize_row_checks_sizes() {
+    let mut small = [0u8; 10];
+    assert!(matches!(
+        quantize_row(GgmlType::TF2, &[0.0; 128], &mut small),
+        Err(KernelError::RowBytes { .. })
+    ));
+    assert!(matches!(
+        quantize_row(GgmlType::TQ2_0, &[0.0; 100], &mut small),
+        Err(KernelError::PartialBlock { .. })
+    ));
+}
