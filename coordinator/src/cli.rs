@@ -87,6 +87,11 @@ pub struct ConvertArgs {
     /// Seed of the clustering.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Dense models: how neurons form experts: coactivation (balanced k-means on the
+    /// calibration activations) or contiguous (equal runs of neurons; with runs that are whole
+    /// quantization blocks of ffn_down, all experts together compute exactly the dense FFN).
+    #[arg(long, default_value = "coactivation")]
+    pub grouping: String,
     /// Compute threads (default: all cores).
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
@@ -103,6 +108,16 @@ pub struct CompareArgs {
     /// The reference model or bundle (e.g. the source of a conversion).
     #[arg(long = "ref")]
     pub reference: PathBuf,
+    #[command(flatten)]
+    pub text: TextArgs,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The text a perplexity-style command scores, and how.
+#[derive(Args, Debug)]
+pub struct TextArgs {
     /// Text file.
     #[arg(short = 'f', long)]
     pub file: PathBuf,
@@ -115,9 +130,6 @@ pub struct CompareArgs {
     /// Score at most this many chunks.
     #[arg(long)]
     pub chunks: Option<usize>,
-    /// Print one JSON object.
-    #[arg(long)]
-    pub json: bool,
 }
 
 /// Options every model command shares.
@@ -204,18 +216,8 @@ pub struct TokenizeArgs {
 pub struct PerplexityArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Text file.
-    #[arg(short = 'f', long)]
-    pub file: PathBuf,
-    /// Tokens per chunk.
-    #[arg(short = 'c', long, default_value_t = 512)]
-    pub ctx: usize,
-    /// Tokens per forward pass.
-    #[arg(short = 'b', long, default_value_t = 512)]
-    pub batch: usize,
-    /// Score at most this many chunks.
-    #[arg(long)]
-    pub chunks: Option<usize>,
+    #[command(flatten)]
+    pub text: TextArgs,
     /// Print {"ppl":..,"chunks":..,"tokens":..}.
     #[arg(long)]
     pub json: bool,
@@ -341,6 +343,7 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
         calib_tokens: a.calib_tokens,
         expert_type: crate::convert::ExpertType::parse(&a.expert_type)?,
         seed: a.seed,
+        grouping: crate::convert::moefy::Grouping::parse(&a.grouping)?,
     };
     let bar =
         progress_bar("convert {msg:24} {bar:40} {pos}/{len} [{elapsed_precise}<{eta_precise}]");
@@ -389,8 +392,9 @@ fn cmd_compare(a: CompareArgs) -> Result<()> {
     let model = init(&a.model)?;
     let reference = Model::open(&a.reference)
         .with_context(|| format!("reference {}", a.reference.display()))?;
-    let text = std::fs::read_to_string(&a.file)
-        .with_context(|| format!("reading {}", a.file.display()))?;
+    let t = &a.text;
+    let text = std::fs::read_to_string(&t.file)
+        .with_context(|| format!("reading {}", t.file.display()))?;
     let bar = progress_bar(
         "compare {msg:9} {bar:40} {pos}/{len} chunks [{elapsed_precise}<{eta_precise}]",
     );
@@ -398,9 +402,9 @@ fn cmd_compare(a: CompareArgs) -> Result<()> {
         &model,
         &reference,
         &text,
-        a.ctx,
-        a.batch,
-        a.chunks,
+        t.ctx,
+        t.batch,
+        t.chunks,
         |what, done, total| {
             bar.set_message(what.to_string());
             bar.set_length(total as u64);
@@ -528,17 +532,18 @@ fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
 
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let model = init(&a.model)?;
-    let text = std::fs::read_to_string(&a.file)
-        .with_context(|| format!("reading {}", a.file.display()))?;
+    let t = &a.text;
+    let text = std::fs::read_to_string(&t.file)
+        .with_context(|| format!("reading {}", t.file.display()))?;
     let bar = progress_bar(
         "perplexity {bar:40} {pos}/{len} chunks, {msg} [{elapsed_precise}<{eta_precise}]",
     );
     let r = crate::perplexity::perplexity(
         &model,
         &text,
-        a.ctx,
-        a.batch,
-        a.chunks,
+        t.ctx,
+        t.batch,
+        t.chunks,
         |done, total, ppl| {
             bar.set_length(total as u64);
             bar.set_position(done as u64);
@@ -550,12 +555,12 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     if a.json {
         println!(
             "{}",
-            serde_json::json!({ "ppl": r.ppl, "chunks": r.chunks, "tokens": r.tokens, "ctx": a.ctx, "ppl_chunks": r.ppl_chunks })
+            serde_json::json!({ "ppl": r.ppl, "chunks": r.chunks, "tokens": r.tokens, "ctx": t.ctx, "ppl_chunks": r.ppl_chunks })
         );
     } else {
         println!(
             "perplexity: {:.4} ({} chunks of {} tokens, {} tokens in the text)",
-            r.ppl, r.chunks, a.ctx, r.tokens
+            r.ppl, r.chunks, t.ctx, r.tokens
         );
     }
     Ok(())

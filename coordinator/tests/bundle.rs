@@ -28,6 +28,7 @@ fn opts(src: &str, out: &Path) -> ConvertOptions {
         calib_tokens: 2048,
         expert_type: ExpertType::Keep,
         seed: 0,
+        grouping: Default::default(),
     }
 }
 

@@ -17,7 +17,7 @@ pub mod moefy;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use rayon::prelude::*;
 use serde::{Deserialize, Serialize};
@@ -88,6 +88,8 @@ pub struct ConvertOptions {
     pub expert_type: ExpertType,
     /// MoEfication: seed of the clustering.
     pub seed: u64,
+    /// MoEfication: how neurons are grouped into experts.
+    pub grouping: moefy::Grouping,
 }
 
 /// Why a conversion failed.
@@ -130,7 +132,17 @@ pub type Progress<'a> = &'a (dyn Fn(&str, u64, u64) + Sync);
 #[derive(Default, Serialize, Deserialize)]
 struct Journal {
     fingerprint: String,
-    done: BTreeMap<String, Part>,
+    done: BTreeMap<String, Done>,
+}
+
+/// One finished part, with what the manifest needs to say about it.
+#[derive(Clone, Serialize, Deserialize)]
+struct Done {
+    part: Part,
+    #[serde(default)]
+    tensors: Vec<TensorEntry>,
+    #[serde(default)]
+    notes: Vec<String>,
 }
 
 const JOURNAL: &str = ".convert-journal.json";
@@ -158,9 +170,9 @@ impl Journal {
     }
 
     /// The part `file` if a previous run wrote it and it is still intact.
-    fn reuse(&self, dir: &Path, file: &str) -> Option<Part> {
-        let p = self.done.get(file)?;
-        Manifest::verify_part(dir, p).ok().map(|_| p.clone())
+    fn reuse(&self, dir: &Path, file: &str) -> Option<Done> {
+        let d = self.done.get(file)?;
+        Manifest::verify_part(dir, &d.part).ok().map(|_| d.clone())
     }
 }
 
@@ -374,12 +386,13 @@ pub fn convert(
         _ => None,
     };
     let fingerprint = format!(
-        "v1 src={src_sha} experts={:?} type={} calib={:?} calib_tokens={} seed={}",
+        "v1 src={src_sha} experts={:?} type={} calib={:?} calib_tokens={} seed={} grouping={:?}",
         opts.experts,
         opts.expert_type.name(),
         calib.as_ref().map(|c| &c.1),
         opts.calib_tokens,
-        opts.seed
+        opts.seed,
+        opts.grouping
     );
     // A previous manifest describes another conversion (or this one, redone): drop it first,
     // so a crash below never leaves a manifest that disagrees with the parts.
@@ -415,7 +428,15 @@ pub fn convert(
             let model = Model::from_file(file.clone())?;
             let plan = moefy::plan_cached(dir, &fingerprint, || {
                 let text = std::fs::read_to_string(calib_path).map_err(io(calib_path))?;
-                moefy::calibrate(&model, &text, e, opts.calib_tokens, opts.seed, progress)
+                moefy::calibrate(
+                    &model,
+                    &text,
+                    e,
+                    opts.calib_tokens,
+                    opts.seed,
+                    opts.grouping,
+                    progress,
+                )
             })?;
             let tokens = plan.tokens;
             (
@@ -442,15 +463,22 @@ pub fn convert(
     let mut written = 0;
     // The coordinator part.
     let coordinator = match journal.reuse(dir, bundle::COORDINATOR) {
-        Some(p) => {
+        Some(d) => {
             reused += 1;
-            p
+            d.part
         }
         None => {
             progress("coordinator part", 0, 1);
             let w = coordinator_writer(&file, &cfg, plan.as_ref())?;
             let p = write_part(dir, bundle::COORDINATOR, &w)?;
-            journal.done.insert(p.file.clone(), p.clone());
+            journal.done.insert(
+                p.file.clone(),
+                Done {
+                    part: p.clone(),
+                    tensors: vec![],
+                    notes: vec![],
+                },
+            );
             journal.save(dir)?;
             written += 1;
             progress("coordinator part", 1, 1);
@@ -461,61 +489,67 @@ pub fn convert(
     // The experts, layer by layer; the experts of a layer in parallel.
     let ne = moe_info.n_expert;
     let total = (cfg.n_layer * ne) as u64;
-    let notes = Mutex::new(Vec::<String>::new());
+    let mut notes = Vec::<String>::new();
     let mut experts = Vec::with_capacity(cfg.n_layer * ne);
     for l in 0..cfg.n_layer {
-        let source = match &plan {
-            Some(p) => LayerSource::moefied(&file, &cfg, l, &p.layers[l])?,
-            None => LayerSource::native(&file, &cfg, l)?,
-        };
-        let results: Vec<(ExpertPart, bool)> = (0..ne)
+        // Parts an earlier run finished (checked against their checksums once).
+        let earlier: Vec<Option<Done>> = (0..ne)
             .into_par_iter()
-            .map(|e| {
-                let rel = bundle::expert_file(l, e);
-                let mats = source.expert(e)?;
-                let mut mats_out = Vec::with_capacity(3);
-                for (m, name) in mats.into_iter().zip(BLOB_TENSORS) {
-                    let (m, note) = retype(m, opts.expert_type, &format!("blk.{l}.{name}"))?;
-                    if let Some(n) = note {
-                        notes.lock().expect("notes lock is never poisoned").push(n);
+            .map(|e| journal.reuse(dir, &bundle::expert_file(l, e)))
+            .collect();
+        let source = if earlier.iter().all(Option::is_some) {
+            None
+        } else {
+            Some(match &plan {
+                Some(p) => LayerSource::moefied(&file, &cfg, l, &p.layers[l])?,
+                None => LayerSource::native(&file, &cfg, l)?,
+            })
+        };
+        let results: Vec<(ExpertPart, Vec<String>, bool)> = earlier
+            .into_par_iter()
+            .enumerate()
+            .map(|(e, done)| {
+                let fresh = done.is_none();
+                let d = match (done, &source) {
+                    (Some(d), _) => d,
+                    (None, Some(src)) => {
+                        write_expert(dir, src, l, e, opts.expert_type, &model_name)?
                     }
-                    mats_out.push(m);
-                }
-                let mats: [Matrix; 3] = mats_out
-                    .try_into()
-                    .map_err(|_| ConvertError::Options("three matrices per expert".into()))?;
-                let tensors = tensor_entries(&mats);
-                let (part, fresh) = match journal.reuse(dir, &rel) {
-                    Some(p) => (p, false),
-                    None => {
-                        let w = blob_writer(l, e, &model_name, &mats)?;
-                        (write_part(dir, &rel, &w)?, true)
+                    (None, None) => {
+                        return Err(ConvertError::Options(format!(
+                            "layer {l} expert {e}: no source"
+                        )))
                     }
                 };
-                Ok((
-                    ExpertPart {
-                        layer: l,
-                        expert: e,
-                        part,
-                        tensors,
-                    },
-                    fresh,
-                ))
+                let ep = ExpertPart {
+                    layer: l,
+                    expert: e,
+                    part: d.part,
+                    tensors: d.tensors,
+                };
+                Ok((ep, d.notes, fresh))
             })
             .collect::<Result<_, ConvertError>>()?;
-        for (ep, fresh) in results {
+        for (ep, n, fresh) in results {
             if fresh {
                 written += 1;
-                journal.done.insert(ep.part.file.clone(), ep.part.clone());
+                journal.done.insert(
+                    ep.part.file.clone(),
+                    Done {
+                        part: ep.part.clone(),
+                        tensors: ep.tensors.clone(),
+                        notes: n.clone(),
+                    },
+                );
             } else {
                 reused += 1;
             }
+            notes.extend(n);
             experts.push(ep);
         }
         journal.save(dir)?;
         progress("experts", ((l + 1) * ne) as u64, total);
     }
-    let mut notes = notes.into_inner().expect("notes lock is never poisoned");
     notes.sort();
     notes.dedup();
     let manifest = Manifest {
@@ -558,6 +592,33 @@ pub fn convert(
         manifest,
         reused,
         written,
+    })
+}
+
+/// Builds, retypes and writes expert `e` of layer `l`.
+fn write_expert(
+    dir: &Path,
+    source: &LayerSource<'_>,
+    l: usize,
+    e: usize,
+    want: ExpertType,
+    model_name: &str,
+) -> Result<Done, ConvertError> {
+    let mut notes = Vec::new();
+    let mut mats = Vec::with_capacity(3);
+    for (m, name) in source.expert(e)?.into_iter().zip(BLOB_TENSORS) {
+        let (m, note) = retype(m, want, &format!("blk.{l}.{name}"))?;
+        notes.extend(note);
+        mats.push(m);
+    }
+    let mats: [Matrix; 3] = mats
+        .try_into()
+        .map_err(|_| ConvertError::Options("three matrices per expert".into()))?;
+    let w = blob_writer(l, e, model_name, &mats)?;
+    Ok(Done {
+        part: write_part(dir, &bundle::expert_file(l, e), &w)?,
+        tensors: tensor_entries(&mats),
+        notes,
     })
 }
 
@@ -637,6 +698,8 @@ enum LayerSource<'a> {
         up: (&'a [u8], GgmlType, usize),
         /// `n_embd × n_ff`, dequantized.
         down: Vec<f32>,
+        /// The source bytes of `down`.
+        down_bytes: &'a [u8],
         /// The source type of `down`.
         down_ty: GgmlType,
         n_ff: usize,
@@ -706,6 +769,7 @@ impl<'a> LayerSource<'a> {
             gate,
             up,
             down: dequantize(dty, db, ff)?,
+            down_bytes: db,
             down_ty: dty,
             n_ff: ff,
             n_embd: d,
@@ -729,6 +793,7 @@ impl<'a> LayerSource<'a> {
                 gate,
                 up,
                 down,
+                down_bytes,
                 down_ty,
                 n_ff,
                 n_embd,
@@ -749,6 +814,35 @@ impl<'a> LayerSource<'a> {
                     }
                 };
                 let k = ids.len();
+                // A contiguous run of neurons that starts and ends on the source's block
+                // boundaries keeps its bytes: every down row's blocks for those columns.
+                let first = ids.first().copied().unwrap_or(0) as usize;
+                let contiguous = ids
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &j)| j as usize == first + i);
+                let bs = down_ty.block_size();
+                if contiguous && first.is_multiple_of(bs) && k.is_multiple_of(bs) {
+                    let rb = down_ty.row_size(*n_ff as u64).unwrap_or(0) as usize;
+                    let (off, len) = (
+                        first / bs * down_ty.type_size(),
+                        k / bs * down_ty.type_size(),
+                    );
+                    let mut bytes = Vec::with_capacity(len * n_embd);
+                    for r in 0..*n_embd {
+                        bytes.extend_from_slice(&down_bytes[r * rb + off..r * rb + off + len]);
+                    }
+                    return Ok(vec![
+                        rows_of(*gate),
+                        rows_of(*up),
+                        Matrix {
+                            ty: *down_ty,
+                            cols: k,
+                            rows: *n_embd,
+                            bytes,
+                        },
+                    ]);
+                }
                 let mut dv = vec![0f32; n_embd * k];
                 for (r, row) in dv.chunks_exact_mut(k).enumerate() {
                     let src = &down[r * n_ff..(r + 1) * n_ff];

@@ -81,6 +81,32 @@ impl Observer for Capture {
     }
 }
 
+/// How neurons are grouped into experts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Grouping {
+    /// Balanced k-means on co-activation (the MoEfication method).
+    #[default]
+    Coactivation,
+    /// Neurons `e·n/E .. (e+1)·n/E` form expert `e`. When `n/E` is a multiple of the
+    /// quantized `ffn_down`'s block width, each expert keeps the source's exact bytes and runs
+    /// on the same activation blocks as the dense model, so all experts together reproduce it
+    /// to the last rounding of the sum; routing quality then rests on the router alone.
+    Contiguous,
+}
+
+impl Grouping {
+    /// Parses `--grouping`.
+    pub fn parse(s: &str) -> Result<Grouping, ConvertError> {
+        match s {
+            "coactivation" => Ok(Grouping::Coactivation),
+            "contiguous" => Ok(Grouping::Contiguous),
+            _ => Err(ConvertError::Options(format!(
+                "--grouping {s:?}: expected coactivation or contiguous"
+            ))),
+        }
+    }
+}
+
 /// Calibration chunk length: prompts of this many tokens, each from an empty cache.
 const CALIB_CTX: usize = 512;
 /// Balanced k-means iterations.
@@ -95,6 +121,7 @@ pub fn calibrate(
     n_expert: usize,
     max_tokens: usize,
     seed: u64,
+    grouping: Grouping,
     progress: Progress<'_>,
 ) -> Result<Plan, ConvertError> {
     let cfg = &model.cfg;
@@ -148,7 +175,16 @@ pub fn calibrate(
         ternfleet_node::expert::apply_activation(w.act, &mut g, &u);
         let h = g;
         // 3. Co-activation clustering.
-        let experts = cluster(&h, t, ff, n_expert, seed ^ l as u64);
+        let experts = match grouping {
+            Grouping::Coactivation => cluster(&h, t, ff, n_expert, seed ^ l as u64),
+            Grouping::Contiguous => {
+                let k = ff / n_expert;
+                (0..n_expert)
+                    .map(|e| (e * k) as u32..((e + 1) * k) as u32)
+                    .map(Iterator::collect)
+                    .collect()
+            }
+        };
         // 4. Router.
         let down = dequantize(w.down.ty(), w.down.data(), ff)?;
         let mut colnorm = vec![0f64; ff];

@@ -18,12 +18,9 @@ fn dequantized(ty: GgmlType, q: &[u8], n: usize) -> Vec<f32> {
     y
 }
 
-#[test]
-fn tq_quantizers_match_gguf_py_bytes() {
-    // gguf.quants.quantize == ggml quantize_row_tq{1,2}_0_ref (scripts/make-kernel-goldens.py),
-    // including exact ties (lroundf rounds them away from zero) and an all-zero block.
-    let x = le_f32(include_bytes!("../../tests/data/tq_quant_in.f32"));
-    let cases: [(GgmlType, &[u8], &[u8]); 2] = [
+/// gguf-py's TQ1_0 / TQ2_0 quantization of `tq_quant_in.f32`: bytes and dequantized values.
+fn tq_fixtures() -> [(GgmlType, &'static [u8], &'static [u8]); 2] {
+    [
         (
             GgmlType::TQ1_0,
             include_bytes!("../../tests/data/tq1_0_quant.bin"),
@@ -34,7 +31,15 @@ fn tq_quantizers_match_gguf_py_bytes() {
             include_bytes!("../../tests/data/tq2_0_quant.bin"),
             include_bytes!("../../tests/data/tq2_0_quant.f32"),
         ),
-    ];
+    ]
+}
+
+#[test]
+fn tq_quantizers_match_gguf_py_bytes() {
+    // gguf.quants.quantize == ggml quantize_row_tq{1,2}_0_ref (scripts/make-kernel-goldens.py),
+    // including exact ties (lroundf rounds them away from zero) and an all-zero block.
+    let x = le_f32(include_bytes!("../../tests/data/tq_quant_in.f32"));
+    let cases = tq_fixtures();
     for (ty, want, want_f) in cases {
         let got = quantized(ty, &x);
         assert_eq!(got, want, "{ty:?} bytes differ from gguf-py");
@@ -48,18 +53,7 @@ fn tq_scalar_dot_equals_f64_dot_of_gguf_py_values() {
     let x = le_f32(include_bytes!("../../tests/data/tq_quant_in.f32"));
     let cols = x.len();
     let mut rng = Rng(99);
-    let cases: [(GgmlType, &[u8], &[u8]); 2] = [
-        (
-            GgmlType::TQ1_0,
-            include_bytes!("../../tests/data/tq1_0_quant.bin"),
-            include_bytes!("../../tests/data/tq1_0_quant.f32"),
-        ),
-        (
-            GgmlType::TQ2_0,
-            include_bytes!("../../tests/data/tq2_0_quant.bin"),
-            include_bytes!("../../tests/data/tq2_0_quant.f32"),
-        ),
-    ];
+    let cases = tq_fixtures();
     for (ty, wq, wf) in cases {
         let wf = le_f32(wf);
         let m = QMatrix::new(ty, 1, cols, wq).unwrap();
