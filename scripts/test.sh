@@ -7,6 +7,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python3 -c "import gguf, numpy" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check numpy gguf
 ./scripts/fetch-model.sh
+# Gemma dequantized to f16: MoEfied with every expert selected it must equal the dense model.
+[ -f models/gemma-3-270m-f16.gguf ] || python3 scripts/dequantize-model.py \
+  models/gemma-3-270m-q4_k_m.gguf models/gemma-3-270m-f16.gguf
 # llama.cpp's vocabulary test files (in its source, from PyPI) for the tokenizer parity tests.
 ./scripts/build-llama-cpp.sh --source-only
 cargo fmt --all -- --check

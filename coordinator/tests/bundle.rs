@@ -236,3 +236,40 @@ fn ternary_experts_convert_where_the_blocks_fit() {
     assert_eq!(greedy(&m, PROMPTS[0], 4).len(), 4);
     assert!(ExpertType::parse("tq3").is_err());
 }
+
+#[test]
+fn moefied_gemma_with_every_expert_is_the_dense_model() {
+    // Gemma 3 270M dequantized to f16 (scripts/test.sh makes it with
+    // scripts/dequantize-model.py): a float model, so its experts add up to the dense FFN to
+    // the last rounding of the sum, and greedy decoding must not part from the dense model's.
+    let src = root().join("models/gemma-3-270m-f16.gguf");
+    if !src.exists() {
+        println!(
+            "skipped: {} not present (run scripts/test.sh)",
+            src.display()
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let o = ConvertOptions {
+        model: src.clone(),
+        experts: Some(8),
+        calib: Some(root().join("tests/data/text/python-reference.txt")),
+        ..opts("unused", dir.path())
+    };
+    let r = convert(&o, &quiet).unwrap();
+    assert_eq!(r.manifest.experts.len(), 18 * 8);
+    let dense = Model::open(&src).unwrap();
+    let mut moe = Model::open(dir.path()).unwrap();
+    moe.set_top_k(8);
+    for p in [
+        "The capital of France is",
+        "def fibonacci(n):\n",
+        "Once upon a time, in a small village,",
+        "Explain photosynthesis in simple terms:",
+        "1, 1, 2, 3, 5, 8,",
+        "Le café de la gare était",
+    ] {
+        assert_eq!(greedy(&dense, p, 32), greedy(&moe, p, 32), "{p:?}");
+    }
+}
