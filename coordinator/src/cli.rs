@@ -56,7 +56,8 @@ pub enum Command {
     /// same command again.
     Convert(ConvertArgs),
     /// Compare a model (or bundle) with a reference on a text: perplexity of both, top-1
-    /// agreement, and per-layer routing agreement for two MoE models with the same experts.
+    /// agreement, and per-layer routing agreement for two MoE models with the same experts
+    /// (--top-experts then applies to both).
     Compare(CompareArgs),
 }
 
@@ -390,8 +391,14 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
 
 fn cmd_compare(a: CompareArgs) -> Result<()> {
     let model = init(&a.model)?;
-    let reference = Model::open(&a.reference)
+    let mut reference = Model::open(&a.reference)
         .with_context(|| format!("reference {}", a.reference.display()))?;
+    // Two MoE models with the same experts are compared at the same top-k.
+    if let (Some(k), Some(m)) = (a.model.top_experts, &reference.cfg.moe) {
+        if k <= m.n_expert {
+            reference.set_top_k(k);
+        }
+    }
     let t = &a.text;
     let text = std::fs::read_to_string(&t.file)
         .with_context(|| format!("reading {}", t.file.display()))?;
