@@ -32,6 +32,22 @@ pub struct LayerPlan {
     pub router_w: Vec<f32>,
     /// Per-expert router bias.
     pub router_b: Vec<f32>,
+    /// How well this layer's split works on held-out calibration tokens.
+    #[serde(default)]
+    pub validation: Vec<Validation>,
+}
+
+/// Held-out check of one layer at one top-k: the FFN output error when the router picks the
+/// experts, and when an oracle picks the k experts with the largest outputs (the best this
+/// clustering allows), relative to the dense FFN output (`‖y − y_k‖ / ‖y‖`, mean over tokens).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Validation {
+    pub k: usize,
+    pub router_error: f64,
+    pub oracle_error: f64,
+    /// Mean fraction of the oracle's experts the router also picks.
+    pub recall: f64,
+    pub tokens: usize,
 }
 
 /// The MoEfication of a whole model.
@@ -113,6 +129,8 @@ const CALIB_CTX: usize = 512;
 const KMEANS_ITERS: usize = 12;
 /// Ridge strength, relative to the mean diagonal of XᵀX.
 const RIDGE: f64 = 1e-3;
+/// Share of the calibration tokens held out to validate clustering and router.
+const HOLDOUT: f64 = 0.2;
 
 /// Clusters every FFN of `model` into `n_expert` experts and fits their routers on `text`.
 pub fn calibrate(
@@ -163,20 +181,24 @@ pub fn calibrate(
         let w = ffns[l]
             .first()
             .ok_or_else(|| ConvertError::Options(format!("layer {l} has no FFN")))?;
-        let t = x.len() / d;
+        let t_all = x.len() / d;
+        // The last HOLDOUT of the tokens only validates.
+        let t = t_all - ((t_all as f64 * HOLDOUT) as usize).min(t_all / 2);
         // 2. Activations.
         let mut act = ternfleet_kernels::Activations::new();
-        let mut g = vec![0f32; t * ff];
-        let mut u = vec![0f32; t * ff];
-        ternfleet_node::compute::quantize_par(&mut act, w.gate.ty(), x, t, d)?;
+        let mut g = vec![0f32; t_all * ff];
+        let mut u = vec![0f32; t_all * ff];
+        ternfleet_node::compute::quantize_par(&mut act, w.gate.ty(), x, t_all, d)?;
         w.gate.forward(&act, &mut g).map_err(forward_err)?;
-        ternfleet_node::compute::quantize_par(&mut act, w.up.ty(), x, t, d)?;
+        ternfleet_node::compute::quantize_par(&mut act, w.up.ty(), x, t_all, d)?;
         w.up.forward(&act, &mut u).map_err(forward_err)?;
         ternfleet_node::expert::apply_activation(w.act, &mut g, &u);
-        let h = g;
+        let (h, h_val) = g.split_at(t * ff);
+        let x_val = &x[t * d..];
+        let x = &x[..t * d];
         // 3. Co-activation clustering.
         let experts = match grouping {
-            Grouping::Coactivation => cluster(&h, t, ff, n_expert, seed ^ l as u64),
+            Grouping::Coactivation => cluster(h, t, ff, n_expert, seed ^ l as u64),
             Grouping::Contiguous => {
                 let k = ff / n_expert;
                 (0..n_expert)
@@ -213,10 +235,23 @@ pub fn calibrate(
                 }
             });
         let (router_w, router_b) = ridge(x, t, d, &target, n_expert)?;
+        let validation = validate(&experts, &router_w, &router_b, x_val, h_val, &down, d, ff);
+        for v in &validation {
+            tracing::info!(
+                "layer {l} k={}: FFN output error {:.3} with the router, {:.3} with oracle \
+                 experts; router recall {:.2} ({} held-out tokens)",
+                v.k,
+                v.router_error,
+                v.oracle_error,
+                v.recall,
+                v.tokens
+            );
+        }
         layers.push(LayerPlan {
             experts,
             router_w,
             router_b,
+            validation,
         });
         progress("clustering", (l + 1) as u64, cfg.n_layer as u64);
     }
@@ -229,6 +264,99 @@ pub fn calibrate(
 
 fn forward_err(e: ternfleet_node::compute::ComputeError) -> ConvertError {
     ConvertError::Forward(crate::model::ForwardError::Compute(e))
+}
+
+/// Held-out validation of one layer (see [`Validation`]) at k = E/2 and E/4.
+#[allow(clippy::too_many_arguments)]
+fn validate(
+    experts: &[Vec<u32>],
+    router_w: &[f32],
+    router_b: &[f32],
+    x: &[f32],
+    h: &[f32],
+    down: &[f32],
+    d: usize,
+    ff: usize,
+) -> Vec<Validation> {
+    let ne = experts.len();
+    let t = x.len() / d;
+    if t == 0 {
+        return Vec::new();
+    }
+    let ks: Vec<usize> = [ne / 2, ne / 4].into_iter().filter(|&k| k >= 1).collect();
+    // Per token: each expert's output y_e = down[:, e] · h_e, the router's scores.
+    let per_token: Vec<Vec<(f64, f64, f64, usize)>> = (0..t)
+        .into_par_iter()
+        .map(|ti| {
+            let hr = &h[ti * ff..(ti + 1) * ff];
+            let xr = &x[ti * d..(ti + 1) * d];
+            let ys: Vec<Vec<f64>> = experts
+                .iter()
+                .map(|ids| {
+                    let mut y = vec![0f64; d];
+                    for &j in ids {
+                        let hj = hr[j as usize] as f64;
+                        if hj == 0.0 {
+                            continue;
+                        }
+                        for (r, yr) in y.iter_mut().enumerate() {
+                            *yr += down[r * ff + j as usize] as f64 * hj;
+                        }
+                    }
+                    y
+                })
+                .collect();
+            let mut total = vec![0f64; d];
+            for y in &ys {
+                total.iter_mut().zip(y).for_each(|(a, b)| *a += b);
+            }
+            let norm = total.iter().map(|v| v * v).sum::<f64>().sqrt().max(1e-30);
+            let score: Vec<f32> = (0..ne)
+                .map(|e| {
+                    let w = &router_w[e * d..(e + 1) * d];
+                    w.iter().zip(xr).map(|(a, b)| a * b).sum::<f32>() + router_b[e]
+                })
+                .collect();
+            let out_norm: Vec<f64> = ys
+                .iter()
+                .map(|y| y.iter().map(|v| v * v).sum::<f64>())
+                .collect();
+            let top = |key: &dyn Fn(usize) -> f64, k: usize| -> Vec<usize> {
+                let mut idx: Vec<usize> = (0..ne).collect();
+                idx.sort_by(|&a, &b| key(b).total_cmp(&key(a)));
+                idx.truncate(k);
+                idx
+            };
+            let err = |set: &[usize]| -> f64 {
+                let mut r = total.clone();
+                for &e in set {
+                    r.iter_mut().zip(&ys[e]).for_each(|(a, b)| *a -= b);
+                }
+                r.iter().map(|v| v * v).sum::<f64>().sqrt() / norm
+            };
+            ks.iter()
+                .map(|&k| {
+                    let rs = top(&|e| score[e] as f64, k);
+                    let os = top(&|e| out_norm[e], k);
+                    let common = rs.iter().filter(|e| os.contains(e)).count();
+                    (err(&rs), err(&os), common as f64 / k as f64, k)
+                })
+                .collect()
+        })
+        .collect();
+    ks.iter()
+        .enumerate()
+        .map(|(i, &k)| {
+            let n = t as f64;
+            Validation {
+                k,
+                router_error: per_token.iter().map(|p| p[i].0).sum::<f64>() / n,
+                oracle_error: per_token.iter().map(|p| p[i].1).sum::<f64>() / n,
+                recall: per_token.iter().map(|p| p[i].2).sum::<f64>() / n,
+                tokens: t,
+            }
+        })
+        .collect()
 }
 
 /// A small deterministic generator (splitmix64) for the clustering's initial centroids.
