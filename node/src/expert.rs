@@ -7,6 +7,7 @@
 //! weight 1, so the dense path and the MoE path are the same code.
 
 use half::f16;
+use rayon::prelude::*;
 use ternfleet_kernels::{Activations, GgmlType};
 
 use crate::compute::{quantize_par, ComputeError, Linear};
@@ -261,32 +262,43 @@ impl ExpertBackend for LocalExperts {
         // Each route's expert output, then the sums in route order: llama.cpp adds a token's
         // expert outputs slot by slot in router order (shared expert last), and float addition
         // is not associative.
-        let mut ys = vec![0f32; b.routes.len() * d];
-        for (e, w) in experts.iter().enumerate() {
-            let mine: Vec<usize> = (0..b.routes.len())
-                .filter(|&i| b.routes[i].expert as usize == e)
-                .collect();
-            if mine.is_empty() {
-                continue;
-            }
-            let n = mine.len();
-            let mut y = vec![0f32; n * d];
-            // Every token in batch order: use the hidden matrix as it is (the dense case).
-            let identity = n == b.n_tokens
-                && mine
-                    .iter()
-                    .enumerate()
-                    .all(|(i, &r)| b.routes[r].token as usize == i);
-            if identity {
-                run_ffn(w, b.hidden, n, &mut y)?;
-            } else {
-                let mut x = Vec::with_capacity(n * d);
-                for &r in &mine {
-                    let t = b.routes[r].token as usize;
-                    x.extend_from_slice(&b.hidden[t * d..(t + 1) * d]);
+        // The experts this batch uses, with the routes each serves. They run in parallel:
+        // small expert matmuls split across threads cost more in joins than they save.
+        let mut mine: Vec<Vec<usize>> = vec![Vec::new(); experts.len()];
+        for (i, r) in b.routes.iter().enumerate() {
+            mine[r.expert as usize].push(i);
+        }
+        let active: Vec<(usize, &Vec<usize>)> = mine
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| !m.is_empty())
+            .collect();
+        let outputs: Vec<Vec<f32>> = active
+            .par_iter()
+            .map(|&(e, mine)| {
+                let n = mine.len();
+                let mut y = vec![0f32; n * d];
+                // Every token in batch order: use the hidden matrix as it is (the dense case).
+                let identity = n == b.n_tokens
+                    && mine
+                        .iter()
+                        .enumerate()
+                        .all(|(i, &r)| b.routes[r].token as usize == i);
+                if identity {
+                    run_ffn(&experts[e], b.hidden, n, &mut y)?;
+                } else {
+                    let mut x = Vec::with_capacity(n * d);
+                    for &r in mine {
+                        let t = b.routes[r].token as usize;
+                        x.extend_from_slice(&b.hidden[t * d..(t + 1) * d]);
+                    }
+                    run_ffn(&experts[e], &x, n, &mut y)?;
                 }
-                run_ffn(w, &x, n, &mut y)?;
-            }
+                Ok(y)
+            })
+            .collect::<Result<_, ComputeError>>()?;
+        let mut ys = vec![0f32; b.routes.len() * d];
+        for ((_, mine), y) in active.iter().zip(&outputs) {
             for (i, &r) in mine.iter().enumerate() {
                 ys[r * d..(r + 1) * d].copy_from_slice(&y[i * d..(i + 1) * d]);
             }
