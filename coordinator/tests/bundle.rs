@@ -273,3 +273,60 @@ fn moefied_gemma_with_every_expert_is_the_dense_model() {
         assert_eq!(greedy(&dense, p, 32), greedy(&moe, p, 32), "{p:?}");
     }
 }
+
+/// gguf-py (an independent implementation of ggml's formats, whose TQ quantizers equal ggml's
+/// reference ones byte for byte) reads a ternfleet expert blob, and quantizing the source
+/// expert's weights itself gives the very bytes ternfleet wrote: ternfleet's TQ2_0/TQ1_0
+/// tensors are what llama.cpp would write and read.
+#[test]
+fn ternary_blobs_are_the_bytes_ggml_would_write() {
+    let ok = std::process::Command::new("timeout")
+        .args(["30", "python3", "-c", "import gguf, numpy"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        println!("skipped: python3 with gguf/numpy not available");
+        return;
+    }
+    for ty in ["tq2_0", "tq1_0"] {
+        let dir = tempfile::tempdir().unwrap();
+        let mut o = opts("tiny-qwen3moe-q8_0.gguf", dir.path());
+        o.expert_type = ExpertType::parse(ty).unwrap();
+        let r = convert(&o, &quiet).unwrap();
+        let e = &r.manifest.experts[5]; // layer 0, expert 5
+        let blob = dir.path().join(&e.part.file);
+        let script = format!(
+            r#"
+import sys, numpy as np, gguf
+from gguf.quants import quantize, dequantize
+T = gguf.GGMLQuantizationType.{up}
+src = gguf.GGUFReader(sys.argv[1])
+blob = gguf.GGUFReader(sys.argv[2])
+for name, stacked in [("ffn_gate.weight", "blk.0.ffn_gate_exps.weight"), ("ffn_up.weight", "blk.0.ffn_up_exps.weight")]:
+    t = next(t for t in blob.tensors if t.name == name)
+    assert t.tensor_type == T, (name, t.tensor_type)
+    s = next(t for t in src.tensors if t.name == stacked)
+    w = dequantize(s.data, s.tensor_type)[5]          # expert 5, rows x cols f32
+    want = quantize(w.astype(np.float32), T)
+    got = np.asarray(t.data).reshape(want.shape)
+    assert (got == want).all(), f"{{name}}: bytes differ from gguf-py's quantization"
+    back = dequantize(got, T)
+    assert back.shape == w.shape
+print("ok")
+"#,
+            up = ty.to_uppercase()
+        );
+        let out = std::process::Command::new("timeout")
+            .args(["120", "python3", "-c", &script])
+            .arg(model("tiny-qwen3moe-q8_0.gguf"))
+            .arg(&blob)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success() && String::from_utf8_lossy(&out.stdout).trim() == "ok",
+            "{ty}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
