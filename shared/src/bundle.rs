@@ -138,11 +138,8 @@ pub struct Manifest {
 /// Why a bundle cannot be used.
 #[derive(Debug, thiserror::Error)]
 pub enum BundleError {
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error(
         "{dir}: no {MANIFEST}: not a ternfleet bundle, or its conversion did not finish \
          (run `ternfleet convert` again; it resumes)"
@@ -150,11 +147,8 @@ pub enum BundleError {
     NoManifest { dir: PathBuf },
     #[error("{path}: not a valid bundle manifest: {msg}")]
     BadManifest { path: PathBuf, msg: String },
-    #[error("{path}: part missing (the manifest lists it): {source}")]
-    MissingPart {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error("{path}: part missing (the manifest lists it): {err}")]
+    MissingPart { path: PathBuf, err: std::io::Error },
     #[error("{path}: {got} bytes, the manifest says {want}: the file is truncated or replaced")]
     SizeMismatch { path: PathBuf, got: u64, want: u64 },
     #[error("{path}: checksum mismatch (sha256 {got}, manifest {want}): the file is corrupt")]
@@ -211,7 +205,7 @@ impl Manifest {
                     dir: dir.to_owned(),
                 })
             }
-            Err(source) => return Err(BundleError::Io { path, source }),
+            Err(err) => return Err(BundleError::Io { path, err }),
         };
         let bad = |msg: String| BundleError::BadManifest {
             path: path.clone(),
@@ -223,9 +217,9 @@ impl Manifest {
                 meta.len()
             )));
         }
-        let text = std::fs::read(&path).map_err(|source| BundleError::Io {
+        let text = std::fs::read(&path).map_err(|err| BundleError::Io {
             path: path.clone(),
-            source,
+            err,
         })?;
         let m: Manifest = serde_json::from_slice(&text).map_err(|e| bad(e.to_string()))?;
         m.validate().map_err(bad)?;
@@ -277,9 +271,9 @@ impl Manifest {
     /// Checks that `DIR/part.file` exists with the size and checksum the manifest gives.
     pub fn verify_part(dir: &Path, part: &Part) -> Result<PathBuf, BundleError> {
         let path = dir.join(&part.file);
-        let meta = std::fs::metadata(&path).map_err(|source| BundleError::MissingPart {
+        let meta = std::fs::metadata(&path).map_err(|err| BundleError::MissingPart {
             path: path.clone(),
-            source,
+            err,
         })?;
         if meta.len() != part.bytes {
             return Err(BundleError::SizeMismatch {
@@ -288,9 +282,9 @@ impl Manifest {
                 want: part.bytes,
             });
         }
-        let (got, _) = sha256_file(&path).map_err(|source| BundleError::Io {
+        let (got, _) = sha256_file(&path).map_err(|err| BundleError::Io {
             path: path.clone(),
-            source,
+            err,
         })?;
         if got != part.sha256 {
             return Err(BundleError::ChecksumMismatch {
@@ -306,9 +300,9 @@ impl Manifest {
     pub fn write(&self, dir: &Path) -> Result<(), BundleError> {
         let path = dir.join(MANIFEST);
         let tmp = dir.join(format!("{MANIFEST}.tmp"));
-        let io = |source| BundleError::Io {
+        let io = |err| BundleError::Io {
             path: path.clone(),
-            source,
+            err,
         };
         let text = serde_json::to_vec_pretty(self).map_err(|e| BundleError::BadManifest {
             path: path.clone(),

@@ -97,11 +97,8 @@ pub struct ConvertOptions {
 pub enum ConvertError {
     #[error("{0}")]
     Options(String),
-    #[error("{path}: {source}")]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error("{path}: {err}")]
+    Io { path: PathBuf, err: std::io::Error },
     #[error("{path}: {err}")]
     Gguf { path: PathBuf, err: GgufError },
     #[error(transparent)]
@@ -119,9 +116,9 @@ pub enum ConvertError {
 }
 
 fn io(path: &Path) -> impl Fn(std::io::Error) -> ConvertError + '_ {
-    move |source| ConvertError::Io {
+    move |err| ConvertError::Io {
         path: path.to_owned(),
-        source,
+        err,
     }
 }
 
@@ -373,7 +370,12 @@ pub fn convert(
         }
         _ => {}
     }
-    std::fs::create_dir_all(&opts.out).map_err(io(&opts.out))?;
+    std::fs::create_dir_all(&opts.out).map_err(|e| {
+        ConvertError::Options(format!(
+            "-o {}: cannot create the bundle directory: {e}",
+            opts.out.display()
+        ))
+    })?;
     let dir = opts.out.as_path();
     progress("checksum source", 0, 1);
     let (src_sha, src_bytes) = bundle::sha256_file(src).map_err(io(src))?;
