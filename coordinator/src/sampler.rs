@@ -73,10 +73,11 @@ impl SamplerParams {
 }
 
 /// splitmix64: a small, well-mixed, seedable generator (reproducible across platforms).
-struct Rng(u64);
+/// Also seeds MoEfication's clustering.
+pub(crate) struct Rng(pub(crate) u64);
 
 impl Rng {
-    fn next_u64(&mut self) -> u64 {
+    pub(crate) fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);

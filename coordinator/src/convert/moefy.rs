@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{dequantize, io, ConvertError, Progress};
 use crate::model::{Logits, Model, Observer};
+use crate::sampler::Rng;
 
 /// One layer's experts and router.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -359,18 +360,6 @@ fn validate(
         .collect()
 }
 
-/// A small deterministic generator (splitmix64) for the clustering's initial centroids.
-struct SplitMix(u64);
-impl SplitMix {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-}
-
 fn normalize(v: &mut [f32]) {
     let n = v
         .iter()
@@ -396,10 +385,10 @@ pub fn cluster(h: &[f32], t: usize, n: usize, k: usize, seed: u64) -> Vec<Vec<u3
     }
     f.par_chunks_mut(t).for_each(normalize);
     // Initial centroids: k distinct neurons.
-    let mut rng = SplitMix(seed);
+    let mut rng = Rng(seed);
     let mut order: Vec<usize> = (0..n).collect();
     for i in (1..n).rev() {
-        order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+        order.swap(i, (rng.next_u64() % (i as u64 + 1)) as usize);
     }
     let mut cent: Vec<f32> = order[..k]
         .iter()
@@ -595,9 +584,9 @@ mod tests {
     #[test]
     fn ridge_recovers_a_linear_map() {
         let (t, d, k) = (200, 3, 2);
-        let mut rng = SplitMix(1);
+        let mut rng = Rng(1);
         let x: Vec<f32> = (0..t * d)
-            .map(|_| (rng.next() % 2000) as f32 / 1000.0 - 1.0)
+            .map(|_| (rng.next_u64() % 2000) as f32 / 1000.0 - 1.0)
             .collect();
         let y: Vec<f32> = x
             .chunks(d)
