@@ -246,6 +246,14 @@ pub struct BenchArgs {
     pub json: bool,
 }
 
+impl TextArgs {
+    /// The text file's contents.
+    fn read(&self) -> Result<String> {
+        std::fs::read_to_string(&self.file)
+            .with_context(|| format!("reading {}", self.file.display()))
+    }
+}
+
 fn init(args: &ModelArgs) -> Result<Model> {
     init_runtime(args.threads)?;
     if !args.model.exists() {
@@ -400,8 +408,7 @@ fn cmd_compare(a: CompareArgs) -> Result<()> {
         }
     }
     let t = &a.text;
-    let text = std::fs::read_to_string(&t.file)
-        .with_context(|| format!("reading {}", t.file.display()))?;
+    let text = t.read()?;
     let bar = progress_bar(
         "compare {msg:9} {bar:40} {pos}/{len} chunks [{elapsed_precise}<{eta_precise}]",
     );
@@ -540,8 +547,7 @@ fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     let model = init(&a.model)?;
     let t = &a.text;
-    let text = std::fs::read_to_string(&t.file)
-        .with_context(|| format!("reading {}", t.file.display()))?;
+    let text = t.read()?;
     let bar = progress_bar(
         "perplexity {bar:40} {pos}/{len} chunks, {msg} [{elapsed_precise}<{eta_precise}]",
     );
