@@ -15,11 +15,19 @@ pub struct BenchResult {
     pub threads: usize,
     pub reps: usize,
     pub kernels: &'static str,
+    pub numerics: &'static str,
+    /// `--parallel N`: sequences decoding together.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parallel: Option<usize>,
+    /// `--parallel N`: aggregate decode tokens/s of N sequences.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agg_tg_tps: Option<f64>,
 }
 
 /// Runs the benchmark; `batch` is the prompt tokens per forward pass.
 pub fn bench(
     model: &Model,
+    opts: crate::kv_cache::SeqOptions,
     n_prompt: usize,
     n_gen: usize,
     batch: usize,
@@ -33,7 +41,7 @@ pub fn bench(
         rng ^= rng << 17;
         (rng % n_vocab) as u32
     };
-    let mut cache = model.new_cache(n_prompt.max(n_gen + 1));
+    let mut cache = model.new_cache_with(n_prompt.max(n_gen.saturating_add(1)), opts);
     let mut run_pp = |cache: &mut crate::kv_cache::KvCache| -> Result<f64, ForwardError> {
         let mut toks: Vec<u32> = (0..n_prompt).map(|_| rand_tok()).collect();
         if let (true, Some(b)) = (model.tokenizer.add_bos(), model.tokenizer.bos()) {
@@ -60,7 +68,7 @@ pub fn bench(
         let t = std::time::Instant::now();
         for i in 0..n_gen {
             model.forward(cache, &[tok], Logits::Last)?;
-            tok = (i as u32 * 2_654_435_761u32) % n_vocab as u32;
+            tok = ((i as u64).wrapping_mul(2_654_435_761) % n_vocab) as u32;
         }
         Ok(t.elapsed().as_secs_f64())
     };
@@ -79,5 +87,91 @@ pub fn bench(
         threads: rayon::current_num_threads(),
         reps,
         kernels: ternfleet_kernels::isa_name(),
+        numerics: opts.numerics.name(),
+        parallel: None,
+        agg_tg_tps: None,
+    })
+}
+
+/// Aggregate decode throughput of `n_seq` sequences decoding together, shaped like
+/// `llama-batched-bench`'s S_TG: each sequence first prefills `n_prompt` random tokens (not
+/// timed), then `n_gen` steps each decode one token of every sequence. One warm-up run, then
+/// the mean over `reps`.
+pub fn bench_parallel(
+    model: &Model,
+    opts: crate::kv_cache::SeqOptions,
+    n_seq: usize,
+    n_prompt: usize,
+    n_gen: usize,
+    reps: usize,
+) -> Result<f64, ForwardError> {
+    use crate::model::{NoObserver, SeqInput, StepOptions};
+    let n_vocab = model.cfg.n_vocab as u64;
+    let positions = (n_prompt.max(1) + n_gen) as u64;
+    let block = crate::kv_pool::KvPool::block_bytes(
+        model.cfg.n_layer,
+        model.cfg.k_dim(),
+        model.cfg.v_dim(),
+    );
+    let blocks = positions.div_ceil(crate::kv_pool::BLOCK as u64) + 1;
+    let mut pool = model.new_pool(block * blocks * n_seq as u64, opts.numerics)?;
+    let step = StepOptions {
+        numerics: opts.numerics,
+        ..StepOptions::default()
+    };
+    let mut once = || -> Result<f64, ForwardError> {
+        let seqs: Vec<_> = (0..n_seq)
+            .map(|_| pool.add_sequence(positions as usize))
+            .collect();
+        let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ n_seq as u64;
+        let mut rand_tok = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            (rng % n_vocab) as u32
+        };
+        let prompts: Vec<Vec<u32>> = (0..n_seq)
+            .map(|_| (0..n_prompt.max(1)).map(|_| rand_tok()).collect())
+            .collect();
+        for (s, p) in seqs.iter().zip(&prompts) {
+            let inp = [SeqInput {
+                seq: *s,
+                tokens: p,
+                logits: crate::model::Logits::Last,
+                top_experts: opts.top_experts,
+            }];
+            model.step(&mut pool, &inp, &step, &mut NoObserver)?;
+        }
+        let toks: Vec<[u32; 1]> = (0..n_seq).map(|_| [rand_tok()]).collect();
+        let t = std::time::Instant::now();
+        for _ in 0..n_gen {
+            let inputs: Vec<SeqInput<'_>> = seqs
+                .iter()
+                .zip(&toks)
+                .map(|(s, t)| SeqInput {
+                    seq: *s,
+                    tokens: t,
+                    logits: crate::model::Logits::Last,
+                    top_experts: opts.top_experts,
+                })
+                .collect();
+            model.step(&mut pool, &inputs, &step, &mut NoObserver)?;
+        }
+        let dt = t.elapsed().as_secs_f64();
+        for s in seqs {
+            pool.remove(s)?;
+        }
+        Ok(dt)
+    };
+    once()?;
+    let reps = reps.max(1);
+    let mut total = 0.0;
+    for _ in 0..reps {
+        total += once()?;
+    }
+    Ok(if total > 0.0 {
+        (n_seq * n_gen * reps) as f64 / total
+    } else {
+        0.0
     })
 }

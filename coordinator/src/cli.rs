@@ -8,8 +8,10 @@ use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 
 use crate::generate::{generate, GenerateRequest};
+use crate::kv_cache::SeqOptions;
 use crate::model::Model;
 use crate::sampler::{Sampler, SamplerParams};
+use ternfleet_kernels::Numerics;
 
 /// Where `scripts/fetch-model.sh` puts the default model.
 pub const DEFAULT_MODEL: &str = "models/gemma-3-270m-q4_k_m.gguf";
@@ -145,6 +147,10 @@ pub struct ModelArgs {
     /// MoE models: experts each token uses (default: the model's own).
     #[arg(long = "top-experts")]
     pub top_experts: Option<usize>,
+    /// Float order: parity (llama.cpp's, which changes with the batch) or invariant (each
+    /// row's arithmetic fixed whatever shares its step).
+    #[arg(long, default_value = "parity")]
+    pub numerics: Numerics,
 }
 
 /// `ternfleet generate`.
@@ -152,9 +158,26 @@ pub struct ModelArgs {
 pub struct GenerateArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// The prompt.
-    #[arg(short = 'p', long)]
-    pub prompt: String,
+    /// The prompt (text, even when it starts with `-`).
+    #[arg(
+        short = 'p',
+        long,
+        allow_hyphen_values = true,
+        required_unless_present = "prompts",
+        conflicts_with = "prompts"
+    )]
+    pub prompt: Option<String>,
+    /// A file of prompts, one per line (`\n` and `\\` in a line are unescaped), run through
+    /// the batched engine --parallel at a time; prints one JSON object per prompt, in input
+    /// order, with --json.
+    #[arg(long)]
+    pub prompts: Option<PathBuf>,
+    /// Sequences at once with --prompts.
+    #[arg(long, default_value_t = 1)]
+    pub parallel: usize,
+    /// KV pool size with --prompts (e.g. 512MiB, 2GiB or bytes).
+    #[arg(long = "kv-budget", default_value = "1GiB", value_parser = parse_size)]
+    pub kv_budget: u64,
     /// Maximum tokens to generate.
     #[arg(short = 'n', long = "n-predict", default_value_t = 64)]
     pub n: usize,
@@ -198,8 +221,8 @@ pub struct GenerateArgs {
 pub struct TokenizeArgs {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Text to tokenize.
-    #[arg(short = 'p', long)]
+    /// Text to tokenize (text, even when it starts with `-`).
+    #[arg(short = 'p', long, allow_hyphen_values = true)]
     pub prompt: String,
     /// Print {"ids":[...]}.
     #[arg(long)]
@@ -241,6 +264,10 @@ pub struct BenchArgs {
     /// Timed repetitions (after one warm-up).
     #[arg(long, default_value_t = 3)]
     pub reps: usize,
+    /// Also measure aggregate decode throughput with this many sequences decoding together
+    /// (`agg_tg_tps`, after a --prompt-token prefill of each; llama-batched-bench's S_TG).
+    #[arg(long)]
+    pub parallel: Option<usize>,
     /// Print {"pp_tps":..,"tg_tps":..}.
     #[arg(long)]
     pub json: bool,
@@ -254,7 +281,7 @@ impl TextArgs {
     }
 }
 
-fn init(args: &ModelArgs) -> Result<Model> {
+fn init(args: &ModelArgs) -> Result<(Model, SeqOptions)> {
     init_runtime(args.threads)?;
     if !args.model.exists() {
         let hint = if args.model == std::path::Path::new(DEFAULT_MODEL) {
@@ -265,7 +292,11 @@ fn init(args: &ModelArgs) -> Result<Model> {
         bail!("model file {} not found{hint}", args.model.display());
     }
     let t = std::time::Instant::now();
-    let mut model = Model::open(&args.model)?;
+    let model = Model::open(&args.model)?;
+    let opts = SeqOptions {
+        top_experts: args.top_experts,
+        numerics: args.numerics,
+    };
     if let Some(k) = args.top_experts {
         let Some(m) = &model.cfg.moe else {
             bail!(
@@ -279,20 +310,20 @@ fn init(args: &ModelArgs) -> Result<Model> {
                 m.n_expert
             );
         }
-        model.set_top_k(k);
     }
     tracing::info!(
         arch = model.cfg.arch.name(),
         layers = model.cfg.n_layer,
         n_embd = model.cfg.n_embd,
         n_vocab = model.cfg.n_vocab,
-        experts = ?model.cfg.moe.as_ref().map(|m| (m.n_expert, m.n_expert_used)),
+        experts = ?model.cfg.moe.as_ref().map(|m| (m.n_expert, opts.top_experts.unwrap_or(m.n_expert_used))),
+        numerics = opts.numerics.name(),
         threads = rayon::current_num_threads(),
         "loaded {} in {:.2}s",
         args.model.display(),
         t.elapsed().as_secs_f64()
     );
-    Ok(model)
+    Ok((model, opts))
 }
 
 /// Logging, the compute thread pool and the kernel choice.
@@ -398,13 +429,17 @@ fn cmd_convert(a: ConvertArgs) -> Result<()> {
 }
 
 fn cmd_compare(a: CompareArgs) -> Result<()> {
-    let model = init(&a.model)?;
-    let mut reference = Model::open(&a.reference)
+    let (model, opts) = init(&a.model)?;
+    let reference = Model::open(&a.reference)
         .with_context(|| format!("reference {}", a.reference.display()))?;
     // Two MoE models with the same experts are compared at the same top-k.
+    let mut ref_opts = SeqOptions {
+        top_experts: None,
+        numerics: opts.numerics,
+    };
     if let (Some(k), Some(m)) = (a.model.top_experts, &reference.cfg.moe) {
         if k <= m.n_expert {
-            reference.set_top_k(k);
+            ref_opts.top_experts = Some(k);
         }
     }
     let t = &a.text;
@@ -415,6 +450,8 @@ fn cmd_compare(a: CompareArgs) -> Result<()> {
     let r = crate::compare::compare(
         &model,
         &reference,
+        opts,
+        ref_opts,
         &text,
         t.ctx,
         t.batch,
@@ -450,7 +487,7 @@ fn cmd_compare(a: CompareArgs) -> Result<()> {
 }
 
 fn cmd_generate(a: GenerateArgs) -> Result<()> {
-    let model = init(&a.model)?;
+    let (model, opts) = init(&a.model)?;
     let params = SamplerParams {
         temperature: a.temp,
         top_k: a.top_k,
@@ -460,12 +497,19 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         repeat_last_n: a.repeat_last_n,
         seed: a.seed,
     };
+    if let Some(file) = &a.prompts {
+        return generate_many(&model, opts, params, file, &a);
+    }
     let mut sampler = Sampler::new(params)?;
-    let prompt_tokens = model.tokenizer.encode(&a.prompt, true, true);
+    let prompt = a.prompt.as_deref().unwrap_or_default();
+    let prompt_tokens = model.tokenizer.encode(prompt, true, true);
     if prompt_tokens.is_empty() {
         bail!("the prompt tokenizes to no tokens");
     }
-    let need = prompt_tokens.len() + a.n.saturating_sub(1);
+    let need = prompt_tokens
+        .len()
+        .checked_add(a.n.saturating_sub(1))
+        .with_context(|| format!("-n {}: too many tokens", a.n))?;
     let n_ctx = a.ctx.unwrap_or(need.max(1));
     if need > n_ctx {
         bail!(
@@ -480,7 +524,8 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
             model.cfg.n_ctx_train
         );
     }
-    let mut cache = model.new_cache(n_ctx);
+    check_kv_fits(&model, n_ctx, "--ctx")?;
+    let mut cache = model.new_cache_with(n_ctx, opts);
     let req = GenerateRequest {
         prompt_tokens: prompt_tokens.clone(),
         max_tokens: a.n,
@@ -528,8 +573,152 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     Ok(())
 }
 
+/// One prompt per line of `text`: `\n` becomes a newline and `\\` a backslash; a
+/// backslash before anything else stays as it is.
+pub fn parse_prompt_lines(text: &str) -> Vec<String> {
+    text.lines()
+        .map(|line| {
+            let mut out = String::with_capacity(line.len());
+            let mut chars = line.chars();
+            while let Some(c) = chars.next() {
+                if c != '\\' {
+                    out.push(c);
+                    continue;
+                }
+                match chars.next() {
+                    Some('n') => out.push('\n'),
+                    Some('\\') => out.push('\\'),
+                    Some(other) => {
+                        out.push('\\');
+                        out.push(other);
+                    }
+                    None => out.push('\\'),
+                }
+            }
+            out
+        })
+        .collect()
+}
+
+/// `generate --prompts FILE`: every prompt through the batched engine.
+fn generate_many(
+    model: &Model,
+    opts: SeqOptions,
+    params: SamplerParams,
+    file: &std::path::Path,
+    a: &GenerateArgs,
+) -> Result<()> {
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("reading prompts from {}", file.display()))?;
+    let prompts = parse_prompt_lines(&text);
+    if prompts.is_empty() {
+        bail!("{}: no prompts (one per line)", file.display());
+    }
+    let mut toks = Vec::with_capacity(prompts.len());
+    for (i, p) in prompts.iter().enumerate() {
+        let t = model.tokenizer.encode(p, true, true);
+        if t.is_empty() {
+            bail!(
+                "{} line {}: the prompt tokenizes to no tokens",
+                file.display(),
+                i + 1
+            );
+        }
+        toks.push(t);
+    }
+    if a.parallel == 0 {
+        bail!("--parallel must be at least 1");
+    }
+    let eopts = crate::engine::EngineOptions {
+        parallel: a.parallel,
+        chunk: a.batch.max(1),
+        max_tokens: a.n,
+        stop_at_eog: !a.ignore_eos,
+        numerics: opts.numerics,
+        kv_budget: a.kv_budget,
+        top_experts: opts.top_experts,
+        sampling: params,
+        keep_logits: false,
+    };
+    let (outs, stats) = crate::engine::run(model, &toks, &eopts)?;
+    let mut stdout = std::io::stdout().lock();
+    for (i, o) in outs.iter().enumerate() {
+        let text = model.tokenizer.decode(&o.tokens);
+        if a.json {
+            let obj = serde_json::json!({ "index": i, "prompt_tokens": toks[i].len(), "tokens": o.tokens, "text": text });
+            writeln!(stdout, "{obj}")?;
+        } else {
+            writeln!(stdout, "[{i}] {}{text}", prompts[i])?;
+        }
+    }
+    tracing::info!(
+        "{} prompts, {} at a time: {} steps, {} prompt tokens ({} from shared prefixes), {} generated in {:.2}s ({:.1} t/s)",
+        toks.len(),
+        a.parallel,
+        stats.steps,
+        stats.prompt_tokens,
+        stats.prefix_reused,
+        stats.generated,
+        stats.wall_s,
+        stats.generated as f64 / stats.wall_s.max(1e-9)
+    );
+    Ok(())
+}
+
+/// Refuses a context whose KV cache would not fit in this machine's memory, naming the flag
+/// (a huge `-n` or `--ctx` is an error, not an allocation failure).
+fn check_kv_fits(model: &Model, positions: usize, flag: &str) -> Result<()> {
+    let per = crate::kv_pool::KvPool::block_bytes(
+        model.cfg.n_layer,
+        model.cfg.k_dim(),
+        model.cfg.v_dim(),
+    ) / crate::kv_pool::BLOCK as u64;
+    let need = (positions as u64).saturating_mul(per);
+    let total = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find(|l| l.starts_with("MemTotal:"))
+                .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        })
+        .map(|kib| kib.saturating_mul(1024))
+        .unwrap_or(u64::MAX);
+    if need > total {
+        bail!(
+            "{flag}: {positions} positions need {:.1} GiB of KV cache ({per} bytes each), more than this machine's {:.1} GiB of memory",
+            need as f64 / (1u64 << 30) as f64,
+            total as f64 / (1u64 << 30) as f64
+        );
+    }
+    Ok(())
+}
+
+/// A size: plain bytes or a number with KiB/MiB/GiB/TiB (or KB/MB/GB/TB, also powers of two).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("{s:?}: expected a size such as 512MiB, 8GiB or 1048576"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        u => {
+            return Err(format!(
+                "{s:?}: unknown unit {u:?} (use KiB, MiB, GiB or TiB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("{s:?}: too large"))
+}
+
 fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
-    let model = init(&a.model)?;
+    let (model, _) = init(&a.model)?;
     let ids = model
         .tokenizer
         .encode(&a.prompt, !a.no_bos, !a.no_parse_special);
@@ -545,7 +734,7 @@ fn cmd_tokenize(a: TokenizeArgs) -> Result<()> {
 }
 
 fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
-    let model = init(&a.model)?;
+    let (model, opts) = init(&a.model)?;
     let t = &a.text;
     let text = t.read()?;
     let bar = progress_bar(
@@ -553,6 +742,7 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     );
     let r = crate::perplexity::perplexity(
         &model,
+        opts,
         &text,
         t.ctx,
         t.batch,
@@ -580,21 +770,44 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
 }
 
 fn cmd_bench(a: BenchArgs) -> Result<()> {
-    let model = init(&a.model)?;
-    let r = crate::bench::bench(&model, a.prompt, a.gen, a.batch, a.reps)?;
+    let (model, opts) = init(&a.model)?;
+    let positions = a
+        .prompt
+        .max(a.gen)
+        .checked_add(1)
+        .context("--prompt/--gen: too many tokens")?;
+    let seqs = a.parallel.unwrap_or(1).max(1);
+    check_kv_fits(
+        &model,
+        positions.saturating_mul(seqs),
+        "--prompt/--gen/--parallel",
+    )?;
+    let mut r = crate::bench::bench(&model, opts, a.prompt, a.gen, a.batch, a.reps)?;
+    if let Some(n) = a.parallel {
+        if n == 0 {
+            bail!("--parallel must be at least 1");
+        }
+        r.agg_tg_tps = Some(crate::bench::bench_parallel(
+            &model, opts, n, a.prompt, a.gen, a.reps,
+        )?);
+        r.parallel = Some(n);
+    }
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
     } else {
         println!(
-            "pp{}: {:.1} t/s   tg{}: {:.1} t/s   ({} threads, kernels {}, mean of {} runs)",
-            a.prompt, r.pp_tps, a.gen, r.tg_tps, r.threads, r.kernels, r.reps
+            "pp{}: {:.1} t/s   tg{}: {:.1} t/s   ({} threads, kernels {}, {} numerics, mean of {} runs)",
+            a.prompt, r.pp_tps, a.gen, r.tg_tps, r.threads, r.kernels, r.numerics, r.reps
         );
+        if let (Some(n), Some(agg)) = (r.parallel, r.agg_tg_tps) {
+            println!("tg{} with {n} sequences: {agg:.1} t/s aggregate", a.gen);
+        }
     }
     Ok(())
 }
 
 fn cmd_info(a: ModelArgs) -> Result<()> {
-    let model = init(&a)?;
+    let (model, _) = init(&a)?;
     println!("{:#?}", model.cfg);
     let mut by_type = std::collections::BTreeMap::<&str, (usize, u64)>::new();
     for t in model.file().tensors() {

@@ -3,7 +3,9 @@
 //! same set of experts. This is how a converted bundle (MoEfied, ternary) is measured against
 //! its source.
 
-use ternfleet_node::expert::Route;
+use ternfleet_shared::expert::Route;
+
+use crate::kv_cache::SeqOptions;
 
 use crate::model::{Model, Observer};
 use crate::perplexity::{perplexity_observed, PerplexityError};
@@ -60,21 +62,25 @@ fn argmax(row: &[f32]) -> usize {
 }
 
 /// Runs `model` and `reference` over `text` as `ternfleet perplexity` does and compares them.
+#[allow(clippy::too_many_arguments)]
 pub fn compare(
     model: &Model,
     reference: &Model,
+    opts: SeqOptions,
+    ref_opts: SeqOptions,
     text: &str,
     n_ctx: usize,
     batch: usize,
     max_chunks: Option<usize>,
     mut progress: impl FnMut(&str, usize, usize),
 ) -> Result<Comparison, PerplexityError> {
-    let mut run = |m: &Model, what: &str| {
+    let mut run = |m: &Model, o: SeqOptions, what: &str| {
         let n_vocab = m.cfg.n_vocab;
         let mut obs = RouteSets::default();
         let mut top = Vec::new();
         let r = perplexity_observed(
             m,
+            o,
             text,
             n_ctx,
             batch,
@@ -85,8 +91,8 @@ pub fn compare(
         )?;
         Ok::<_, PerplexityError>((r, top, obs.sets))
     };
-    let (a, top_a, sets_a) = run(model, "model")?;
-    let (b, top_b, sets_b) = run(reference, "reference")?;
+    let (a, top_a, sets_a) = run(model, opts, "model")?;
+    let (b, top_b, sets_b) = run(reference, ref_opts, "reference")?;
     let same = top_a.iter().zip(&top_b).filter(|(x, y)| x == y).count();
     let same_experts = matches!(
         (&model.cfg.moe, &reference.cfg.moe),

@@ -1,51 +1,49 @@
-//! The key/value cache of one sequence: per layer, f16 keys and values by position (llama.cpp's
-//! default cache type is f16, and we store the same rounding).
+//! One sequence with a KV pool of its own: what the single-sequence tools (generate,
+//! perplexity, bench, compare, calibration) run on. The engine itself runs many sequences on a
+//! shared [`KvPool`] through `Model::step`.
 
-use half::f16;
+use ternfleet_kernels::Numerics;
 
-/// Errors of the cache.
-#[derive(Debug, thiserror::Error)]
-pub enum KvError {
-    #[error(
-        "context full: {used} positions used + {adding} new > capacity {capacity} (raise --ctx)"
-    )]
-    Full {
-        used: usize,
-        adding: usize,
-        capacity: usize,
-    },
+use crate::kv_pool::{KvError, KvPool, SeqId};
+use crate::model::ModelConfig;
+
+/// Per-sequence options of a request (not model state: two requests may differ).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SeqOptions {
+    /// MoE models: experts per token (`None`: the model's own).
+    pub top_experts: Option<usize>,
+    /// Float order of its steps.
+    pub numerics: Numerics,
 }
 
-/// Keys and values of one sequence. Memory grows with use, up to `capacity` positions.
+/// A single sequence and its options.
 pub struct KvCache {
-    k: Vec<Vec<f16>>,
-    v: Vec<Vec<f16>>,
-    k_dim: usize,
-    v_dim: usize,
-    len: usize,
+    pool: KvPool,
+    seq: SeqId,
     capacity: usize,
+    pub opts: SeqOptions,
 }
 
 impl KvCache {
-    /// A cache for `n_layer` layers of `k_dim`/`v_dim` wide rows, up to `capacity` positions.
-    pub fn new(n_layer: usize, k_dim: usize, v_dim: usize, capacity: usize) -> KvCache {
+    /// A cache for `capacity` positions of `cfg`'s model (memory taken as positions fill).
+    pub fn new(cfg: &ModelConfig, capacity: usize, opts: SeqOptions) -> KvCache {
+        let mut pool = KvPool::for_positions(cfg.n_layer, cfg.k_dim(), cfg.v_dim(), capacity);
+        let seq = pool.add_sequence(capacity);
         KvCache {
-            k: vec![Vec::new(); n_layer],
-            v: vec![Vec::new(); n_layer],
-            k_dim,
-            v_dim,
-            len: 0,
+            pool,
+            seq,
             capacity,
+            opts,
         }
     }
 
     /// Positions filled.
     pub fn len(&self) -> usize {
-        self.len
+        self.pool.len(self.seq).unwrap_or(0)
     }
     /// Whether no position is filled.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.len() == 0
     }
     /// Maximum positions.
     pub fn capacity(&self) -> usize {
@@ -53,47 +51,32 @@ impl KvCache {
     }
     /// Forgets every position (memory is kept for reuse).
     pub fn clear(&mut self) {
-        self.len = 0;
-        for l in self.k.iter_mut().chain(self.v.iter_mut()) {
-            l.clear();
-        }
+        // The sequence is ours, so removing it cannot fail.
+        let _ = self.pool.remove(self.seq);
+        self.seq = self.pool.add_sequence(self.capacity);
     }
-
     /// Checks that `n` more positions fit.
     pub fn reserve(&self, n: usize) -> Result<(), KvError> {
-        if self.len + n > self.capacity {
-            return Err(KvError::Full {
-                used: self.len,
+        let used = self.len();
+        if used + n > self.capacity {
+            return Err(KvError::Context {
+                seq: self.seq.0,
+                used,
                 adding: n,
-                capacity: self.capacity,
+                limit: self.capacity,
             });
         }
         Ok(())
     }
-
-    /// Appends `n` rows of keys and values for `layer` at positions `len..len+n`. Call for every
-    /// layer, then [`KvCache::commit`].
-    pub fn push(&mut self, layer: usize, k: &[f32], v: &[f32]) {
-        self.k[layer].extend(k.iter().map(|&x| f16::from_f32(x)));
-        self.v[layer].extend(v.iter().map(|&x| f16::from_f32(x)));
+    /// Keeps the first `len` positions.
+    pub fn truncate(&mut self, len: usize) -> Result<(), KvError> {
+        self.pool.truncate(self.seq, len)
     }
 
-    /// Marks `n` appended positions as filled.
-    pub fn commit(&mut self, n: usize) {
-        self.len += n;
-        debug_assert!(self.k.iter().all(|l| l.len() == self.len * self.k_dim));
+    pub(crate) fn seq(&self) -> SeqId {
+        self.seq
     }
-
-    /// Keys of `layer` at every position pushed so far (`positions × k_dim`).
-    pub fn keys(&self, layer: usize) -> &[f16] {
-        &self.k[layer]
-    }
-    /// Values of `layer` (`positions × v_dim`).
-    pub fn values(&self, layer: usize) -> &[f16] {
-        &self.v[layer]
-    }
-    /// Row widths.
-    pub fn dims(&self) -> (usize, usize) {
-        (self.k_dim, self.v_dim)
+    pub(crate) fn pool_mut(&mut self) -> &mut KvPool {
+        &mut self.pool
     }
 }

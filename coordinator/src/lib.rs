@@ -1,18 +1,27 @@
-//! ternfleet coordinator: the dense model, its KV cache, sampling and the `ternfleet` CLI.
+//! ternfleet coordinator: the model graph, the KV pool, sampling, the batched engine and the
+//! `ternfleet` CLI.
 //!
 //! Principal types and who drives them:
-//! - [`model::Model`] — a loaded GGUF model: config, [`tokenizer::Tokenizer`], dense weights and
-//!   an [`ternfleet_node::expert::ExpertBackend`] running every layer's FFN. `forward` runs a
-//!   batch of tokens of one sequence against a [`kv_cache::KvCache`].
+//! - [`model::Model`] — a loaded GGUF model or bundle: config, [`tokenizer::Tokenizer`], dense
+//!   weights and a `ternfleet_shared::expert::ExpertBackend` running every layer's FFN.
+//!   [`model::Model::step`] runs one step over rows of many sequences against a
+//!   [`kv_pool::KvPool`]; `forward` is the one-sequence form over a [`kv_cache::KvCache`].
+//! - [`kv_pool::KvPool`] — every sequence's keys and values in fixed blocks: budget, prefix
+//!   sharing, transactional steps.
+//! - [`engine::Engine`] — continuous batching of many prompts through `step` (the CLI's
+//!   `generate --prompts --parallel`, `bench --parallel`).
 //! - [`generate::generate`], [`perplexity::perplexity`], [`bench::bench`] — the workloads the
 //!   CLI subcommands ([`cli`]) call.
 //! - [`sampler::Sampler`] — greedy / temperature / top-k / top-p / min-p / repetition penalty.
+pub mod attention;
 pub mod bench;
 pub mod cli;
 pub mod compare;
 pub mod convert;
+pub mod engine;
 pub mod generate;
 pub mod kv_cache;
+pub mod kv_pool;
 pub mod model;
 pub mod ops;
 pub mod perplexity;

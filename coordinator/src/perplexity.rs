@@ -43,6 +43,7 @@ const LLAMA_PPL_N_BATCH: usize = 2048;
 /// `progress(done, total, running_ppl)` after each chunk. `max_chunks` limits the chunks scored.
 pub fn perplexity(
     model: &Model,
+    opts: crate::kv_cache::SeqOptions,
     text: &str,
     n_ctx: usize,
     batch: usize,
@@ -51,6 +52,7 @@ pub fn perplexity(
 ) -> Result<Perplexity, PerplexityError> {
     perplexity_observed(
         model,
+        opts,
         text,
         n_ctx,
         batch,
@@ -66,6 +68,7 @@ pub fn perplexity(
 #[allow(clippy::too_many_arguments)]
 pub fn perplexity_observed(
     model: &Model,
+    opts: crate::kv_cache::SeqOptions,
     text: &str,
     n_ctx: usize,
     batch: usize,
@@ -98,7 +101,7 @@ pub fn perplexity_observed(
     let mut nll = 0f64;
     let mut count = 0usize;
     let mut ppl_chunks = Vec::with_capacity(n_chunk);
-    let mut cache = model.new_cache(n_ctx);
+    let mut cache = model.new_cache_with(n_ctx, opts);
     for c in 0..n_chunk {
         let start = c * n_ctx;
         let mut chunk = tokens[start..start + n_ctx].to_vec();
@@ -121,7 +124,7 @@ pub fn perplexity_observed(
                 let from = first.saturating_sub(pos);
                 logits.extend(model.forward_observed(&mut cache, part, Logits::From(from), obs)?);
             } else {
-                model.forward_observed(&mut cache, part, Logits::Last, obs)?;
+                model.forward_observed(&mut cache, part, Logits::None, obs)?;
             }
             pos = end;
         }

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
+use ternfleet_coordinator::kv_cache::SeqOptions;
 use ternfleet_coordinator::model::{LoadError, Logits, Model};
 use ternfleet_shared::bundle::{BundleError, Manifest};
 
@@ -36,8 +37,17 @@ fn quiet(_: &str, _: u64, _: u64) {}
 
 /// Greedy tokens for a prompt (no sampler: argmax of the last logits).
 fn greedy(m: &Model, prompt: &str, n: usize) -> Vec<u32> {
+    greedy_k(m, None, prompt, n)
+}
+
+/// [`greedy`] with `top_experts` experts per token.
+fn greedy_k(m: &Model, top_experts: Option<usize>, prompt: &str, n: usize) -> Vec<u32> {
     let toks = m.tokenizer.encode(prompt, true, true);
-    let mut cache = m.new_cache(toks.len() + n);
+    let opts = SeqOptions {
+        top_experts,
+        ..SeqOptions::default()
+    };
+    let mut cache = m.new_cache_with(toks.len() + n, opts);
     let mut logits = m.forward(&mut cache, &toks, Logits::Last).unwrap();
     let mut out = Vec::new();
     for _ in 0..n {
@@ -105,19 +115,29 @@ fn moefied_bundle_with_every_expert_is_the_dense_model() {
         assert!(sizes.iter().all(|d| d[1] == 128), "{sizes:?}");
     }
     let dense = Model::open(&model("tiny-llama-f16.gguf")).unwrap();
-    let mut moe = Model::open(dir.path()).unwrap();
-    assert_eq!(moe.set_top_k(4), Some(4));
+    let moe = Model::open(dir.path()).unwrap();
     for p in PROMPTS {
-        assert_eq!(greedy(&dense, p, 16), greedy(&moe, p, 16), "{p:?}");
+        assert_eq!(
+            greedy(&dense, p, 16),
+            greedy_k(&moe, Some(4), p, 16),
+            "{p:?}"
+        );
     }
-    // Fewer experts is a different (cheaper) model.
-    moe.set_top_k(1);
+    // Fewer experts is a different (cheaper) model, chosen per request.
     let toks = dense.tokenizer.encode(PROMPTS[0], true, true);
     let a = dense
         .forward(&mut dense.new_cache(toks.len()), &toks, Logits::Last)
         .unwrap();
+    let one = SeqOptions {
+        top_experts: Some(1),
+        ..SeqOptions::default()
+    };
     let b = moe
-        .forward(&mut moe.new_cache(toks.len()), &toks, Logits::Last)
+        .forward(
+            &mut moe.new_cache_with(toks.len(), one),
+            &toks,
+            Logits::Last,
+        )
         .unwrap();
     assert_ne!(a, b);
 }
@@ -244,9 +264,9 @@ fn moefied_gemma_with_every_expert_is_the_dense_model() {
     // the last rounding of the sum, and greedy decoding must not part from the dense model's.
     let src = root().join("models/gemma-3-270m-f16.gguf");
     if !src.exists() {
-        println!(
-            "skipped: {} not present (run scripts/test.sh)",
-            src.display()
+        ternfleet_shared::testing::skip(
+            "MoEfied f16 Gemma",
+            &format!("{} not present (run scripts/test.sh)", src.display()),
         );
         return;
     }
@@ -260,8 +280,7 @@ fn moefied_gemma_with_every_expert_is_the_dense_model() {
     let r = convert(&o, &quiet).unwrap();
     assert_eq!(r.manifest.experts.len(), 18 * 8);
     let dense = Model::open(&src).unwrap();
-    let mut moe = Model::open(dir.path()).unwrap();
-    moe.set_top_k(8);
+    let moe = Model::open(dir.path()).unwrap();
     for p in [
         "The capital of France is",
         "def fibonacci(n):\n",
@@ -270,7 +289,11 @@ fn moefied_gemma_with_every_expert_is_the_dense_model() {
         "1, 1, 2, 3, 5, 8,",
         "Le café de la gare était",
     ] {
-        assert_eq!(greedy(&dense, p, 32), greedy(&moe, p, 32), "{p:?}");
+        assert_eq!(
+            greedy(&dense, p, 32),
+            greedy_k(&moe, Some(8), p, 32),
+            "{p:?}"
+        );
     }
 }
 
@@ -285,7 +308,10 @@ fn ternary_blobs_are_the_bytes_ggml_would_write() {
         .status()
         .is_ok_and(|s| s.success());
     if !ok {
-        println!("skipped: python3 with gguf/numpy not available");
+        ternfleet_shared::testing::skip(
+            "ternary blobs vs gguf-py",
+            "python3 with gguf/numpy not available",
+        );
         return;
     }
     for ty in ["tq2_0", "tq1_0"] {

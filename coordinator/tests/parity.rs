@@ -61,7 +61,10 @@ fn greedy_continuations_match_llama_cpp_token_for_token() {
     let mut failures = Vec::new();
     for (stem, path) in cases {
         let Some(mp) = model_path(&stem) else {
-            println!("skipped: {stem}: model not present (run scripts/fetch-model.sh)");
+            ternfleet_shared::testing::skip(
+                stem.as_str(),
+                "model not present (run scripts/fetch-model.sh)",
+            );
             continue;
         };
         let model = Model::open(&mp).unwrap_or_else(|e| panic!("{stem}: {e}"));
@@ -186,7 +189,10 @@ fn perplexity_within_one_percent_of_llama_cpp() {
     let mut checked = 0;
     for (stem, path) in refs(".ppl.json") {
         let Some(mp) = model_path(&stem) else {
-            println!("skipped: {stem}: model not present (run scripts/fetch-model.sh)");
+            ternfleet_shared::testing::skip(
+                stem.as_str(),
+                "model not present (run scripts/fetch-model.sh)",
+            );
             continue;
         };
         let v: serde_json::Value =
@@ -198,6 +204,7 @@ fn perplexity_within_one_percent_of_llama_cpp() {
         let model = Model::open(&mp).unwrap();
         let r = ternfleet_coordinator::perplexity::perplexity(
             &model,
+            Default::default(),
             &text,
             ctx,
             512,

@@ -55,7 +55,10 @@ fn check_reference(ref_name: &str) -> Option<(Tokenizer, String)> {
     let rel = reference["path"].as_str().expect("model path");
     let path = root().join(rel);
     if !path.exists() {
-        println!("tokenizer: skipped {model}: {rel} not present");
+        ternfleet_shared::testing::skip(
+            &format!("tokenizer {model}"),
+            &format!("{rel} not present"),
+        );
         return None;
     }
     let strings = strings();
@@ -217,14 +220,19 @@ fn llama_cpp_test_vocabularies_match_llama_tokenize() {
         }
     }
     println!("tokenizer: {checked} llama.cpp test vocabularies checked, {skipped} skipped");
+    assert!(checked > 0, "no llama.cpp test vocabulary could be checked (run scripts/build-llama-cpp.sh --source-only)");
 }
 
-/// 30 KB of mixed text through the 262k-token Gemma vocabulary in well under a second.
+/// 30 KB of mixed text through the 262k-token Gemma vocabulary round-trips (the time is
+/// printed; speed is measured by benches, not asserted by tests).
 #[test]
-fn gemma3_encodes_30kb_quickly() {
+fn gemma3_encodes_30kb_and_decodes_it_back() {
     let path = root().join("models/gemma-3-270m-q4_k_m.gguf");
     if !path.exists() {
-        println!("tokenizer: skipped 30 KB encode: models/gemma-3-270m-q4_k_m.gguf not present");
+        ternfleet_shared::testing::skip(
+            "30 KB Gemma encode",
+            "models/gemma-3-270m-q4_k_m.gguf not present",
+        );
         return;
     }
     let tok = load(&path);
@@ -245,6 +253,5 @@ fn gemma3_encodes_30kb_quickly() {
         ids.len(),
         elapsed.as_secs_f64() * 1e3
     );
-    assert!(elapsed.as_secs_f64() < 0.5, "30 KB took {elapsed:?}");
     assert_eq!(tok.decode(&tok.encode(&text, false, false)), text);
 }

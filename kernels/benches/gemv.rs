@@ -5,11 +5,14 @@
 //! `ROOFLINE_GBS`), and the speed-up over the scalar reference measured in the same run.
 //! Shapes are the hot matrices of Gemma 3 270M Q4_K_M plus 4096² k-quants.
 //!
+//! Multi-token (GEMM) cases run in both [`Numerics`]: the summary prints Invariant's time over
+//! Parity's. `KERNELS_SKIP_SCALAR=1` leaves the (slow) scalar reference out of the summary.
+//!
 //! `cargo bench -p ternfleet-kernels -- --test` runs every case once (CI keeps it compiling).
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use std::time::{Duration, Instant};
-use ternfleet_kernels::{matmul_with, Activations, GgmlType, Isa, QMatrix};
+use ternfleet_kernels::{matmul_with, Activations, GgmlType, Isa, Numerics, QMatrix};
 
 struct Case {
     ty: GgmlType,
@@ -78,7 +81,7 @@ const GEMM: [Case; 4] = [
     },
 ];
 
-/// Random weights with small finite f16 scales (xorshift, fixed seed).
+/// Random weights with small finite f16 scales, or small float values (xorshift, fixed seed).
 fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     let len = ty.row_size((rows * cols) as u64).expect("whole blocks") as usize;
     let mut s = 0x9E37_79B9_7F4A_7C15u64;
@@ -90,6 +93,29 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
         v.extend_from_slice(&s.to_le_bytes());
     }
     v.truncate(len);
+    // Float weights (KERNELS_CASE=F16:..): small finite values, no NaN or subnormal patterns.
+    let small = |b: &[u8]| (b[0] as f32 - 127.5) / 4096.0;
+    match ty {
+        GgmlType::F32 => {
+            return v
+                .chunks_exact(4)
+                .flat_map(|b| small(b).to_le_bytes())
+                .collect()
+        }
+        GgmlType::F16 => {
+            return v
+                .chunks_exact(2)
+                .flat_map(|b| half::f16::from_f32(small(b)).to_bits().to_le_bytes())
+                .collect()
+        }
+        GgmlType::BF16 => {
+            return v
+                .chunks_exact(2)
+                .flat_map(|b| half::bf16::from_f32(small(b)).to_bits().to_le_bytes())
+                .collect()
+        }
+        _ => {}
+    }
     let f16_offsets: &[usize] = match ty {
         GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
         GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
@@ -117,13 +143,20 @@ fn isas() -> Vec<Isa> {
 }
 
 /// Best-of time of one matmul over the whole matrix.
-fn time_one(isa: Isa, m: &QMatrix, x: &Activations, out: &mut [f32], budget: Duration) -> f64 {
+fn time_one(
+    isa: Isa,
+    m: &QMatrix,
+    x: &Activations,
+    out: &mut [f32],
+    numerics: Numerics,
+    budget: Duration,
+) -> f64 {
     let start = Instant::now();
     let mut best = f64::INFINITY;
     let mut iters = 0;
     while iters < 3 || (start.elapsed() < budget && iters < 200) {
         let t = Instant::now();
-        matmul_with(isa, m, x, 0..m.rows(), out).expect("valid bench problem");
+        matmul_with(isa, m, x, 0..m.rows(), out, numerics).expect("valid bench problem");
         best = best.min(t.elapsed().as_secs_f64());
         iters += 1;
     }
@@ -173,26 +206,49 @@ fn summary() {
         let mut out = vec![0f32; c.n * c.rows];
         let mut scalar_t = None;
         for isa in isas() {
+            if isa == Isa::Scalar && std::env::var_os("KERNELS_SKIP_SCALAR").is_some() {
+                continue;
+            }
             let budget = if isa == Isa::Scalar {
                 Duration::from_millis(300)
             } else {
                 Duration::from_millis(700)
             };
-            let t = time_one(isa, &m, &a, &mut out, budget);
-            let scalar = *scalar_t.get_or_insert(t);
-            let gbs = w.len() as f64 / t / 1e9;
-            let gflops = 2.0 * (c.rows * c.cols * c.n) as f64 / t / 1e9;
-            println!(
-                "{:<28} {:<12} {:>9.3} ms  {:>7.2} GB/s  {:>5.1}% of roofline  {:>7.1} GFLOP/s  x{:.1} vs scalar",
-                label(c),
-                isa.name(),
-                t * 1e3,
-                gbs,
-                100.0 * gbs / roof,
-                gflops,
-                scalar / t
-            );
+            // Multi-token calls also in Invariant numerics: its cost over Parity is the ratio.
+            let mut parity_t = None;
+            for &numerics in numerics_for(c) {
+                let t = time_one(isa, &m, &a, &mut out, numerics, budget);
+                if isa == Isa::Scalar {
+                    scalar_t.get_or_insert(t);
+                }
+                let vs_scalar =
+                    scalar_t.map_or(String::new(), |s| format!("x{:.1} vs scalar", s / t));
+                let parity = *parity_t.get_or_insert(t);
+                let gbs = w.len() as f64 / t / 1e9;
+                let gflops = 2.0 * (c.rows * c.cols * c.n) as f64 / t / 1e9;
+                println!(
+                    "{:<28} {:<12} {:<9} {:>9.3} ms  {:>7.2} GB/s  {:>5.1}% of roofline  {:>7.1} GFLOP/s  {:<14}  x{:.3} vs parity",
+                    label(c),
+                    isa.name(),
+                    numerics.name(),
+                    t * 1e3,
+                    gbs,
+                    100.0 * gbs / roof,
+                    gflops,
+                    vs_scalar,
+                    t / parity
+                );
+            }
         }
+    }
+}
+
+/// Both numerics for multi-token cases (one token is the same call in both).
+fn numerics_for(c: &Case) -> &'static [Numerics] {
+    if c.n > 1 {
+        &[Numerics::Parity, Numerics::Invariant]
+    } else {
+        &[Numerics::Parity]
     }
 }
 
@@ -220,12 +276,18 @@ fn bench(cr: &mut Criterion) {
                 if isa == Isa::Scalar && !test_mode {
                     continue; // measured in the summary; too slow for criterion's sampling
                 }
-                group.bench_function(BenchmarkId::new(label(c), isa.name()), |b| {
-                    b.iter(|| {
-                        matmul_with(isa, &m, &a, 0..m.rows(), &mut out)
-                            .expect("valid bench problem")
-                    })
-                });
+                for &numerics in numerics_for(c) {
+                    let id = match numerics {
+                        Numerics::Parity => isa.name().to_string(),
+                        _ => format!("{} {}", isa.name(), numerics.name()),
+                    };
+                    group.bench_function(BenchmarkId::new(label(c), id), |b| {
+                        b.iter(|| {
+                            matmul_with(isa, &m, &a, 0..m.rows(), &mut out, numerics)
+                                .expect("valid bench problem")
+                        })
+                    });
+                }
             }
         }
         group.finish();

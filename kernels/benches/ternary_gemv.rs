@@ -17,7 +17,7 @@ use std::hint::spin_loop;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::RwLock;
 use std::time::Instant;
-use ternfleet_kernels::{matmul, quantize_row, Activations, GgmlType, QMatrix};
+use ternfleet_kernels::{matmul, quantize_row, Activations, GgmlType, Numerics, QMatrix};
 
 /// splitmix64 → roughly normal f32 (sum of three uniforms).
 struct Rng(u64);
@@ -74,7 +74,8 @@ fn time_gemv(m: &QMatrix<'_>, x: &[f32], threads: usize, runs: usize) -> Vec<f64
                     }
                     {
                         let a = act.read().expect("no panics while holding the lock");
-                        matmul(m, &a, split..rows, &mut out).expect("valid bench problem");
+                        matmul(m, &a, split..rows, &mut out, Numerics::Parity)
+                            .expect("valid bench problem");
                     }
                     done.fetch_add(1, Ordering::Release);
                 }
@@ -90,7 +91,7 @@ fn time_gemv(m: &QMatrix<'_>, x: &[f32], threads: usize, runs: usize) -> Vec<f64
             epoch.fetch_add(1, Ordering::Release);
             {
                 let a = act.read().expect("no panics while holding the lock");
-                matmul(m, &a, 0..split, &mut out).expect("valid bench problem");
+                matmul(m, &a, 0..split, &mut out, Numerics::Parity).expect("valid bench problem");
             }
             if threads == 2 {
                 while done.load(Ordering::Acquire) != i + 1 {

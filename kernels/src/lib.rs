@@ -28,7 +28,45 @@ mod ternary;
 mod x86_64;
 
 pub use dispatch::{isa, isa_name, isa_note, Isa};
-pub use matmul::{Activations, QMatrix};
+pub use matmul::{is_activation_type, Activations, QMatrix};
+
+/// Which float order a matmul (and everything above it) follows.
+///
+/// ggml changes the order in which some weight types sum a dot product with the number of
+/// tokens in the batch (q4_K: the repacked GEMM for whole groups of four tokens, the GEMV for
+/// the rest; q6_K: the tiled kernel from eight tokens on), so a row's result depends on what
+/// shares its batch.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Numerics {
+    /// llama.cpp's orders, which change with the batch (the CLI default; parity tests).
+    #[default]
+    Parity,
+    /// Every token row summed in the single-token (GEMV) order whatever the batch holds, so a
+    /// row's result never depends on the other rows (the server default). Multi-token calls
+    /// stay GEMMs: each weight block is still unpacked once for several tokens.
+    Invariant,
+}
+
+impl Numerics {
+    /// `parity` or `invariant`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Numerics::Parity => "parity",
+            Numerics::Invariant => "invariant",
+        }
+    }
+}
+
+impl std::str::FromStr for Numerics {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "parity" => Ok(Numerics::Parity),
+            "invariant" => Ok(Numerics::Invariant),
+            _ => Err(format!("numerics {s:?}: expected parity or invariant")),
+        }
+    }
+}
 pub use quant::{GgmlType, QK, QK_K};
 
 /// What went wrong, with the sizes and types involved.
@@ -188,13 +226,16 @@ pub fn can_quantize(ty: GgmlType) -> bool {
 /// load); `x.n() > 1` is prefill, computed in tiles of weight rows × tokens so each weight
 /// block is unpacked once for several tokens. Single-threaded and allocation-free: the caller
 /// splits `rows` across its threads.
+///
+/// `numerics` picks the float order of multi-token calls (see [`Numerics`]).
 pub fn matmul(
     w: &QMatrix<'_>,
     x: &Activations,
     rows: std::ops::Range<usize>,
     out: &mut [f32],
+    numerics: Numerics,
 ) -> Result<(), KernelError> {
-    let g = matmul::Gemm::new(w, x, rows, out.len())?;
+    let g = matmul::Gemm::new(w, x, rows, out.len(), numerics)?;
     let f = dispatch::selected()
         .matmul(g.wty)
         .ok_or(KernelError::Unsupported {
@@ -213,9 +254,10 @@ pub fn matmul_with(
     x: &Activations,
     rows: std::ops::Range<usize>,
     out: &mut [f32],
+    numerics: Numerics,
 ) -> Result<(), KernelError> {
     let k = dispatch::kernels_for(isa).ok_or(KernelError::IsaUnavailable { isa })?;
-    let g = matmul::Gemm::new(w, x, rows, out.len())?;
+    let g = matmul::Gemm::new(w, x, rows, out.len(), numerics)?;
     let f = k.matmul(g.wty).ok_or(KernelError::Unsupported {
         ty: g.wty,
         op: "matmul",

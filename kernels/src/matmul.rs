@@ -4,6 +4,19 @@
 use crate::quant::GgmlType;
 use crate::{scalar, vec_dot_type, KernelError};
 
+/// Whether `ty` is a type activations are quantized to (some weight type's [`vec_dot_type`]).
+pub fn is_activation_type(ty: GgmlType) -> bool {
+    matches!(
+        ty,
+        GgmlType::F32
+            | GgmlType::F16
+            | GgmlType::BF16
+            | GgmlType::Q8_0
+            | GgmlType::Q8_K
+            | GgmlType::Q8_TF
+    )
+}
+
 /// A borrowed row-major quantized weight matrix: `rows` rows of `cols` elements, each row
 /// `ty.row_size(cols)` bytes, rows back to back (a GGUF tensor as mapped from the file).
 #[derive(Clone, Copy, Debug)]
@@ -175,17 +188,80 @@ impl Activations {
             };
             split(x, &mut self.data[..total], cols, rb, &quantize);
         }
-        self.scales.clear();
-        if ty == GgmlType::Q8_0 {
-            for b in self.data.chunks_exact(GgmlType::Q8_0.type_size()) {
-                self.scales.push(scalar::f16_at(b, 0));
-            }
-        }
         self.ty = Some(ty);
         self.n = n;
         self.cols = cols;
         self.row_bytes = rb;
+        self.fill_scales();
         Ok(())
+    }
+
+    /// Rows quantized elsewhere (a coordinator's batch as it arrives at a node): `data` must
+    /// be `n` rows of `cols` values of the activation type `ty` (a [`vec_dot_type`] result),
+    /// byte for byte what [`Activations::quantize_for`] would have written.
+    pub fn from_bytes(
+        ty: GgmlType,
+        n: usize,
+        cols: usize,
+        data: Vec<u8>,
+    ) -> Result<Self, KernelError> {
+        if !is_activation_type(ty) {
+            return Err(KernelError::Unsupported {
+                ty,
+                op: "activations",
+            });
+        }
+        let rb = row_bytes(ty, cols)?;
+        let want = rb
+            .checked_mul(n)
+            .ok_or(KernelError::TooLarge { ty, rows: n, cols })?;
+        if data.len() != want {
+            return Err(KernelError::RowBytes {
+                ty,
+                n: n.saturating_mul(cols),
+                want,
+                got: data.len(),
+            });
+        }
+        let mut a = Activations {
+            ty: Some(ty),
+            n,
+            cols,
+            row_bytes: rb,
+            data,
+            scales: Vec::new(),
+        };
+        a.fill_scales();
+        Ok(a)
+    }
+
+    /// Rows `rows` of `src` (any order, repeats allowed), replacing what `self` held. Panics
+    /// when a row is out of range.
+    pub fn gather(&mut self, src: &Activations, rows: &[usize]) {
+        self.data.clear();
+        for &r in rows {
+            self.data.extend_from_slice(src.row(r));
+        }
+        self.ty = src.ty;
+        self.n = rows.len();
+        self.cols = src.cols;
+        self.row_bytes = src.row_bytes;
+        self.fill_scales();
+    }
+
+    /// The ggml-format bytes of every row, back to back (what crosses the wire).
+    pub fn bytes(&self) -> &[u8] {
+        &self.data[..self.n * self.row_bytes]
+    }
+
+    fn fill_scales(&mut self) {
+        self.scales.clear();
+        if self.ty == Some(GgmlType::Q8_0) {
+            let n = self.n * self.row_bytes;
+            for b in self.data[..n].chunks_exact(GgmlType::Q8_0.type_size()) {
+                self.scales.push(scalar::f16_at(b, 0));
+            }
+        }
     }
 
     /// Number of rows (tokens).
@@ -223,6 +299,8 @@ pub(crate) struct Gemm<'a> {
     pub ntok: usize,
     /// Q8_0 activations: per-block f32 scales (`ntok * cols / 32`).
     pub a_scales: &'a [f32],
+    /// [`crate::Numerics::Invariant`]: every token in the single-token order.
+    pub invariant: bool,
 }
 
 impl<'a> Gemm<'a> {
@@ -231,6 +309,7 @@ impl<'a> Gemm<'a> {
         x: &'a Activations,
         rows: std::ops::Range<usize>,
         out_len: usize,
+        numerics: crate::Numerics,
     ) -> Result<Self, KernelError> {
         let want_ty = vec_dot_type(w.ty()).ok_or(KernelError::Unsupported {
             ty: w.ty(),
@@ -275,6 +354,7 @@ impl<'a> Gemm<'a> {
             a_stride: x.row_bytes,
             ntok: x.n,
             a_scales: &x.scales,
+            invariant: numerics == crate::Numerics::Invariant,
         })
     }
 

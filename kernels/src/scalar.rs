@@ -576,6 +576,19 @@ pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
     }
 }
 
+/// The order token `t` of the matmul `g` sums in. Parity: [`k_order`] of the whole batch.
+/// Invariant: the single-token order whatever the batch holds and wherever the token sits
+/// (`k_order(ty, 0, 1)`: q4_K/q5_K `Sb256`, the repacked GEMV; q6_K `Lanes8`, its `vec_dot`),
+/// so a token's row equals its 1-token matmul bit for bit. Every other weight type sums in one
+/// order for any batch (`vec_dot_legacy`, the float dots, `crate::ternary`), on every ISA.
+pub(crate) fn token_order(g: &crate::matmul::Gemm<'_>, t: usize) -> KOrder {
+    if g.invariant {
+        k_order(g.wty, 0, 1)
+    } else {
+        k_order(g.wty, t, g.ntok)
+    }
+}
+
 fn q8k_parts(y: &[u8]) -> (f32, &[u8], [i16; 16]) {
     let mut bsums = [0i16; 16];
     for (j, b) in bsums.iter_mut().enumerate() {
@@ -708,26 +721,28 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
     ) || float_dot_fn(w).is_some()
 }
 
-/// The reference dot of weight row `w` with activation row `a` (`n` elements), for token `t`
-/// of an `ntok`-token matmul (the k-quant order depends on both, see [`k_order`]).
-pub(crate) fn dot(ty: GgmlType, t: usize, ntok: usize, n: usize, w: &[u8], a: &[u8]) -> f32 {
+/// The reference dot of weight row `w` with activation row `a` (`n` elements); k-quants sum in
+/// `order` (see [`token_order`]), the other types ignore it.
+pub(crate) fn dot(ty: GgmlType, order: KOrder, n: usize, w: &[u8], a: &[u8]) -> f32 {
     match ty {
         GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => vec_dot_legacy(ty, n, w, a),
-        GgmlType::Q4_K => vec_dot_qk45(n, w, a, false, k_order(ty, t, ntok)),
-        GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, k_order(ty, t, ntok)),
-        GgmlType::Q6_K => vec_dot_q6k(n, w, a, k_order(ty, t, ntok)),
+        GgmlType::Q4_K => vec_dot_qk45(n, w, a, false, order),
+        GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, order),
+        GgmlType::Q6_K => vec_dot_q6k(n, w, a, order),
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::vec_dot_tq(ty, n, w, a),
         GgmlType::TF2 | GgmlType::TF1 => crate::ternary::vec_dot_tf(ty, n, w, a),
         _ => float_dot_fn(ty).expect("Gemm is only built for weight types with a dot")(n, w, a),
     }
 }
 
-/// Reference matmul: one [`dot`] per (row, token). Same contract as the SIMD kernels.
+/// Reference matmul: one [`dot`] per (row, token), in the token's [`token_order`]. Same
+/// contract as the SIMD kernels.
 pub(crate) fn matmul(g: &crate::matmul::Gemm<'_>, out: &mut [f32]) {
     for t in 0..g.ntok {
         let a = g.act_row(t);
+        let order = token_order(g, t);
         for r in 0..g.nrows {
-            out[t * g.nrows + r] = dot(g.wty, t, g.ntok, g.cols, g.w_row(r), a);
+            out[t * g.nrows + r] = dot(g.wty, order, g.cols, g.w_row(r), a);
         }
     }
 }

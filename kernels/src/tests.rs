@@ -127,13 +127,22 @@ fn every_simd_matmul_matches_scalar() {
                     }
                     let rows = start..start + nrows;
                     let mut want = vec![0f32; n * nrows];
-                    matmul_with(Isa::Scalar, &m, &act, rows.clone(), &mut want).unwrap();
+                    matmul_with(
+                        Isa::Scalar,
+                        &m,
+                        &act,
+                        rows.clone(),
+                        &mut want,
+                        Numerics::Parity,
+                    )
+                    .unwrap();
                     for isa in [Isa::Avx2, Isa::Avx512] {
                         if !isa.is_available() {
                             continue;
                         }
                         let mut got = vec![f32::NAN; n * nrows];
-                        matmul_with(isa, &m, &act, rows.clone(), &mut got).unwrap();
+                        matmul_with(isa, &m, &act, rows.clone(), &mut got, Numerics::Parity)
+                            .unwrap();
                         for t in 0..n {
                             for r in 0..nrows {
                                 let i = t * nrows + r;
@@ -173,7 +182,7 @@ fn scalar_matmul_equals_dequantized_dot() {
         let mut act = Activations::new();
         act.quantize_for(ty, &x, 2, cols).unwrap();
         let mut got = vec![0f32; 6];
-        matmul_with(Isa::Scalar, &m, &act, 0..3, &mut got).unwrap();
+        matmul_with(Isa::Scalar, &m, &act, 0..3, &mut got, Numerics::Parity).unwrap();
         let mut wf = vec![0f32; 3 * cols];
         dequantize_row(ty, &w, &mut wf).unwrap();
         for t in 0..2 {
@@ -630,7 +639,7 @@ fn sizes_are_validated_with_clear_errors() {
     let mut act = Activations::new();
     act.quantize_for(GgmlType::Q4_K, &[0.0; 256], 1, 256)
         .unwrap();
-    let e = matmul(&m, &act, 0..2, &mut [0.0; 2]).unwrap_err();
+    let e = matmul(&m, &act, 0..2, &mut [0.0; 2], Numerics::Parity).unwrap_err();
     assert!(
         matches!(
             e,
@@ -645,7 +654,7 @@ fn sizes_are_validated_with_clear_errors() {
     act.quantize_for(GgmlType::Q8_0, &[0.0; 128], 2, 64)
         .unwrap();
     assert_eq!(
-        matmul(&m, &act, 1..3, &mut [0.0; 4]).unwrap_err(),
+        matmul(&m, &act, 1..3, &mut [0.0; 4], Numerics::Parity).unwrap_err(),
         KernelError::RowRange {
             start: 1,
             end: 3,
@@ -653,15 +662,15 @@ fn sizes_are_validated_with_clear_errors() {
         }
     );
     assert!(matches!(
-        matmul(&m, &act, 0..2, &mut [0.0; 3]).unwrap_err(),
+        matmul(&m, &act, 0..2, &mut [0.0; 3], Numerics::Parity).unwrap_err(),
         KernelError::InputLen {
             want: 4,
             got: 3,
             ..
         }
     ));
-    matmul(&m, &act, 0..2, &mut [0.0; 4]).unwrap();
-    matmul(&m, &act, 1..1, &mut []).unwrap();
+    matmul(&m, &act, 0..2, &mut [0.0; 4], Numerics::Parity).unwrap();
+    matmul(&m, &act, 1..1, &mut [], Numerics::Parity).unwrap();
     let e = act
         .quantize_for(GgmlType::Q2_K, &[0.0; 256], 1, 256)
         .unwrap_err();
@@ -697,7 +706,7 @@ fn matmul_n_zero_and_empty_ranges_are_fine() {
     let mut act = Activations::new();
     act.quantize_for(GgmlType::Q6_K, &[], 0, 256).unwrap();
     for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
-        matmul_with(isa, &m, &act, 0..4, &mut []).unwrap();
+        matmul_with(isa, &m, &act, 0..4, &mut [], Numerics::Parity).unwrap();
     }
 }
 
@@ -804,4 +813,5 @@ fn softmax_exp_follows_ggml_v_expf_on_every_isa() {
     }
 }
 
+mod invariant;
 mod ternary;

@@ -1,93 +1,15 @@
-//! The expert backend: the one interface through which a layer's FFN runs.
+//! The expert FFN executor and the in-process expert backend.
 //!
-//! DESIGN.md "Interfaces worth keeping stable": run a layer's expert batch, accept prefetch
-//! hints, report health. The coordinator groups (token, expert, weight) routes and calls
-//! [`ExpertBackend::run`]; the backend adds `weight * FFN_expert(hidden[token])` into the output
-//! row of each token. A dense model is one expert per layer that every token selects with
-//! weight 1, so the dense path and the MoE path are the same code.
+//! [`FfnWeights`] / [`run_ffn`] compute one expert (gate/up → activation → down) over the rows
+//! routed to it; [`LocalExperts`] holds every expert of every layer in this process and
+//! implements `ternfleet_shared::expert::ExpertBackend`, the interface the coordinator calls (a
+//! node serving its shard over QUIC wraps the same executor).
 
 use half::f16;
 use rayon::prelude::*;
-use ternfleet_kernels::{Activations, GgmlType};
-
-use crate::compute::{quantize_par, ComputeError, Linear};
-
-/// One (token, expert, weight) selection made by a router.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct Route {
-    /// Row of the batch's hidden matrix.
-    pub token: u32,
-    /// Expert index within the layer.
-    pub expert: u32,
-    /// Mixing weight of this expert's output for this token.
-    pub weight: f32,
-}
-
-/// A layer's worth of FFN work for a batch of tokens.
-#[derive(Clone, Copy, Debug)]
-pub struct ExpertBatch<'a> {
-    /// Layer index.
-    pub layer: usize,
-    /// `n_tokens × n_embd` inputs (already normalised by the coordinator).
-    pub hidden: &'a [f32],
-    /// Rows in `hidden`.
-    pub n_tokens: usize,
-    /// Selections. Each token sums its expert outputs in this order.
-    pub routes: &'a [Route],
-}
-
-/// Health as seen by the coordinator's scheduler.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Health {
-    /// Serving.
-    Ready,
-    /// Loading; `done` of `total` bytes resident.
-    Loading { done: u64, total: u64 },
-    /// Not serving, with a reason.
-    Unavailable(String),
-}
-
-/// Errors of an expert backend.
-#[derive(Debug, thiserror::Error)]
-pub enum ExpertError {
-    #[error("layer {layer}: no such layer (the backend holds {n_layers})")]
-    NoLayer { layer: usize, n_layers: usize },
-    #[error("layer {layer}: expert {expert} not held here (layer has {n_experts})")]
-    NoExpert {
-        layer: usize,
-        expert: u32,
-        n_experts: usize,
-    },
-    #[error("layer {layer}: route names token {token} but the batch has {n_tokens} tokens")]
-    BadToken {
-        layer: usize,
-        token: u32,
-        n_tokens: usize,
-    },
-    #[error("layer {layer}: hidden has {got} floats, expected {n_tokens} x {n_embd}")]
-    BadHidden {
-        layer: usize,
-        got: usize,
-        n_tokens: usize,
-        n_embd: usize,
-    },
-    #[error(transparent)]
-    Compute(#[from] ComputeError),
-}
-
-/// Runs expert FFNs for the coordinator (in process, or over QUIC in a later issue).
-pub trait ExpertBackend: Send + Sync {
-    /// Adds `weight * FFN_{layer,expert}(hidden[token])` into `out[token]` for every route,
-    /// in the order of `routes` (so the coordinator decides the order of each token's sum).
-    /// `out` is `n_tokens × n_embd`.
-    fn run(&self, batch: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), ExpertError>;
-    /// Hint that these experts of `layer` will be needed soon. Fire and forget.
-    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
-    /// Current health.
-    fn health(&self) -> Health {
-        Health::Ready
-    }
-}
+use ternfleet_kernels::{Activations, GgmlType, Numerics};
+use ternfleet_shared::compute::{quantize_par, ComputeError, Linear};
+use ternfleet_shared::expert::{ExpertBackend, ExpertBatch, ExpertError, InFlight, Ready, Route};
 
 /// The FFN activation between gate and up.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -163,42 +85,101 @@ pub fn apply_activation(act: Activation, g: &mut [f32], u: &[f32]) {
     }
 }
 
-/// `out = W x` for `n` rows of `x`, one token at a time when `per_token` asks for the GEMV
-/// order of a repacked q4_K expert (see [`FfnWeights::routed`]).
+/// The activations of `x`'s rows for `w`: `x` itself when it already has `w`'s dot type,
+/// else `x`'s f32 rows quantized into `scratch`.
+fn input_for<'a>(
+    w: &Linear,
+    x: &'a Activations,
+    scratch: &'a mut Activations,
+) -> Result<&'a Activations, ComputeError> {
+    let want = ternfleet_kernels::vec_dot_type(w.ty());
+    if Some(x.ty()) == want {
+        return Ok(x);
+    }
+    if x.ty() != GgmlType::F32 {
+        return Err(ComputeError::Shape(format!(
+            "{}: activations are {:?}, its kernel reads {want:?}",
+            w.name(),
+            x.ty()
+        )));
+    }
+    let f: Vec<f32> = x
+        .bytes()
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    quantize_par(scratch, w.ty(), &f, x.n(), x.cols())?;
+    Ok(scratch)
+}
+
+/// `out = W x` for every row of `x`. In parity mode a routed q4_K/q5_K expert multiplies one
+/// token at a time (see [`FfnWeights::routed`]); in invariant mode every matmul already sums
+/// each row in its single-token order, so the batch stays one GEMM.
 fn project(
     w: &Linear,
-    act: &mut Activations,
-    x: &[f32],
-    n: usize,
+    x: &Activations,
     per_token: bool,
+    numerics: Numerics,
     out: &mut [f32],
 ) -> Result<(), ComputeError> {
-    let (cols, rows) = (w.cols(), w.rows());
-    let gemv_only = per_token && matches!(w.ty(), GgmlType::Q4_K | GgmlType::Q5_K);
-    if !gemv_only || n == 1 {
-        quantize_par(act, w.ty(), x, n, cols)?;
-        return w.forward(act, out);
+    let gemv_only = per_token
+        && numerics == Numerics::Parity
+        && matches!(w.ty(), GgmlType::Q4_K | GgmlType::Q5_K);
+    if !gemv_only || x.n() <= 1 {
+        return w.forward(x, out, numerics);
     }
-    for (xr, or) in x.chunks_exact(cols).zip(out.chunks_exact_mut(rows)) {
-        quantize_par(act, w.ty(), xr, 1, cols)?;
-        w.forward(act, or)?;
+    let mut one = Activations::new();
+    for (t, or) in out.chunks_exact_mut(w.rows()).enumerate() {
+        one.gather(x, &[t]);
+        w.forward(&one, or, numerics)?;
     }
     Ok(())
 }
 
-/// Runs one FFN over `n` rows of `x` (`n × n_embd`), writing `n × n_embd` into `out`.
-pub fn run_ffn(w: &FfnWeights, x: &[f32], n: usize, out: &mut [f32]) -> Result<(), ComputeError> {
-    let (d, ff) = (w.n_embd(), w.n_ff());
-    let mut act = Activations::new();
+/// Runs one FFN over the rows of `x` (quantized for the gate and up matrices, or f32),
+/// writing `rows × n_embd` into `out`.
+pub fn run_ffn(
+    w: &FfnWeights,
+    x: &Activations,
+    numerics: Numerics,
+    out: &mut [f32],
+) -> Result<(), ComputeError> {
+    let (n, d, ff) = (x.n(), w.n_embd(), w.n_ff());
+    if x.cols() != d || out.len() != n * d {
+        return Err(ComputeError::Shape(format!(
+            "FFN of width {d}: input rows of {} values, output {} floats for {n} rows",
+            x.cols(),
+            out.len()
+        )));
+    }
+    let mut scratch = Activations::new();
     let mut g = vec![0f32; n * ff];
     let mut u = vec![0f32; n * ff];
-    project(&w.gate, &mut act, x, n, w.routed, &mut g)?;
-    project(&w.up, &mut act, x, n, w.routed, &mut u)?;
+    project(
+        &w.gate,
+        input_for(&w.gate, x, &mut scratch)?,
+        w.routed,
+        numerics,
+        &mut g,
+    )?;
+    project(
+        &w.up,
+        input_for(&w.up, x, &mut scratch)?,
+        w.routed,
+        numerics,
+        &mut u,
+    )?;
     dump("ffn_gate", &g, ff);
     dump("ffn_up", &u, ff);
-    apply_activation(w.act, &mut g, &u);
+    // Row by row, as ggml applies its fused activations (`ggml_vec_swiglu_f32` per row): the
+    // vector/tail split of SwiGLU then never depends on how many rows share the call.
+    for (g, u) in g.chunks_exact_mut(ff).zip(u.chunks_exact(ff)) {
+        apply_activation(w.act, g, u);
+    }
     dump("ffn_act", &g, ff);
-    project(&w.down, &mut act, &g, n, w.routed, out)?;
+    let mut act = Activations::new();
+    quantize_par(&mut act, w.down.ty(), &g, n, ff)?;
+    project(&w.down, &act, w.routed, numerics, out)?;
     dump("ffn_down", out, d);
     Ok(())
 }
@@ -220,48 +201,40 @@ impl LocalExperts {
     }
 }
 
-impl ExpertBackend for LocalExperts {
-    fn run(&self, b: &ExpertBatch<'_>, out: &mut [f32]) -> Result<(), ExpertError> {
-        let layer = b.layer;
+impl LocalExperts {
+    fn layer(&self, layer: usize) -> Result<&[FfnWeights], ExpertError> {
         let experts = self.layers.get(layer).ok_or(ExpertError::NoLayer {
             layer,
             n_layers: self.layers.len(),
         })?;
-        let Some(first) = experts.first() else {
+        if experts.is_empty() {
             return Err(ExpertError::NoExpert {
                 layer,
                 expert: 0,
                 n_experts: 0,
             });
-        };
-        let d = first.n_embd();
-        if b.hidden.len() != b.n_tokens * d || out.len() != b.n_tokens * d {
-            return Err(ExpertError::BadHidden {
+        }
+        Ok(experts)
+    }
+
+    /// Runs a batch now: each route's expert output, in route order.
+    pub fn run(&self, b: &ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        let layer = b.layer;
+        let experts = self.layer(layer)?;
+        let d = experts[0].n_embd();
+        let want = self.input_type(layer)?;
+        let n_tokens = b.n_tokens();
+        if b.input.cols() != d || b.input.ty() != want {
+            return Err(ExpertError::BadInput {
                 layer,
-                got: b.hidden.len(),
-                n_tokens: b.n_tokens,
+                n_tokens,
+                cols: b.input.cols(),
+                ty: b.input.ty(),
                 n_embd: d,
+                want,
             });
         }
-        for r in b.routes {
-            if r.token as usize >= b.n_tokens {
-                return Err(ExpertError::BadToken {
-                    layer,
-                    token: r.token,
-                    n_tokens: b.n_tokens,
-                });
-            }
-            if r.expert as usize >= experts.len() {
-                return Err(ExpertError::NoExpert {
-                    layer,
-                    expert: r.expert,
-                    n_experts: experts.len(),
-                });
-            }
-        }
-        // Each route's expert output, then the sums in route order: llama.cpp adds a token's
-        // expert outputs slot by slot in router order (shared expert last), and float addition
-        // is not associative.
+        check_routes(layer, b.routes, n_tokens, experts.len())?;
         // The experts this batch uses, with the routes each serves. They run in parallel:
         // small expert matmuls split across threads cost more in joins than they save.
         let mut mine: Vec<Vec<usize>> = vec![Vec::new(); experts.len()];
@@ -273,47 +246,87 @@ impl ExpertBackend for LocalExperts {
             .enumerate()
             .filter(|(_, m)| !m.is_empty())
             .collect();
+        let compute = |source| ExpertError::Compute { layer, source };
         let outputs: Vec<Vec<f32>> = active
             .par_iter()
             .map(|&(e, mine)| {
                 let n = mine.len();
                 let mut y = vec![0f32; n * d];
-                // Every token in batch order: use the hidden matrix as it is (the dense case).
-                let identity = n == b.n_tokens
+                // Every token in batch order: use the input as it is (the dense case).
+                let identity = n == n_tokens
                     && mine
                         .iter()
                         .enumerate()
                         .all(|(i, &r)| b.routes[r].token as usize == i);
                 if identity {
-                    run_ffn(&experts[e], b.hidden, n, &mut y)?;
+                    run_ffn(&experts[e], b.input, b.numerics, &mut y)?;
                 } else {
-                    let mut x = Vec::with_capacity(n * d);
-                    for &r in mine {
-                        let t = b.routes[r].token as usize;
-                        x.extend_from_slice(&b.hidden[t * d..(t + 1) * d]);
-                    }
-                    run_ffn(&experts[e], &x, n, &mut y)?;
+                    let rows: Vec<usize> =
+                        mine.iter().map(|&r| b.routes[r].token as usize).collect();
+                    let mut x = Activations::new();
+                    x.gather(b.input, &rows);
+                    run_ffn(&experts[e], &x, b.numerics, &mut y)?;
                 }
                 Ok(y)
             })
-            .collect::<Result<_, ComputeError>>()?;
+            .collect::<Result<_, ComputeError>>()
+            .map_err(compute)?;
         let mut ys = vec![0f32; b.routes.len() * d];
         for ((_, mine), y) in active.iter().zip(&outputs) {
             for (i, &r) in mine.iter().enumerate() {
                 ys[r * d..(r + 1) * d].copy_from_slice(&y[i * d..(i + 1) * d]);
             }
         }
-        for (r, y) in b.routes.iter().zip(ys.chunks_exact(d)) {
-            let t = r.token as usize;
-            let dst = &mut out[t * d..(t + 1) * d];
-            if r.weight == 1.0 {
-                dst.iter_mut().zip(y).for_each(|(o, v)| *o += v);
-            } else {
-                // `ggml_mul` then `ggml_add`: two roundings, no FMA.
-                dst.iter_mut().zip(y).for_each(|(o, v)| *o += r.weight * v);
-            }
+        Ok(ys)
+    }
+}
+
+/// Every route names a row of the batch and an expert of the layer.
+fn check_routes(
+    layer: usize,
+    routes: &[Route],
+    n_tokens: usize,
+    n_experts: usize,
+) -> Result<(), ExpertError> {
+    for r in routes {
+        if r.token as usize >= n_tokens {
+            return Err(ExpertError::BadToken {
+                layer,
+                token: r.token,
+                n_tokens,
+            });
         }
-        Ok(())
+        if r.expert as usize >= n_experts {
+            return Err(ExpertError::NoExpert {
+                layer,
+                expert: r.expert,
+                n_experts,
+            });
+        }
+    }
+    Ok(())
+}
+
+impl ExpertBackend for LocalExperts {
+    /// The gate's dot type when every expert of the layer reads the same one for gate and up,
+    /// else f32 (each matrix then quantizes for itself).
+    fn input_type(&self, layer: usize) -> Result<GgmlType, ExpertError> {
+        let experts = self.layer(layer)?;
+        let dot = |w: &Linear| ternfleet_kernels::vec_dot_type(w.ty());
+        let first = dot(&experts[0].gate);
+        let same = experts
+            .iter()
+            .all(|e| dot(&e.gate) == first && dot(&e.up) == first);
+        Ok(match (same, first) {
+            (true, Some(t)) => t,
+            _ => GgmlType::F32,
+        })
+    }
+
+    /// Computes the batch on this process's rayon pool before returning (nothing to overlap
+    /// in process); the result waits in the returned handle.
+    fn submit(&self, batch: &ExpertBatch<'_>) -> Result<Box<dyn InFlight>, ExpertError> {
+        Ok(Box::new(Ready(self.run(batch))))
     }
 }
 

@@ -1,13 +1,14 @@
 //! ternfleet worker node: runs expert FFNs.
 //!
 //! Principal types:
-//! - [`compute::Linear`]: a quantized weight matrix living in a memory-mapped model file, and
-//!   [`compute::matmul_par`], which splits its rows across the rayon pool.
-//! - [`expert::ExpertBackend`]: what the coordinator calls to run one layer's expert batch. The
-//!   in-process implementation is [`expert::LocalExperts`]; the QUIC client of a later issue is
-//!   the remote one. A dense model is served as one expert per layer, selected with weight 1.
-//! - [`expert::FfnWeights`] / [`expert::run_ffn`]: the gate/up → activation → down executor.
+//! - [`expert::FfnWeights`] / [`expert::run_ffn`]: the gate/up → activation → down executor,
+//!   over rows already quantized by the coordinator (`ternfleet_shared::expert`).
+//! - [`expert::LocalExperts`]: every expert of every layer in this process, behind
+//!   `ternfleet_shared::expert::ExpertBackend` — the in-process backend of single-node mode;
+//!   the QUIC server of a later issue runs the same executor over a node's shard. A dense
+//!   model is served as one expert per layer, selected with weight 1.
 //!
-//! The coordinator drives these; nothing here does I/O besides reading mapped weights.
-pub mod compute;
+//! The coordinator drives these; nothing here does I/O besides reading mapped weights. The
+//! matmul helpers (`Linear`, `matmul_par`) live in `ternfleet_shared::compute`, which both
+//! roles use.
 pub mod expert;

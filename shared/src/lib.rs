@@ -14,8 +14,18 @@
 //!   (TESTING.md "GGUF and bundles: hostile files") never panics and never drives an
 //!   allocation beyond the file's own size.
 //!
+//! [`expert`] is the expert-backend interface (routes, batches of quantized rows, per-route
+//! results, a deadline) that the coordinator calls and the in-process and remote backends
+//! implement; [`compute`] the matmul helpers both roles run (a [`compute::Linear`] over
+//! mapped weights, split across the rayon pool); [`error::ErrorClass`] the error classes every
+//! API maps to.
+//!
 //! [`bundle`] is the directory format nodes serve (`ternfleet convert` writes it): a manifest,
 //! a coordinator part and one GGUF per routed expert, each checksummed.
 
 pub mod bundle;
+pub mod compute;
+pub mod error;
+pub mod expert;
 pub mod gguf;
+pub mod testing;

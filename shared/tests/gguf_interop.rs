@@ -175,7 +175,7 @@ fn gguf_py_dump(path: &Path) -> Json {
 #[test]
 fn our_writer_output_is_read_by_gguf_py() {
     if !gguf_py_available() {
-        println!("skipped: python3/gguf not available");
+        ternfleet_shared::testing::skip("gguf-py interop", "python3/gguf not available");
         return;
     }
     let kvs: Vec<(&str, Value)> = vec![

@@ -9,7 +9,10 @@ use ternfleet_shared::gguf::{ArrayValue, GgmlType, GgufFile};
 fn gemma3_270m_q4_k_m_parses_completely() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../models/gemma-3-270m-q4_k_m.gguf");
     if !path.exists() {
-        println!("skipped: model not present ({})", path.display());
+        ternfleet_shared::testing::skip(
+            "Gemma GGUF parse",
+            &format!("model not present ({})", path.display()),
+        );
         return;
     }
     let start = std::time::Instant::now();

@@ -189,10 +189,13 @@ pub fn calibrate(
         let mut act = ternfleet_kernels::Activations::new();
         let mut g = vec![0f32; t_all * ff];
         let mut u = vec![0f32; t_all * ff];
-        ternfleet_node::compute::quantize_par(&mut act, w.gate.ty(), x, t_all, d)?;
-        w.gate.forward(&act, &mut g).map_err(forward_err)?;
-        ternfleet_node::compute::quantize_par(&mut act, w.up.ty(), x, t_all, d)?;
-        w.up.forward(&act, &mut u).map_err(forward_err)?;
+        ternfleet_shared::compute::quantize_par(&mut act, w.gate.ty(), x, t_all, d)?;
+        w.gate
+            .forward(&act, &mut g, ternfleet_kernels::Numerics::Parity)
+            .map_err(forward_err)?;
+        ternfleet_shared::compute::quantize_par(&mut act, w.up.ty(), x, t_all, d)?;
+        w.up.forward(&act, &mut u, ternfleet_kernels::Numerics::Parity)
+            .map_err(forward_err)?;
         ternfleet_node::expert::apply_activation(w.act, &mut g, &u);
         let (h, h_val) = g.split_at(t * ff);
         let x_val = &x[t * d..];
@@ -263,7 +266,7 @@ pub fn calibrate(
     })
 }
 
-fn forward_err(e: ternfleet_node::compute::ComputeError) -> ConvertError {
+fn forward_err(e: ternfleet_shared::compute::ComputeError) -> ConvertError {
     ConvertError::Forward(crate::model::ForwardError::Compute(e))
 }
 

@@ -33,7 +33,7 @@ pub enum ModelError {
     #[error(transparent)]
     Gguf(#[from] GgufError),
     #[error(transparent)]
-    Compute(#[from] ternfleet_node::compute::ComputeError),
+    Compute(#[from] ternfleet_shared::compute::ComputeError),
 }
 
 /// How rotary position embedding pairs up dimensions (llama.h `LLAMA_ROPE_TYPE_*`).

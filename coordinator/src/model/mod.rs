@@ -1,6 +1,11 @@
-//! The dense model graph: embeddings, attention with its KV cache, norms and the LM head. The
-//! FFN of every layer runs through an [`ExpertBackend`] so the same graph serves dense models
-//! (one expert, weight 1) and, later, routed experts on remote nodes.
+//! The model graph: embeddings, attention over the KV pool, norms, routers and the LM head.
+//! The FFN of every layer runs through an [`ExpertBackend`], so the same graph serves dense
+//! models (one expert, weight 1), routed experts in process and, later, on remote nodes.
+//!
+//! [`Model::step`] runs one engine step: rows from many sequences (prefill chunks and decode
+//! tokens mixed), every weight read once for all rows, attention per sequence over its own
+//! blocks, logits for the rows that ask. A step is a transaction on the [`KvPool`]: if any
+//! layer fails (an expert backend error, a timeout) no sequence's cache changes.
 
 pub mod config;
 pub mod moe;
@@ -9,15 +14,19 @@ pub mod weights;
 use std::path::Path;
 use std::sync::Arc;
 
-use half::f16;
+use std::time::{Duration, Instant};
+
 use rayon::prelude::*;
-use ternfleet_kernels::Activations;
-use ternfleet_node::compute::Linear;
-use ternfleet_node::expert::{dump, ExpertBackend, ExpertBatch, LocalExperts, Route};
+use ternfleet_kernels::{Activations, Numerics};
+use ternfleet_node::expert::{dump, LocalExperts};
 use ternfleet_shared::bundle::BundleError;
+use ternfleet_shared::compute::Linear;
+use ternfleet_shared::expert::{ExpertBackend, ExpertBatch, Route};
 use ternfleet_shared::gguf::GgufFile;
 
-use crate::kv_cache::{KvCache, KvError};
+use crate::attention::{attend, Segment};
+use crate::kv_cache::{KvCache, SeqOptions};
+use crate::kv_pool::{KvError, KvPool, SeqId};
 use crate::ops;
 use crate::tokenizer::Tokenizer;
 pub use config::{Arch, ModelConfig, ModelError, MoeConfig};
@@ -33,9 +42,16 @@ pub enum ForwardError {
     #[error(transparent)]
     Kv(#[from] KvError),
     #[error(transparent)]
-    Expert(#[from] ternfleet_node::expert::ExpertError),
+    Expert(#[from] ternfleet_shared::expert::ExpertError),
     #[error(transparent)]
-    Compute(#[from] ternfleet_node::compute::ComputeError),
+    Compute(#[from] ternfleet_shared::compute::ComputeError),
+    #[error("layer {layer}: the expert backend returned {got} floats for {routes} routes of width {n_embd}")]
+    ExpertOutput {
+        layer: usize,
+        got: usize,
+        routes: usize,
+        n_embd: usize,
+    },
     #[error(transparent)]
     Kernel(#[from] ternfleet_kernels::KernelError),
 }
@@ -61,6 +77,47 @@ pub enum Logits {
     Last,
     /// Tokens `from..` of the batch (perplexity).
     From(usize),
+    /// None (a prefill chunk that is not the prompt's last).
+    None,
+}
+
+impl Logits {
+    /// The first row of `n` that wants logits (`n` when none does).
+    fn first(self, n: usize) -> usize {
+        match self {
+            Logits::Last => n - 1,
+            Logits::From(f) => f.min(n - 1),
+            Logits::None => n,
+        }
+    }
+}
+
+/// One sequence's rows in a step: `tokens` at its next positions.
+#[derive(Clone, Copy, Debug)]
+pub struct SeqInput<'a> {
+    pub seq: SeqId,
+    pub tokens: &'a [u32],
+    /// Which of these rows return logits.
+    pub logits: Logits,
+    /// MoE models: experts each of its tokens uses (`None`: the model's own).
+    pub top_experts: Option<usize>,
+}
+
+/// How a step computes.
+#[derive(Clone, Copy, Debug)]
+pub struct StepOptions {
+    pub numerics: Numerics,
+    /// How long one layer's expert call may take.
+    pub expert_deadline: Duration,
+}
+
+impl Default for StepOptions {
+    fn default() -> Self {
+        StepOptions {
+            numerics: Numerics::Parity,
+            expert_deadline: Duration::from_secs(60),
+        }
+    }
 }
 
 /// A loaded model: configuration, tokenizer, dense weights and the FFN backend.
@@ -70,6 +127,13 @@ pub struct Model {
     pub weights: DenseWeights,
     pub experts: Box<dyn ExpertBackend>,
     file: Arc<GgufFile>,
+}
+
+/// Per-step buffers of one row set (the rows of all sequences, back to back).
+struct Rows {
+    n: usize,
+    /// Residual stream, `n × n_embd`.
+    x: Vec<f32>,
 }
 
 /// Opening a model: a GGUF error, or a model/tokenizer error.
@@ -260,22 +324,31 @@ impl Model {
         })
     }
 
-    /// Uses `k` experts per token from now on (MoE models; clamped to 1..=n_expert).
-    /// Returns the value in effect.
-    pub fn set_top_k(&mut self, k: usize) -> Option<usize> {
-        let m = self.cfg.moe.as_mut()?;
-        m.n_expert_used = k.clamp(1, m.n_expert);
-        Some(m.n_expert_used)
-    }
-
     /// The mapped file.
     pub fn file(&self) -> &Arc<GgufFile> {
         &self.file
     }
 
-    /// A KV cache sized for `n_ctx` positions.
+    /// A single-sequence cache for `n_ctx` positions (CLI tools, tests): parity numerics, the
+    /// model's own expert count.
     pub fn new_cache(&self, n_ctx: usize) -> KvCache {
-        KvCache::new(self.cfg.n_layer, self.cfg.k_dim(), self.cfg.v_dim(), n_ctx)
+        KvCache::new(&self.cfg, n_ctx, SeqOptions::default())
+    }
+
+    /// [`Model::new_cache`] with a request's options.
+    pub fn new_cache_with(&self, n_ctx: usize, opts: SeqOptions) -> KvCache {
+        KvCache::new(&self.cfg, n_ctx, opts)
+    }
+
+    /// A KV pool of `budget` bytes for this model (prefix sharing in invariant mode only).
+    pub fn new_pool(&self, budget: u64, numerics: Numerics) -> Result<KvPool, KvError> {
+        KvPool::new(
+            self.cfg.n_layer,
+            self.cfg.k_dim(),
+            self.cfg.v_dim(),
+            budget,
+            numerics == Numerics::Invariant,
+        )
     }
 
     /// Runs `tokens` at the next positions of `cache` and returns logits (`rows × n_vocab`) for
@@ -298,26 +371,104 @@ impl Model {
         want: Logits,
         obs: &mut dyn Observer,
     ) -> Result<Vec<f32>, ForwardError> {
+        let input = SeqInput {
+            seq: cache.seq(),
+            tokens,
+            logits: want,
+            top_experts: cache.opts.top_experts,
+        };
+        let opts = StepOptions {
+            numerics: cache.opts.numerics,
+            ..StepOptions::default()
+        };
+        let mut out = self.step(cache.pool_mut(), &[input], &opts, obs)?;
+        Ok(out.pop().unwrap_or_default())
+    }
+
+    /// One engine step over `inputs` (distinct sequences): returns, per input, the logits of
+    /// the rows its [`Logits`] selects (`rows × n_vocab`). All or nothing: on error no
+    /// sequence's cache has changed, and running the same step again gives the same bits.
+    pub fn step(
+        &self,
+        pool: &mut KvPool,
+        inputs: &[SeqInput<'_>],
+        opts: &StepOptions,
+        obs: &mut dyn Observer,
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
         let cfg = &self.cfg;
-        let n = tokens.len();
-        if n == 0 {
+        if inputs.is_empty() || inputs.iter().any(|i| i.tokens.is_empty()) {
             return Err(ForwardError::Empty);
         }
-        cache.reserve(n)?;
+        let mut row = 0;
+        for inp in inputs {
+            for (i, &t) in inp.tokens.iter().enumerate() {
+                if t as usize >= cfg.n_vocab {
+                    return Err(ForwardError::BadToken {
+                        id: t,
+                        pos: i,
+                        n_vocab: cfg.n_vocab,
+                    });
+                }
+            }
+        }
+        let mut segs = Vec::with_capacity(inputs.len());
+        for inp in inputs {
+            segs.push(Segment {
+                seq: inp.seq,
+                row0: row,
+                n: inp.tokens.len(),
+                p0: pool.len(inp.seq)?,
+            });
+            row += inp.tokens.len();
+        }
+        let adds: Vec<(SeqId, usize)> = inputs.iter().map(|i| (i.seq, i.tokens.len())).collect();
+        let tx = pool.begin(&adds)?;
+        match self.layers(pool, inputs, &segs, opts, obs) {
+            Ok(rows) => {
+                let toks: Vec<&[u32]> = inputs.iter().map(|i| i.tokens).collect();
+                pool.commit(tx, &toks);
+                self.head(rows, inputs, &segs, opts.numerics)
+            }
+            Err(e) => {
+                pool.rollback(tx);
+                Err(e)
+            }
+        }
+    }
+
+    /// Embeddings and every layer for the step's rows (keys and values written to the pool).
+    fn layers(
+        &self,
+        pool: &mut KvPool,
+        inputs: &[SeqInput<'_>],
+        segs: &[Segment],
+        opts: &StepOptions,
+        obs: &mut dyn Observer,
+    ) -> Result<Rows, ForwardError> {
+        let cfg = &self.cfg;
+        let numerics = opts.numerics;
+        let n: usize = segs.iter().map(|s| s.n).sum();
         let d = cfg.n_embd;
-        let p0 = cache.len();
         let w = &self.weights;
+        // Per row: its position, and its sequence's expert count.
+        let mut positions = Vec::with_capacity(n);
+        let mut ks = Vec::with_capacity(n);
+        for (s, inp) in segs.iter().zip(inputs) {
+            positions.extend(s.p0..s.p0 + s.n);
+            let k = inp
+                .top_experts
+                .or(cfg.moe.as_ref().map(|m| m.n_expert_used))
+                .unwrap_or(1);
+            ks.extend(std::iter::repeat_n(k, s.n));
+        }
 
         // Embeddings (ggml get_rows + scale).
         let mut x = vec![0f32; n * d];
-        for (i, (&t, row)) in tokens.iter().zip(x.chunks_exact_mut(d)).enumerate() {
-            if t as usize >= cfg.n_vocab {
-                return Err(ForwardError::BadToken {
-                    id: t,
-                    pos: i,
-                    n_vocab: cfg.n_vocab,
-                });
-            }
+        for (&t, row) in inputs
+            .iter()
+            .flat_map(|i| i.tokens)
+            .zip(x.chunks_exact_mut(d))
+        {
             w.token_embd.dequantize_row(t as usize, row)?;
             if cfg.embd_scale != 1.0 {
                 row.iter_mut().for_each(|v| *v *= cfg.embd_scale);
@@ -331,13 +482,14 @@ impl Model {
         let mut v = vec![0f32; n * cfg.v_dim()];
         let mut attn = vec![0f32; n * cfg.n_head * cfg.head_dim_v];
         let mut o = vec![0f32; n * d];
-        // cos/sin per position for the (at most two) RoPE settings, computed once per batch
+        // cos/sin per row for the (at most two) RoPE settings, computed once per step
         // instead of once per layer: the global and the sliding-window layers' bases.
         let rope_tables = |base: f32, scale: f32| -> Vec<Vec<(f32, f32)>> {
-            (0..n)
-                .map(|t| {
+            positions
+                .iter()
+                .map(|&p| {
                     let mut c = Vec::with_capacity(cfg.n_rot / 2);
-                    ops::rope_cache(p0 + t, cfg.n_rot, base, scale, &mut c);
+                    ops::rope_cache(p, cfg.n_rot, base, scale, &mut c);
                     c
                 })
                 .collect()
@@ -355,6 +507,7 @@ impl Model {
                 weight: 1.0,
             })
             .collect();
+        let mut expert_in = Activations::new();
 
         dump("embd", &x, d);
         for (il, lw) in w.layers.iter().enumerate() {
@@ -362,9 +515,9 @@ impl Model {
             h.copy_from_slice(&x);
             ops::rms_norm_rows(&mut h, &lw.attn_norm, cfg.rms_eps);
             dump(&format!("attn_norm-{il}"), &h, d);
-            linear(&mut act, &lw.wq, &h, n, lw.bq.as_deref(), &mut q)?;
-            linear(&mut act, &lw.wk, &h, n, lw.bk.as_deref(), &mut k)?;
-            linear(&mut act, &lw.wv, &h, n, lw.bv.as_deref(), &mut v)?;
+            linear(&mut act, &lw.wq, &h, n, lw.bq.as_deref(), &mut q, numerics)?;
+            linear(&mut act, &lw.wk, &h, n, lw.bk.as_deref(), &mut k, numerics)?;
+            linear(&mut act, &lw.wv, &h, n, lw.bv.as_deref(), &mut v, numerics)?;
             dump(&format!("Qcur-{il}"), &q, cfg.q_dim());
             dump(&format!("Kcur-{il}"), &k, cfg.k_dim());
             dump(&format!("Vcur-{il}"), &v, cfg.v_dim());
@@ -397,15 +550,34 @@ impl Model {
             }
             dump(&format!("Qrope-{il}"), &q, cfg.head_dim_k);
             dump(&format!("Krope-{il}"), &k, cfg.k_dim());
-            cache.push(il, &k, &v);
+            for s in segs {
+                for t in 0..s.n {
+                    let r = s.row0 + t;
+                    pool.write(
+                        il,
+                        s.seq,
+                        s.p0 + t,
+                        &k[r * cfg.k_dim()..(r + 1) * cfg.k_dim()],
+                        &v[r * cfg.v_dim()..(r + 1) * cfg.v_dim()],
+                    );
+                }
+            }
             let window = if cfg.is_swa[il] {
                 cfg.sliding_window
             } else {
                 None
             };
-            attention(cfg, cache, il, p0, &q, window, &mut attn);
+            attend(cfg, pool, il, segs, &q, window, numerics, &mut attn);
             dump(&format!("kqv_out-{il}"), &attn, cfg.n_head * cfg.head_dim_v);
-            linear(&mut act, &lw.wo, &attn, n, lw.bo.as_deref(), &mut o)?;
+            linear(
+                &mut act,
+                &lw.wo,
+                &attn,
+                n,
+                lw.bo.as_deref(),
+                &mut o,
+                numerics,
+            )?;
             dump(&format!("attn_out-{il}"), &o, d);
             if let Some(pn) = &lw.post_attn_norm {
                 ops::rms_norm_rows(&mut o, pn, cfg.rms_eps);
@@ -418,47 +590,108 @@ impl Model {
             ops::rms_norm_rows(&mut h, &lw.ffn_norm, cfg.rms_eps);
             dump(&format!("ffn_norm-{il}"), &h, d);
             obs.ffn_input(il, &h);
-            o.iter_mut().for_each(|v| *v = 0.0);
             let routed;
             let routes = match (&lw.router, &cfg.moe) {
                 (Some(r), Some(m)) => {
                     let scores;
-                    (routed, scores) = r.route(m, &h, n);
+                    (routed, scores) = r.route_rows(m, &h, n, &ks, numerics);
                     obs.routes(il, &routed, &scores);
                     &routed
                 }
                 _ => &all_tokens,
             };
+            // The rows cross the backend quantized to what the layer's experts read.
+            let in_ty = self.experts.input_type(il)?;
+            ternfleet_shared::compute::quantize_as(&mut expert_in, in_ty, &h, n, d)?;
             let batch = ExpertBatch {
                 layer: il,
-                hidden: &h,
-                n_tokens: n,
+                input: &expert_in,
                 routes,
+                numerics,
             };
-            self.experts.run(&batch, &mut o)?;
+            let started = Instant::now();
+            let ys = self
+                .experts
+                .submit(&batch)?
+                .wait(started + opts.expert_deadline)?;
+            if ys.len() != routes.len() * d {
+                return Err(ForwardError::ExpertOutput {
+                    layer: il,
+                    got: ys.len(),
+                    routes: routes.len(),
+                    n_embd: d,
+                });
+            }
+            // Each token's expert outputs summed in route order (llama.cpp adds a token's
+            // experts slot by slot in router order, shared expert last; float addition is not
+            // associative), whatever backend or node computed them.
+            o.iter_mut().for_each(|v| *v = 0.0);
+            for (r, y) in routes.iter().zip(ys.chunks_exact(d)) {
+                let t = r.token as usize;
+                let dst = &mut o[t * d..(t + 1) * d];
+                if r.weight == 1.0 {
+                    dst.iter_mut().zip(y).for_each(|(o, v)| *o += v);
+                } else {
+                    // `ggml_mul` then `ggml_add`: two roundings, no FMA.
+                    dst.iter_mut().zip(y).for_each(|(o, v)| *o += r.weight * v);
+                }
+            }
             if let Some(pn) = &lw.post_ffn_norm {
                 ops::rms_norm_rows(&mut o, pn, cfg.rms_eps);
             }
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
             dump(&format!("l_out-{il}"), &x, d);
         }
-        cache.commit(n);
+        Ok(Rows { n, x })
+    }
 
-        let from = match want {
-            Logits::Last => n - 1,
-            Logits::From(f) => f.min(n - 1),
-        };
-        let rows = n - from;
-        let mut xo = x[from * d..].to_vec();
-        ops::rms_norm_rows(&mut xo, &w.output_norm, cfg.rms_eps);
-        let mut logits = vec![0f32; rows * cfg.n_vocab];
-        linear(&mut act, &w.output, &xo, rows, None, &mut logits)?;
+    /// Final norm and LM head for the rows that want logits, split per input.
+    fn head(
+        &self,
+        rows: Rows,
+        inputs: &[SeqInput<'_>],
+        segs: &[Segment],
+        numerics: Numerics,
+    ) -> Result<Vec<Vec<f32>>, ForwardError> {
+        let (cfg, d) = (&self.cfg, self.cfg.n_embd);
+        let mut wanted = Vec::new();
+        for (inp, s) in inputs.iter().zip(segs) {
+            wanted.extend(s.row0 + inp.logits.first(s.n)..s.row0 + s.n);
+        }
+        let mut out: Vec<Vec<f32>> = inputs.iter().map(|_| Vec::new()).collect();
+        if wanted.is_empty() {
+            return Ok(out);
+        }
+        let m = wanted.len();
+        let mut xo = Vec::with_capacity(m * d);
+        for &r in &wanted {
+            xo.extend_from_slice(&rows.x[r * d..(r + 1) * d]);
+        }
+        debug_assert!(wanted.iter().all(|&r| r < rows.n));
+        ops::rms_norm_rows(&mut xo, &self.weights.output_norm, cfg.rms_eps);
+        let mut logits = vec![0f32; m * cfg.n_vocab];
+        let mut act = Activations::new();
+        linear(
+            &mut act,
+            &self.weights.output,
+            &xo,
+            m,
+            None,
+            &mut logits,
+            numerics,
+        )?;
         dump("result_norm", &xo, d);
         dump("result_output", &logits, cfg.n_vocab);
         if let Some(cap) = cfg.final_logit_softcap {
             logits.iter_mut().for_each(|l| *l = (*l / cap).tanh() * cap);
         }
-        Ok(logits)
+        let mut at = 0;
+        for ((inp, s), o) in inputs.iter().zip(segs).zip(out.iter_mut()) {
+            let k = s.n - inp.logits.first(s.n);
+            o.extend_from_slice(&logits[at * cfg.n_vocab..(at + k) * cfg.n_vocab]);
+            at += k;
+        }
+        Ok(out)
     }
 }
 
@@ -470,197 +703,12 @@ fn linear(
     n: usize,
     b: Option<&[f32]>,
     out: &mut [f32],
+    numerics: Numerics,
 ) -> Result<(), ForwardError> {
-    ternfleet_node::compute::quantize_par(act, w.ty(), x, n, w.cols())?;
-    w.forward(act, out)?;
+    ternfleet_shared::compute::quantize_par(act, w.ty(), x, n, w.cols())?;
+    w.forward(act, out, numerics)?;
     if let Some(b) = b {
         ops::add_bias_rows(out, b);
     }
     Ok(())
-}
-
-/// ggml's flash-attention processes fewer than this many queries with its one-query-at-a-time
-/// kernel and more with its tiled GEMM kernel (ggml-cpu/common.h `GGML_FA_TILE_Q`).
-const FA_TILE_Q: usize = 64;
-
-/// Causal (optionally sliding-window) attention of the `n` queries in `q` (positions `p0..`)
-/// over every cached position of layer `il`.
-///
-/// Greedy parity with llama.cpp needs its rounding, so this follows the two CPU paths of
-/// `ggml_compute_forward_flash_attn_ext_f16` (ggml-cpu/ops.cpp) with the f16 KV cache:
-/// - fewer than 64 queries (decode, short prompts): Q rounded to f16, K·Q by
-///   `ggml_vec_dot_f16`, online softmax in key order with an f16 V accumulator
-///   (`ggml_vec_scale_f16` / `ggml_vec_mad_f16`), divided by the sum at the end;
-/// - 64 or more (prefill): the tiled kernel, see [`attention_batched`].
-fn attention(
-    cfg: &ModelConfig,
-    cache: &KvCache,
-    il: usize,
-    p0: usize,
-    q: &[f32],
-    window: Option<usize>,
-    out: &mut [f32],
-) {
-    if q.len() / cfg.q_dim() >= FA_TILE_Q {
-        attention_batched(cfg, cache, il, p0, q, window, out);
-        return;
-    }
-    let (hk, hv) = (cfg.head_dim_k, cfg.head_dim_v);
-    let (k_dim, v_dim) = cache.dims();
-    let group = cfg.n_head / cfg.n_head_kv;
-    let keys = cache.keys(il);
-    let values = cache.values(il);
-    out.par_chunks_mut(hv).enumerate().for_each(|(i, o)| {
-        let (t, head) = (i / cfg.n_head, i % cfg.n_head);
-        let g = head / group;
-        let pos = p0 + t;
-        let lo = window.map_or(0, |w| (pos + 1).saturating_sub(w));
-        let qrow = &q[t * cfg.q_dim() + head * hk..t * cfg.q_dim() + (head + 1) * hk];
-        let key = |j: usize| &keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk];
-        let value = |j: usize| &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv];
-        let q16: Vec<f16> = qrow.iter().map(|&v| f16::from_f32(v)).collect();
-        let mut acc = vec![f16::ZERO; hv];
-        let (mut sum, mut max) = (0f32, f32::NEG_INFINITY);
-        for j in lo..=pos {
-            let s = ternfleet_kernels::dot_f16(key(j), &q16) * cfg.kq_scale;
-            let (mut ms, mut vs) = (1f32, 1f32);
-            if s > max {
-                let old = max;
-                max = s;
-                ms = (old - max).exp();
-                ternfleet_kernels::scale_f16(&mut acc, ms);
-            } else {
-                vs = (s - max).exp();
-            }
-            ternfleet_kernels::mad_f16(&mut acc, value(j), vs);
-            // `S = S*ms + vs`, contracted to one FMA by the C compiler (-ffp-contract=fast).
-            sum = sum.mul_add(ms, vs);
-        }
-        let inv = if sum == 0.0 { 0.0 } else { 1.0 / sum };
-        o.iter_mut()
-            .zip(&acc)
-            .for_each(|(o, a)| *o = a.to_f32() * inv);
-    });
-}
-
-/// Keys per tile of ggml's tiled flash attention (ggml-cpu/common.h `GGML_FA_TILE_KV`).
-const FA_TILE_KV: usize = 64;
-
-/// Attention for 64 or more queries (prefill), computed as llama.cpp's tiled flash attention
-/// (`ggml_compute_forward_flash_attn_ext_tiled`) rounds it, so prompts of any length give its
-/// logits: Q stays f32, K and V are widened from the f16 cache; per query, keys go in tiles of
-/// 64 from position 0: scores as one FMA chain over the head dimension, scaled, masked, the
-/// running max and sum updated once per tile (`ggml_vec_soft_max_f32` with ggml's polynomial
-/// exp, summed in f64), and P·V accumulated one FMA per key in order; divided by the sum last.
-fn attention_batched(
-    cfg: &ModelConfig,
-    cache: &KvCache,
-    il: usize,
-    p0: usize,
-    q: &[f32],
-    window: Option<usize>,
-    out: &mut [f32],
-) {
-    const W: usize = FA_TILE_KV;
-    let (hk, hv) = (cfg.head_dim_k, cfg.head_dim_v);
-    let (k_dim, v_dim) = cache.dims();
-    let group = cfg.n_head / cfg.n_head_kv;
-    let n = q.len() / cfg.q_dim();
-    let n_kv = p0 + n;
-    let ntiles = n_kv.div_ceil(W);
-    let keys = cache.keys(il);
-    let values = cache.values(il);
-    // Per KV head: every key tile transposed (hk rows of W keys) and every value tile (W rows
-    // of hv), in f32, zero past the last position.
-    let tiles: Vec<(Vec<f32>, Vec<f32>)> = (0..cfg.n_head_kv)
-        .into_par_iter()
-        .map(|g| {
-            let mut kt = vec![0f32; ntiles * hk * W];
-            let mut vt = vec![0f32; ntiles * W * hv];
-            for j in 0..n_kv {
-                let (tile, c) = (j / W, j % W);
-                let krow = &keys[j * k_dim + g * hk..j * k_dim + (g + 1) * hk];
-                let kt_tile = &mut kt[tile * hk * W..(tile + 1) * hk * W];
-                for (d, kv) in krow.iter().enumerate() {
-                    kt_tile[d * W + c] = kv.to_f32();
-                }
-                let vrow = &values[j * v_dim + g * hv..j * v_dim + (g + 1) * hv];
-                half::slice::HalfFloatSliceExt::convert_to_f32_slice(
-                    vrow,
-                    &mut vt[j * hv..(j + 1) * hv],
-                );
-            }
-            (kt, vt)
-        })
-        .collect();
-    // Tasks of up to 4 consecutive queries of one head: the kernels share each K and V tile
-    // load among them (every row keeps its own max, sum and FMA chains).
-    const R: usize = 4;
-    let groups = n.div_ceil(R);
-    let results: Vec<Vec<f32>> = (0..cfg.n_head * groups)
-        .into_par_iter()
-        .map(|task| {
-            let (head, t0) = (task / groups, task % groups * R);
-            let rows = (n - t0).min(R);
-            let (kt, vt) = &tiles[head / group];
-            let mut qb = Vec::with_capacity(rows * hk);
-            for t in t0..t0 + rows {
-                qb.extend_from_slice(
-                    &q[t * cfg.q_dim() + head * hk..t * cfg.q_dim() + (head + 1) * hk],
-                );
-            }
-            let pos = |r: usize| p0 + t0 + r;
-            let lo = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w));
-            let mut vkq = vec![0f32; rows * hv];
-            let mut sum = [0f32; R];
-            let mut max = [f32::NEG_INFINITY; R];
-            let mut kq = vec![0f32; rows * W];
-            for tile in lo(0) / W..=pos(rows - 1) / W {
-                let k0 = tile * W;
-                ternfleet_kernels::fa_scores(
-                    &qb,
-                    &kt[tile * hk * W..(tile + 1) * hk * W],
-                    W,
-                    &mut kq,
-                );
-                for r in 0..rows {
-                    let row = &mut kq[r * W..(r + 1) * W];
-                    for (j, s) in row.iter_mut().enumerate() {
-                        *s = if k0 + j < lo(r) || k0 + j > pos(r) {
-                            f32::NEG_INFINITY
-                        } else {
-                            *s * cfg.kq_scale
-                        };
-                    }
-                    let tile_max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                    if tile_max == f32::NEG_INFINITY {
-                        // No key of this tile is visible to the row: it adds nothing.
-                        row.fill(0.0);
-                        continue;
-                    }
-                    let new_max = max[r].max(tile_max);
-                    if new_max > max[r] {
-                        let ms = (max[r] - new_max).exp();
-                        vkq[r * hv..(r + 1) * hv].iter_mut().for_each(|v| *v *= ms);
-                        sum[r] *= ms;
-                    }
-                    max[r] = new_max;
-                    sum[r] = (sum[r] as f64 + ternfleet_kernels::softmax_exp(row, new_max)) as f32;
-                }
-                ternfleet_kernels::fa_pv(&mut vkq, &kq, &vt[k0 * hv..(k0 + W) * hv], hv);
-            }
-            for r in 0..rows {
-                let inv = if sum[r] == 0.0 { 0.0 } else { 1.0 / sum[r] };
-                vkq[r * hv..(r + 1) * hv].iter_mut().for_each(|v| *v *= inv);
-            }
-            vkq
-        })
-        .collect();
-    for (task, res) in results.iter().enumerate() {
-        let (head, t0) = (task / groups, task % groups * R);
-        for (r, row) in res.chunks_exact(hv).enumerate() {
-            let dst = (t0 + r) * cfg.n_head * hv + head * hv;
-            out[dst..dst + hv].copy_from_slice(row);
-        }
-    }
 }

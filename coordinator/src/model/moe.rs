@@ -15,7 +15,8 @@
 //! 5. qwen2moe's shared expert joins every token last, weighted `silu(g)/g` (a sigmoid, computed
 //!    the way llama.cpp does) with `g = ffn_gate_inp_shexp · x`.
 
-use ternfleet_node::expert::Route;
+use ternfleet_kernels::Numerics;
+use ternfleet_shared::expert::Route;
 
 use super::config::{Gating, MoeConfig};
 
@@ -113,14 +114,36 @@ impl Router {
     /// the layer has one. Also returns each token's scores (`n × n_expert`: probabilities for
     /// softmax gating, the linear scores for [`Gating::TopKUnit`]) for statistics.
     pub fn route(&self, cfg: &MoeConfig, h: &[f32], n: usize) -> (Vec<Route>, Vec<f32>) {
-        let (d, ne, k) = (
-            self.n_embd,
-            self.n_expert,
-            cfg.n_expert_used.min(self.n_expert),
-        );
-        let order = router_dot_order(n, d, ne);
-        let shexp_order = router_dot_order(n, d, 1);
-        let mut routes = Vec::with_capacity(n * (k + 1));
+        self.route_rows(cfg, h, n, &[], Numerics::Parity)
+    }
+
+    /// [`Router::route`] with each row's own expert count (`ks[t]`, clamped to 1..=n_expert;
+    /// empty: the model's) and float order: parity follows ggml's batch-size-dependent choice
+    /// of dot ([`router_dot_order`]), invariant always the single-token `vec_dot` order.
+    pub fn route_rows(
+        &self,
+        cfg: &MoeConfig,
+        h: &[f32],
+        n: usize,
+        ks: &[usize],
+        numerics: Numerics,
+    ) -> (Vec<Route>, Vec<f32>) {
+        let (d, ne) = (self.n_embd, self.n_expert);
+        let k_of = |t: usize| {
+            ks.get(t)
+                .copied()
+                .unwrap_or(cfg.n_expert_used)
+                .clamp(1, ne.max(1))
+                .min(ne)
+        };
+        let rows = if numerics == Numerics::Invariant {
+            1
+        } else {
+            n
+        };
+        let order = router_dot_order(rows, d, ne);
+        let shexp_order = router_dot_order(rows, d, 1);
+        let mut routes = Vec::with_capacity(n * (cfg.n_expert_used + 1));
         let mut all_probs = vec![0f32; n * ne];
         let mut idx: Vec<usize> = Vec::with_capacity(ne);
         for (t, (x, probs)) in h
@@ -142,7 +165,7 @@ impl Router {
             // Descending probability; a stable sort keeps lower indices first on ties, as
             // libstdc++'s insertion sort does for ggml_argsort's small rows.
             idx.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
-            let chosen = &idx[..k];
+            let chosen = &idx[..k_of(t)];
             let scale = if cfg.gating == Gating::SoftmaxNorm {
                 let sum: f64 = chosen.iter().map(|&e| probs[e] as f64).sum();
                 Some((sum as f32).max(WEIGHT_SUM_MIN))

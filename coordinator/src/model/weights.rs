@@ -4,8 +4,8 @@
 use std::sync::Arc;
 
 use ternfleet_kernels::GgmlType;
-use ternfleet_node::compute::Linear;
 use ternfleet_node::expert::{Activation, FfnWeights};
+use ternfleet_shared::compute::Linear;
 use ternfleet_shared::gguf::GgufFile;
 
 use super::config::{Arch, Gating, ModelConfig, ModelError};

@@ -65,7 +65,7 @@ fn tq_scalar_dot_equals_f64_dot_of_gguf_py_values() {
             let want: f64 = wf.iter().zip(&af).map(|(w, a)| *w as f64 * *a as f64).sum();
             for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
                 let mut got = [0f32];
-                matmul_with(isa, &m, &act, 0..1, &mut got).unwrap();
+                matmul_with(isa, &m, &act, 0..1, &mut got, Numerics::Parity).unwrap();
                 let tol = 1e-5 * abs_dot(&wf, &af) as f64 + 1e-6;
                 assert!(
                     (got[0] as f64 - want).abs() <= tol,
@@ -190,7 +190,7 @@ fn tf_matmul_equals_f64_dot_of_dequantized_operands() {
             act.quantize_for(ty, &x, 2, cols).unwrap();
             for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
                 let mut got = vec![0f32; 2 * rows];
-                matmul_with(isa, &m, &act, 0..rows, &mut got).unwrap();
+                matmul_with(isa, &m, &act, 0..rows, &mut got, Numerics::Parity).unwrap();
                 for t in 0..2 {
                     let af = dequantized(act.ty(), act.row(t), cols);
                     for r in 0..rows {

@@ -17,7 +17,7 @@ use super::{TF1, TF2, TQ1_0, TQ2_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
 use crate::matmul::Gemm;
 use crate::quant::{GgmlType, QK, QK_K};
-use crate::scalar::{k_order, KOrder};
+use crate::scalar::{token_order, KOrder};
 use core::arch::x86_64::*;
 use half::f16;
 
@@ -173,6 +173,9 @@ unsafe fn mad_raw(y: *mut u16, x: *const u16, v: f32, n: usize, mad: bool) {
     }
 }
 
+/// Every tile shape sums a (row, token) in `scalar::vec_dot_legacy`'s order, so the result does
+/// not depend on the batch and `Numerics` changes nothing.
+///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
 /// g.nrows` and `g.wty` of kind `KIND`.
@@ -202,6 +205,10 @@ unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     }
 }
 
+/// Tile shapes differ with `ntok`, float orders do not: each (row, token) has its own
+/// accumulator over all columns in order, so batched rows equal 1-token rows bit for bit and
+/// `Numerics` changes nothing here (as in [`run_legacy`]).
+///
 /// # Safety
 /// As [`run_legacy`].
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -389,12 +396,14 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
     let low4 = _mm256_set1_epi8(0x0F);
     let m30 = _mm256_set1_epi8(0x30);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
-    // The float order per token (scalar::k_order): Lanes8 keeps `acc`, the others these.
+    // The float order per token (scalar::token_order: the batch's under Parity, the 1-token
+    // GEMV's under Invariant, the same as this function's 1×1 tiles for `ntok == 1`): Lanes8
+    // keeps `acc`, the others these.
     let mut acc_s = [[0f32; T]; R];
     let mut acc_m = [[0f32; T]; R];
     let mut order = [KOrder::Lanes8; T];
     for t in 0..T {
-        order[t] = k_order(g.wty, t0 + t, g.ntok);
+        order[t] = token_order(g, t0 + t);
     }
     // SAFETY (whole body): offsets within rows r0..r0+R and tokens t0..t0+T, nsb super-blocks
     // each (q8_K: f32 d at 0, qs at 4, bsums at 260).

@@ -181,6 +181,10 @@ unsafe fn mad_raw(y: *mut u16, x: *const u16, v: f32, n: usize, mad: bool) {
     }
 }
 
+/// Tile shapes differ with `ntok`, float orders do not: each (row, token) has its own 16-lane
+/// accumulator over all columns in order, so batched rows equal 1-token rows bit for bit and
+/// `Numerics` changes nothing here.
+///
 /// # Safety
 /// As [`run_legacy`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]

@@ -12,7 +12,13 @@
 //!   the unsigned operand, the bias removed by starting the lanes at `-128·Σw`.
 //! - k-quants: the exact integer sum of a super-block (or of 64 values for the q4_K GEMM
 //!   order) is reduced horizontally, four tokens at a time so one transposing reduction serves
-//!   four dot products, then scaled in f32 lanes that hold those four tokens.
+//!   four dot products, then scaled in f32 lanes that hold those four tokens; q6_K's `vec_dot`
+//!   order keeps eight lanes per token, two tokens per register. Which order a token takes is
+//!   `scalar::token_order`: under `Numerics::Invariant` always the 1-token one, so a batched
+//!   row equals what the GEMV gives that token alone.
+//!
+//! Legacy and float orders do not depend on the batch (the GEMV and the GEMM sum each row in
+//! the same order), so `Numerics` changes nothing for them.
 
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
@@ -22,7 +28,7 @@ use super::{k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset};
 use super::{Q4_0, Q5_0, Q5_K, Q6_K, Q8_0};
 use crate::matmul::Gemm;
 use crate::quant::{QK, QK_K};
-use crate::scalar::{k_order, KOrder};
+use crate::scalar::{token_order, KOrder};
 use core::arch::x86_64::*;
 
 /// # Safety
@@ -63,6 +69,9 @@ unsafe fn unpack_u8<const KIND: u8>(p: *const u8) -> __m256i {
     }
 }
 
+/// The GEMV and the GEMM both sum a (row, token) in `scalar::vec_dot_legacy`'s order (the
+/// module docs), so batched rows equal 1-token rows and `Numerics` changes nothing.
+///
 /// # Safety
 /// The CPU has this module's features; `g` comes from `Gemm::new` with `out.len() ==
 /// g.ntok * g.nrows` and `g.wty` of kind `KIND`.
@@ -595,31 +604,41 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                 }
                 let mut t = t0;
                 while t < t1 {
-                    let order = k_order(g.wty, t, ntok);
-                    let n = if order == KOrder::Sb64 || order == KOrder::Tiled {
-                        (t1 - t).min(4)
-                    } else {
-                        1
-                    };
+                    // Tokens from `t` on share `t`'s order up to the next multiple of 4 (Parity
+                    // switches q4_K from Sb64 to Sb256 at `ntok - ntok % 4`, and `t0` and `tb`
+                    // are multiples of 4), so groups of four never mix orders.
+                    let order = token_order(g, t);
+                    let n = (t1 - t).min(4);
+                    let group = |j: usize, sb: usize| act(t + j.min(n - 1), sb);
                     let mut res = [0f32; 4];
                     match order {
+                        KOrder::Sb64 | KOrder::Tiled => {
+                            _mm_storeu_ps(res.as_mut_ptr(), k_group(&kb, order, group))
+                        }
+                        KOrder::Lanes8 if n == 4 => {
+                            _mm_storeu_ps(res.as_mut_ptr(), lanes8_group(&kb, group))
+                        }
+                        KOrder::Sb256 if n == 4 => {
+                            _mm_storeu_ps(res.as_mut_ptr(), k_group(&kb, order, group))
+                        }
+                        // Fewer than four tokens left: one at a time, not a padded group.
                         KOrder::Lanes8 => {
-                            let mut acc = _mm256_setzero_ps();
-                            for sb in 0..nsb {
-                                acc = lanes8_step(acc, kb.get_unchecked(sb), &act(t, sb));
+                            for j in 0..n {
+                                let mut acc = _mm256_setzero_ps();
+                                for sb in 0..nsb {
+                                    acc = lanes8_step(acc, kb.get_unchecked(sb), &act(t + j, sb));
+                                }
+                                res[j] = hsum8(acc);
                             }
-                            res[0] = hsum8(acc);
                         }
                         KOrder::Sb256 => {
-                            let mut acc = (0f32, 0f32);
-                            for sb in 0..nsb {
-                                acc = sb256_step(acc, kb.get_unchecked(sb), &act(t, sb));
+                            for j in 0..n {
+                                let mut acc = (0f32, 0f32);
+                                for sb in 0..nsb {
+                                    acc = sb256_step(acc, kb.get_unchecked(sb), &act(t + j, sb));
+                                }
+                                res[j] = acc.0 - acc.1;
                             }
-                            res[0] = acc.0 - acc.1;
-                        }
-                        KOrder::Sb64 | KOrder::Tiled => {
-                            let v = k_group(&kb, order, |j, sb| act(t + j.min(n - 1), sb));
-                            _mm_storeu_ps(res.as_mut_ptr(), v);
                         }
                     }
                     for j in 0..n {
@@ -634,7 +653,49 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 }
 
 /// One row (`kb`, all its super-blocks) against four tokens (`act(j, sb)`, j < 4; padding
-/// repeats a token) in [`KOrder::Sb64`] or [`KOrder::Tiled`] order; lane `j` is token `j`.
+/// repeats a token) in [`KOrder::Lanes8`] order (q6_K's `vec_dot`, which Invariant gives every
+/// q6_K token): [`lanes8_step`] with tokens 0 and 1 in the 256-bit halves of one accumulator,
+/// 2 and 3 in another (the same exact lanes, the same `da·dw` product, one FMA per lane per
+/// super-block), each half reduced by `hsum_float_8` at the end; lane `j` is token `j`.
+///
+/// # Safety
+/// As [`k_group`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn lanes8_group(kb: &[KBlock], act: impl Fn(usize, usize) -> KAct) -> __m128 {
+    let mut acc = [_mm512_setzero_ps(); 2];
+    // SAFETY (whole body): `act` as the contract.
+    unsafe {
+        for (sb, b) in kb.iter().enumerate() {
+            let w2 = _mm512_broadcast_i64x4(b.bsum_w);
+            for (p, acc) in acc.iter_mut().enumerate() {
+                let (x, y) = (act(2 * p, sb), act(2 * p + 1, sb));
+                let (vx, vy) = (block_dot(b, &x), block_dot(b, &y));
+                // [x.lo, y.lo] + [x.hi, y.hi]: each token's halves summed, as lanes8_step.
+                let lo = _mm512_shuffle_i64x2::<0b01_00_01_00>(vx, vy);
+                let hi = _mm512_shuffle_i64x2::<0b11_10_11_10>(vx, vy);
+                let bs = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x.bsums), y.bsums);
+                let corr = _mm512_slli_epi32::<5>(_mm512_madd_epi16(bs, w2));
+                let v = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), corr);
+                let d =
+                    _mm512_insertf32x8::<1>(_mm512_set1_ps(x.d * b.d), _mm256_set1_ps(y.d * b.d));
+                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(v), *acc);
+            }
+        }
+    }
+    _mm_setr_ps(
+        hsum8(_mm512_castps512_ps256(acc[0])),
+        hsum8(_mm512_extractf32x8_ps::<1>(acc[0])),
+        hsum8(_mm512_castps512_ps256(acc[1])),
+        hsum8(_mm512_extractf32x8_ps::<1>(acc[1])),
+    )
+}
+
+/// One row (`kb`, all its super-blocks) against four tokens (`act(j, sb)`, j < 4; padding
+/// repeats a token) in [`KOrder::Sb64`], [`KOrder::Sb256`] or [`KOrder::Tiled`] order; lane `j`
+/// is token `j`. Sb256 (the q4_K/q5_K GEMV order, which Invariant uses for every token) is
+/// [`sb256_step`] in four lanes: the same exact integer sums, the same two FMAs per
+/// super-block with the same `dw·da` and `dmin·da` products, as [`gemv_k`]'s four-row lanes.
 ///
 /// # Safety
 /// Features as the module; `act` returns readable q8_K super-blocks for every `sb < kb.len()`.
@@ -656,6 +717,21 @@ unsafe fn k_group(kb: &[KBlock], order: KOrder, act: impl Fn(usize, usize) -> KA
                 }
                 let res = _mm_mul_ps(_mm_cvtepi32_ps(reduce4(v)), _mm_set1_ps(b.d));
                 acc = _mm_fmadd_ps(res, da, acc);
+            } else if order == KOrder::Sb256 {
+                let mut v = [_mm512_setzero_si512(); 4];
+                let mut m = [_mm256_setzero_si256(); 4];
+                for j in 0..4 {
+                    v[j] = block_dot(b, &a[j]);
+                    m[j] = _mm256_madd_epi16(a[j].bsums, b.bsum_w);
+                }
+                let h =
+                    _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
+                let imin =
+                    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+                let sv = _mm_mul_ps(_mm_set1_ps(b.d), da);
+                let mv = _mm_mul_ps(_mm_set1_ps(b.dmin), da);
+                acc = _mm_fmadd_ps(_mm_cvtepi32_ps(reduce4(v)), sv, acc);
+                acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), mv, acc_min);
             } else {
                 // Mins: per token, lanes j = min_j·(bsums[2j] + bsums[2j+1]); pairs of
                 // sub-blocks summed and transposed to one vector per 64 values.

@@ -212,6 +212,9 @@ pub(super) unsafe fn correction<const KIND: u8>(y: *const u8) -> __m256i {
     }
 }
 
+/// Four-token and one-token tiles sum a (row, token) in the same order (the module's), so
+/// the result does not depend on the batch and `Numerics` changes nothing.
+///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
 /// g.nrows` and `g.wty` of kind `KIND`.

@@ -49,6 +49,9 @@ unsafe fn decode_pair<const KIND: u8>(a: *const u8, bb: *const u8, c: &mut [__m5
     }
 }
 
+/// Four-token and one-token tiles sum a (row, token) in the same order (the module's), so
+/// the result does not depend on the batch and `Numerics` changes nothing.
+///
 /// # Safety
 /// The CPU has this module's features; `g` comes from `Gemm::new` with `out.len() ==
 /// g.ntok * g.nrows` and `g.wty` of kind `KIND`.

@@ -1,11 +1,12 @@
-//! Threaded matrix products over weights that live in a memory-mapped model file.
+//! Threaded matrix products over weights that live in a memory-mapped model file: the matmul
+//! helpers the coordinator (attention, LM head) and the nodes (expert FFNs) both use.
 
 use std::ops::Range;
 use std::sync::Arc;
 
+use crate::gguf::{GgufFile, TensorInfo};
 use rayon::prelude::*;
-use ternfleet_kernels::{Activations, GgmlType, KernelError, QMatrix};
-use ternfleet_shared::gguf::{GgufFile, TensorInfo};
+use ternfleet_kernels::{Activations, GgmlType, KernelError, Numerics, QMatrix};
 
 /// Errors from building or running a [`Linear`].
 #[derive(Debug, thiserror::Error)]
@@ -166,9 +167,14 @@ impl Linear {
     }
 
     /// `out[t * rows + r] = W[r] · x[t]` for every token `t` of `x`, rows split across the rayon
-    /// pool. `x` must have been quantized for `self.ty()`.
-    pub fn forward(&self, x: &Activations, out: &mut [f32]) -> Result<(), ComputeError> {
-        matmul_par(&self.matrix(), x, out)
+    /// pool, in the float order `numerics` selects. `x` must have been quantized for `self.ty()`.
+    pub fn forward(
+        &self,
+        x: &Activations,
+        out: &mut [f32],
+        numerics: Numerics,
+    ) -> Result<(), ComputeError> {
+        matmul_par(&self.matrix(), x, out, numerics)
     }
 }
 
@@ -182,7 +188,12 @@ fn rows_per_task(rows: usize, threads: usize) -> usize {
 /// Runs `matmul` over all rows of `w`, split across the current rayon pool. For one token the
 /// output chunks are written in place; for several, each task writes a token-major tile that is
 /// scattered into `out` (the tile costs far less than the GEMM that fills it).
-pub fn matmul_par(w: &QMatrix<'_>, x: &Activations, out: &mut [f32]) -> Result<(), ComputeError> {
+pub fn matmul_par(
+    w: &QMatrix<'_>,
+    x: &Activations,
+    out: &mut [f32],
+    numerics: Numerics,
+) -> Result<(), ComputeError> {
     let rows = w.rows();
     let n = x.n();
     if out.len() != rows * n {
@@ -197,7 +208,7 @@ pub fn matmul_par(w: &QMatrix<'_>, x: &Activations, out: &mut [f32]) -> Result<(
             .enumerate()
             .try_for_each(|(i, o)| {
                 let r0 = i * chunk;
-                ternfleet_kernels::matmul(w, x, r0..r0 + o.len(), o)
+                ternfleet_kernels::matmul(w, x, r0..r0 + o.len(), o, numerics)
             })?;
         return Ok(());
     }
@@ -206,7 +217,7 @@ pub fn matmul_par(w: &QMatrix<'_>, x: &Activations, out: &mut [f32]) -> Result<(
         .map(|i| {
             let r = i * chunk..((i + 1) * chunk).min(rows);
             let mut tile = vec![0f32; r.len() * n];
-            ternfleet_kernels::matmul(w, x, r.clone(), &mut tile).map(|_| (r.start, tile))
+            ternfleet_kernels::matmul(w, x, r.clone(), &mut tile, numerics).map(|_| (r.start, tile))
         })
         .collect::<Result<_, _>>()?;
     for (r0, tile) in tiles {
@@ -236,4 +247,28 @@ pub fn quantize_par(
             .zip(y.par_chunks_mut(per * rb))
             .for_each(|(xs, ys)| quantize(xs, ys));
     })
+}
+
+/// Quantizes `n` rows of `x` to the activation type `act_ty` itself (what an expert backend
+/// declares it reads), in parallel as [`quantize_par`].
+pub fn quantize_as(
+    act: &mut Activations,
+    act_ty: GgmlType,
+    x: &[f32],
+    n: usize,
+    cols: usize,
+) -> Result<(), KernelError> {
+    // A weight type whose dot type `act_ty` is (kernels pick activations by weight type).
+    let weight_ty = match act_ty {
+        GgmlType::Q8_K => GgmlType::Q4_K,
+        GgmlType::Q8_TF => GgmlType::TF2,
+        t => t,
+    };
+    if ternfleet_kernels::vec_dot_type(weight_ty) != Some(act_ty) {
+        return Err(KernelError::Unsupported {
+            ty: act_ty,
+            op: "activation quantization",
+        });
+    }
+    quantize_par(act, weight_ty, x, n, cols)
 }

@@ -1,0 +1,177 @@
+//! The expert backend: the one interface through which a layer's FFN runs, in process or on a
+//! remote node.
+//!
+//! DESIGN.md "Interfaces worth keeping stable". The coordinator routes each token of a layer to
+//! experts (a dense FFN is one expert that every token selects with weight 1), quantizes the
+//! layer's hidden rows once to the activation type the layer's experts read
+//! ([`ExpertBackend::input_type`]: the exact bytes the kernels consume, so a remote expert
+//! computes the same bits as a local one), and [`ExpertBackend::submit`]s an [`ExpertBatch`].
+//! The call is in flight until [`InFlight::wait`] with a deadline returns **one output row per
+//! route**, unweighted and unsummed: the coordinator adds them into the residual in route order
+//! itself, so the float sum — and the output — does not depend on which node held which expert.
+//!
+//! Errors carry an [`ErrorClass`]: `Unavailable` and `Timeout` are worth a retry on another
+//! replica; the rest are not.
+
+use std::time::{Duration, Instant};
+
+use ternfleet_kernels::{Activations, GgmlType, Numerics};
+
+use crate::compute::ComputeError;
+use crate::error::ErrorClass;
+
+/// One (token, expert, weight) selection made by a router.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Route {
+    /// Row of the batch's input.
+    pub token: u32,
+    /// Expert index within the layer.
+    pub expert: u32,
+    /// Mixing weight of this expert's output for this token (applied by the coordinator).
+    pub weight: f32,
+}
+
+/// A layer's worth of expert work for the rows of one engine step.
+#[derive(Clone, Copy, Debug)]
+pub struct ExpertBatch<'a> {
+    /// Layer index.
+    pub layer: usize,
+    /// The normalised FFN inputs, one row per token, already quantized to
+    /// [`ExpertBackend::input_type`] of `layer`.
+    pub input: &'a Activations,
+    /// Selections; the result has one row per route, in this order.
+    pub routes: &'a [Route],
+    /// The float order the experts' matmuls follow.
+    pub numerics: Numerics,
+}
+
+impl ExpertBatch<'_> {
+    /// Rows in the input.
+    pub fn n_tokens(&self) -> usize {
+        self.input.n()
+    }
+}
+
+/// Health as seen by the coordinator's scheduler.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Health {
+    /// Serving.
+    Ready,
+    /// Loading; `done` of `total` bytes resident.
+    Loading { done: u64, total: u64 },
+    /// Not serving, with a reason.
+    Unavailable(String),
+}
+
+/// Errors of an expert backend.
+#[derive(Debug, thiserror::Error)]
+pub enum ExpertError {
+    #[error("layer {layer}: no such layer (the backend holds {n_layers})")]
+    NoLayer { layer: usize, n_layers: usize },
+    #[error("layer {layer}: expert {expert} not held here (layer has {n_experts})")]
+    NoExpert {
+        layer: usize,
+        expert: u32,
+        n_experts: usize,
+    },
+    #[error("layer {layer}: route names token {token} but the batch has {n_tokens} tokens")]
+    BadToken {
+        layer: usize,
+        token: u32,
+        n_tokens: usize,
+    },
+    #[error("layer {layer}: input is {n_tokens} rows of {cols} {ty:?} values, the experts read rows of {n_embd} {want:?} values")]
+    BadInput {
+        layer: usize,
+        n_tokens: usize,
+        cols: usize,
+        ty: GgmlType,
+        n_embd: usize,
+        want: GgmlType,
+    },
+    #[error("layer {layer}: no result within {waited:?} (deadline)")]
+    Timeout { layer: usize, waited: Duration },
+    #[error("layer {layer}: expert backend unavailable: {reason}")]
+    Unavailable { layer: usize, reason: String },
+    #[error("layer {layer}: {source}")]
+    Compute {
+        layer: usize,
+        #[source]
+        source: ComputeError,
+    },
+}
+
+impl ExpertError {
+    /// The class of ../shared/CONVENTIONS.md this error maps to.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            ExpertError::NoLayer { .. }
+            | ExpertError::NoExpert { .. }
+            | ExpertError::BadToken { .. }
+            | ExpertError::BadInput { .. } => ErrorClass::BadRequest,
+            ExpertError::Timeout { .. } => ErrorClass::Timeout,
+            ExpertError::Unavailable { .. } => ErrorClass::Unavailable,
+            ExpertError::Compute { .. } => ErrorClass::Internal,
+        }
+    }
+}
+
+/// A submitted batch whose result has not been collected yet.
+pub trait InFlight: Send {
+    /// The batch's output: `routes.len() × n_embd` floats, row `i` = FFN of route `i`'s expert
+    /// on route `i`'s token (not weighted). Gives up with [`ExpertError::Timeout`] at
+    /// `deadline`.
+    fn wait(self: Box<Self>, deadline: Instant) -> Result<Vec<f32>, ExpertError>;
+}
+
+/// A result that was ready at submission (the in-process backend computes in `submit`).
+pub struct Ready(pub Result<Vec<f32>, ExpertError>);
+
+impl InFlight for Ready {
+    fn wait(self: Box<Self>, _deadline: Instant) -> Result<Vec<f32>, ExpertError> {
+        self.0
+    }
+}
+
+/// Runs expert FFNs for the coordinator: in process ([`ternfleet-node`'s `LocalExperts`]) or
+/// on remote nodes (QUIC, a later issue).
+pub trait ExpertBackend: Send + Sync {
+    /// The activation type layer `layer`'s experts read (their gate/up matrices' dot type).
+    fn input_type(&self, layer: usize) -> Result<GgmlType, ExpertError>;
+    /// Starts `batch`. Validation errors may come back here or from [`InFlight::wait`].
+    fn submit(&self, batch: &ExpertBatch<'_>) -> Result<Box<dyn InFlight>, ExpertError>;
+    /// Hint that these experts of `layer` will be needed soon. Fire and forget.
+    fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+    /// Current health.
+    fn health(&self) -> Health {
+        Health::Ready
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn transient_errors_are_retryable_and_bad_batches_are_not() {
+        let t = ExpertError::Timeout {
+            layer: 3,
+            waited: Duration::from_millis(250),
+        };
+        assert_eq!(t.class(), ErrorClass::Timeout);
+        assert!(t.class().is_retryable());
+        let u = ExpertError::Unavailable {
+            layer: 0,
+            reason: "node n2 is down".into(),
+        };
+        assert!(u.class().is_retryable());
+        let b = ExpertError::BadToken {
+            layer: 1,
+            token: 9,
+            n_tokens: 4,
+        };
+        assert_eq!(b.class(), ErrorClass::BadRequest);
+        assert!(!b.class().is_retryable());
+        assert!(b.to_string().contains("token 9") && b.to_string().contains("4 tokens"));
+    }
+}
