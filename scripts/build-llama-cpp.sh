@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Build the reference engine (llama.cpp, from the llama-cpp-python 0.3.36 sdist on PyPI) outside
 # the source tree, under target/llama.cpp/. Produces llama-simple, llama-tokenize,
-# llama-perplexity, llama-bench and test-backend-ops in target/llama.cpp/build/bin.
+# llama-perplexity, llama-bench, llama-batched-bench and test-backend-ops in target/llama.cpp/build/bin.
 # Only used to make reference outputs and benchmark baselines; none of its code is committed.
 # With --source-only it only downloads and unpacks the source (the tokenizer tests read the
 # vocabulary files models/ggml-vocab-*.gguf that ship in it).
@@ -11,7 +11,7 @@ dir="$root/target/llama.cpp"
 bin="$dir/build/bin"
 source_only=0
 [ "${1:-}" = "--source-only" ] && source_only=1
-if [ "$source_only" = 0 ] && [ -x "$bin/llama-simple" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/test-backend-ops" ]; then
+if [ "$source_only" = 0 ] && [ -x "$bin/llama-simple" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/test-backend-ops" ] && [ -x "$bin/llama-batched-bench" ]; then
   echo "llama.cpp: $bin"; exit 0
 fi
 mkdir -p "$dir"
@@ -45,5 +45,5 @@ cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release 
   -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=ON \
   -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
 cmake --build "$dir/build" -j"$(nproc)" --target llama-simple llama-tokenize llama-perplexity \
-  llama-bench test-backend-ops llama-quantize 2>&1 | tail -n 3
+  llama-bench llama-batched-bench test-backend-ops llama-quantize 2>&1 | tail -n 3
 echo "llama.cpp: $bin"

@@ -111,6 +111,10 @@ pub struct CompareArgs {
     /// The reference model or bundle (e.g. the source of a conversion).
     #[arg(long = "ref")]
     pub reference: PathBuf,
+    /// Float order of the reference (default: the model's --numerics). The same file with
+    /// `--numerics invariant --ref-numerics parity` measures what batch invariance costs.
+    #[arg(long = "ref-numerics")]
+    pub ref_numerics: Option<Numerics>,
     #[command(flatten)]
     pub text: TextArgs,
     /// Print one JSON object.
@@ -435,7 +439,7 @@ fn cmd_compare(a: CompareArgs) -> Result<()> {
     // Two MoE models with the same experts are compared at the same top-k.
     let mut ref_opts = SeqOptions {
         top_experts: None,
-        numerics: opts.numerics,
+        numerics: a.ref_numerics.unwrap_or(opts.numerics),
     };
     if let (Some(k), Some(m)) = (a.model.top_experts, &reference.cfg.moe) {
         if k <= m.n_expert {

@@ -108,3 +108,235 @@ fn invalid_sampling_parameters_are_rejected_before_generating() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("temperature"));
 }
+
+fn root() -> std::path::PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("crate lives in the workspace")
+        .to_path_buf()
+}
+
+/// Runs the binary, asserting exit code `code` and no panic; returns stdout.
+fn run(args: &[&str], code: i32) -> String {
+    let out = bin().args(args).output().expect("binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+    assert!(!err.contains("panicked"), "{args:?}: {err}");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn every_subcommand_runs_on_a_tiny_model() {
+    let m = tiny();
+    let gpl = root().join("tests/data/text/gpl-3.txt");
+    let gpl = gpl.to_str().unwrap();
+    let v: serde_json::Value =
+        serde_json::from_str(&run(&["tokenize", "-m", &m, "-p", "hello", "--json"], 0)).unwrap();
+    assert!(v["ids"].as_array().is_some_and(|a| !a.is_empty()));
+    assert!(run(&["info", "-m", &m], 0).contains("n_embd"));
+    let v: serde_json::Value = serde_json::from_str(&run(
+        &[
+            "perplexity",
+            "-m",
+            &m,
+            "-f",
+            gpl,
+            "-c",
+            "64",
+            "--chunks",
+            "2",
+            "--json",
+            "-t",
+            "2",
+        ],
+        0,
+    ))
+    .unwrap();
+    assert!(v["ppl"].as_f64().is_some_and(|p| p.is_finite() && p > 1.0));
+    let v: serde_json::Value = serde_json::from_str(&run(
+        &[
+            "bench",
+            "-m",
+            &m,
+            "--prompt",
+            "16",
+            "--gen",
+            "4",
+            "--reps",
+            "1",
+            "--parallel",
+            "3",
+            "--json",
+            "-t",
+            "2",
+        ],
+        0,
+    ))
+    .unwrap();
+    for k in ["pp_tps", "tg_tps", "agg_tg_tps"] {
+        assert!(v[k].as_f64().is_some_and(|x| x > 0.0), "{k}: {v}");
+    }
+    let moe = root().join("tests/data/models/tiny-qwen3moe-q8_0.gguf");
+    let moe = moe.to_str().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("b");
+    let v: serde_json::Value = serde_json::from_str(&run(
+        &[
+            "convert",
+            "-m",
+            moe,
+            "-o",
+            out.to_str().unwrap(),
+            "--json",
+            "-t",
+            "2",
+        ],
+        0,
+    ))
+    .unwrap();
+    assert_eq!(v["moe"]["n_expert"].as_u64(), Some(16));
+    let v: serde_json::Value = serde_json::from_str(&run(
+        &[
+            "compare",
+            "-m",
+            out.to_str().unwrap(),
+            "--ref",
+            moe,
+            "-f",
+            gpl,
+            "-c",
+            "64",
+            "--chunks",
+            "2",
+            "--json",
+            "-t",
+            "2",
+        ],
+        0,
+    ))
+    .unwrap();
+    // A bundle of a native MoE model is the same model: full agreement.
+    assert_eq!(v["top1_agreement"].as_f64(), Some(1.0), "{v}");
+}
+
+#[test]
+fn a_prompt_that_starts_with_a_hyphen_is_text() {
+    for p in ["- item one", "--help me"] {
+        let v: serde_json::Value = serde_json::from_str(&run(
+            &[
+                "generate",
+                "-m",
+                &tiny(),
+                "-p",
+                p,
+                "-n",
+                "2",
+                "--temp",
+                "0",
+                "--json",
+            ],
+            0,
+        ))
+        .unwrap();
+        assert!(
+            v["prompt_tokens"].as_array().is_some_and(|a| a.len() > 1),
+            "{p:?}: {v}"
+        );
+        let v: serde_json::Value =
+            serde_json::from_str(&run(&["tokenize", "-m", &tiny(), "-p", p, "--json"], 0)).unwrap();
+        assert!(v["ids"].as_array().is_some_and(|a| a.len() > 1), "{p:?}");
+    }
+}
+
+#[test]
+fn huge_sizes_are_errors_not_panics() {
+    let m = tiny();
+    let huge = u64::MAX.to_string();
+    let err = |args: &[&str]| {
+        let out = bin().args(args).output().unwrap();
+        let e = String::from_utf8_lossy(&out.stderr).into_owned();
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {e}");
+        assert!(!e.contains("panicked"), "{args:?}: {e}");
+        e
+    };
+    assert!(err(&["generate", "-m", &m, "-p", "hi", "-n", &huge]).contains("-n"));
+    assert!(err(&["generate", "-m", &m, "-p", "hi", "-n", "4", "--ctx", &huge]).contains("--ctx"));
+    assert!(err(&["bench", "-m", &m, "--prompt", &huge, "--gen", "4"]).contains("--prompt"));
+    assert!(err(&["bench", "-m", &m, "--prompt", "8", "--gen", &huge]).contains("--gen"));
+}
+
+#[test]
+fn generate_prompts_file_runs_every_line_in_order_like_one_at_a_time() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("prompts.txt");
+    std::fs::write(
+        &file,
+        "This License\nThe capital\\nof France\n- a list item\nback\\\\slash\n",
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    let lines: Vec<serde_json::Value> = run(
+        &[
+            "generate",
+            "-m",
+            &tiny(),
+            "--prompts",
+            f,
+            "--parallel",
+            "3",
+            "-n",
+            "6",
+            "--temp",
+            "0",
+            "--json",
+            "--numerics",
+            "invariant",
+        ],
+        0,
+    )
+    .lines()
+    .map(|l| serde_json::from_str(l).expect("one JSON object per line"))
+    .collect();
+    assert_eq!(lines.len(), 4);
+    for (i, (v, p)) in lines
+        .iter()
+        .zip([
+            "This License",
+            "The capital\nof France",
+            "- a list item",
+            "back\\slash",
+        ])
+        .enumerate()
+    {
+        assert_eq!(v["index"].as_u64(), Some(i as u64));
+        // The same prompt alone, one at a time.
+        let alone = run(
+            &[
+                "generate",
+                "-m",
+                &tiny(),
+                "--prompts",
+                f,
+                "--parallel",
+                "1",
+                "-n",
+                "6",
+                "--temp",
+                "0",
+                "--json",
+                "--numerics",
+                "invariant",
+            ],
+            0,
+        );
+        let a: serde_json::Value = serde_json::from_str(alone.lines().nth(i).unwrap()).unwrap();
+        assert_eq!(v["tokens"], a["tokens"], "{p:?}");
+        let toks = run(&["tokenize", "-m", &tiny(), "-p", p, "--json"], 0);
+        let t: serde_json::Value = serde_json::from_str(&toks).unwrap();
+        assert_eq!(
+            v["prompt_tokens"].as_u64(),
+            t["ids"].as_array().map(|a| a.len() as u64),
+            "{p:?}: the line was unescaped"
+        );
+    }
+}

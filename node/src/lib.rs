@@ -7,8 +7,11 @@
 //!   `ternfleet_shared::expert::ExpertBackend` — the in-process backend of single-node mode;
 //!   the QUIC server of a later issue runs the same executor over a node's shard. A dense
 //!   model is served as one expert per layer, selected with weight 1.
+//! - [`shard::open_experts`]: opens the expert blobs of a bundle that a predicate selects
+//!   (a node's shard; all of them in single-node mode), verified against the manifest.
 //!
 //! The coordinator drives these; nothing here does I/O besides reading mapped weights. The
 //! matmul helpers (`Linear`, `matmul_par`) live in `ternfleet_shared::compute`, which both
 //! roles use.
 pub mod expert;
+pub mod shard;

@@ -16,7 +16,6 @@ use std::sync::Arc;
 
 use std::time::{Duration, Instant};
 
-use rayon::prelude::*;
 use ternfleet_kernels::{Activations, Numerics};
 use ternfleet_node::expert::{dump, LocalExperts};
 use ternfleet_shared::bundle::BundleError;
@@ -153,11 +152,26 @@ pub enum LoadError {
     },
     #[error(transparent)]
     Bundle(#[from] BundleError),
+    #[error(transparent)]
+    Shard(ternfleet_node::shard::ShardError),
 }
 
-/// Metadata keys of an expert blob naming its place in the model.
-pub const BLOB_LAYER_KEY: &str = "ternfleet.bundle.layer";
-pub const BLOB_EXPERT_KEY: &str = "ternfleet.bundle.expert";
+pub use ternfleet_node::shard::{BLOB_EXPERT_KEY, BLOB_LAYER_KEY};
+
+impl From<ternfleet_node::shard::ShardError> for LoadError {
+    /// Bundle and GGUF errors keep their own variants (callers match on them).
+    fn from(e: ternfleet_node::shard::ShardError) -> Self {
+        use ternfleet_node::shard::ShardError;
+        match e {
+            ShardError::Bundle(b) => LoadError::Bundle(b),
+            ShardError::Gguf { path, err } => LoadError::Gguf {
+                path: path.display().to_string(),
+                err,
+            },
+            other => LoadError::Shard(other),
+        }
+    }
+}
 
 impl Model {
     /// Opens a GGUF model file, or a bundle directory (see [`Model::open_bundle`]), and binds
@@ -266,47 +280,18 @@ impl Model {
             err,
         })?;
         let (weights, shared) = weights::load(&file, &cfg, false).map_err(wrap)?;
-        let routed = mi.gating != Gating::TopKUnit;
-        let blobs: Vec<ternfleet_node::expert::FfnWeights> = man
-            .experts
-            .par_iter()
-            .map(|e| {
-                let path = Manifest::verify_part(dir, &e.part)?;
-                let p = path.display().to_string();
-                let f = Arc::new(GgufFile::open(&path).map_err(|err| LoadError::Gguf {
-                    path: p.clone(),
-                    err,
-                })?);
-                let at = |k: &str| f.get_u32(k).ok().flatten().map(|v| v as usize);
-                if at(BLOB_LAYER_KEY) != Some(e.layer) || at(BLOB_EXPERT_KEY) != Some(e.expert) {
-                    return Err(mismatch(
-                        &path,
-                        format!(
-                            "the blob says layer {:?} expert {:?}, the manifest layer {} expert {}",
-                            at(BLOB_LAYER_KEY),
-                            at(BLOB_EXPERT_KEY),
-                            e.layer,
-                            e.expert
-                        ),
-                    ));
-                }
-                for t in &e.tensors {
-                    let got = f.tensor(&t.name).map(|i| (i.ty.name(), i.dims.clone()));
-                    if got != Some((t.ty.as_str(), t.dims.clone())) {
-                        return Err(mismatch(
-                            &path,
-                            format!(
-                                "tensor {} is {got:?}, the manifest says {} {:?}",
-                                t.name, t.ty, t.dims
-                            ),
-                        ));
-                    }
-                }
-                weights::expert_from_blob(&f, &cfg, mi.n_ff_exp, routed)
-                    .map_err(|err| LoadError::Model { path: p, err })
-            })
-            .collect::<Result<_, _>>()?;
-        let mut blobs = blobs.into_iter();
+        let shape = ternfleet_node::shard::ExpertShape {
+            n_embd: cfg.n_embd,
+            n_ff: mi.n_ff_exp,
+            act: weights::activation(cfg.arch),
+            routed: mi.gating != Gating::TopKUnit,
+        };
+        // Single-node mode holds every expert; a node opens only its shard the same way.
+        let blobs = ternfleet_node::shard::open_experts(dir, &man, shape, |_, _| true)
+            .map_err(LoadError::from)?
+            .into_iter()
+            .map(|(_, _, w)| w);
+        let mut blobs = blobs;
         let ffns = shared
             .into_iter()
             .map(|sh| {

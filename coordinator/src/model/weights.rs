@@ -254,27 +254,7 @@ pub fn activation(arch: Arch) -> Activation {
     }
 }
 
-/// Tensor names inside an expert blob of a bundle.
-pub const BLOB_TENSORS: [&str; 3] = ["ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"];
-
-/// One routed expert from a bundle's expert blob (tensors [`BLOB_TENSORS`], each
-/// `n_embd × n_ff` or `n_ff × n_embd`).
-pub fn expert_from_blob(
-    file: &Arc<GgufFile>,
-    cfg: &ModelConfig,
-    n_ff: usize,
-    routed: bool,
-) -> Result<FfnWeights, ModelError> {
-    let l = Loader { file };
-    let d = cfg.n_embd;
-    Ok(FfnWeights {
-        gate: l.linear(BLOB_TENSORS[0], d, n_ff)?,
-        up: l.linear(BLOB_TENSORS[1], d, n_ff)?,
-        down: l.linear(BLOB_TENSORS[2], n_ff, d)?,
-        act: activation(cfg.arch),
-        routed,
-    })
-}
+pub use ternfleet_node::shard::BLOB_TENSORS;
 
 /// A layer's FFN as the expert backend holds it: the routed experts (or the one dense FFN),
 /// then the shared expert if any.
