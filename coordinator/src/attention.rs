@@ -192,6 +192,7 @@ fn attend_tiled(
             let mut max = vec![f32::NEG_INFINITY; nr];
             let mut kq = vec![0f32; R * W];
             let mut kt = vec![0f32; hk * W];
+            let mut krows = vec![0f32; W * hk];
             let mut vt = vec![0f32; W * hv];
             for (tile, &block) in blocks.iter().enumerate().take(hi / W + 1).skip(lo(0) / W) {
                 let k0 = tile * W;
@@ -199,22 +200,24 @@ fn attend_tiled(
                 let vb = pool.value_block(il, block);
                 // The tile transposed (hk rows of W keys) and its values, widened to f32; zero
                 // past the last position any row sees (the pool holds stale data there).
+                // Rows are widened with the slice conversion (F16C when the CPU has it), then
+                // the keys transposed in f32.
                 let valid = (hi + 1 - k0).min(W);
-                for c in 0..W {
-                    if c < valid {
-                        let krow = &kb[c * k_dim + g * hk..c * k_dim + (g + 1) * hk];
-                        for (d, kv) in krow.iter().enumerate() {
-                            kt[d * W + c] = kv.to_f32();
-                        }
-                        half::slice::HalfFloatSliceExt::convert_to_f32_slice(
-                            &vb[c * v_dim + g * hv..c * v_dim + (g + 1) * hv],
-                            &mut vt[c * hv..(c + 1) * hv],
-                        );
-                    } else {
-                        for d in 0..hk {
-                            kt[d * W + c] = 0.0;
-                        }
-                        vt[c * hv..(c + 1) * hv].fill(0.0);
+                for c in 0..valid {
+                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                        &kb[c * k_dim + g * hk..c * k_dim + (g + 1) * hk],
+                        &mut krows[c * hk..(c + 1) * hk],
+                    );
+                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(
+                        &vb[c * v_dim + g * hv..c * v_dim + (g + 1) * hv],
+                        &mut vt[c * hv..(c + 1) * hv],
+                    );
+                }
+                krows[valid * hk..].fill(0.0);
+                vt[valid * hv..].fill(0.0);
+                for (c, krow) in krows.chunks_exact(hk).enumerate() {
+                    for (d, &kv) in krow.iter().enumerate() {
+                        kt[d * W + c] = kv;
                     }
                 }
                 for r0 in (0..nr).step_by(R) {
