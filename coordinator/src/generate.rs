@@ -40,8 +40,15 @@ pub fn generate(
     cache.reserve(req.prompt_tokens.len() + req.max_tokens - 1)?;
     let t0 = std::time::Instant::now();
     let mut logits = Vec::new();
-    for chunk in req.prompt_tokens.chunks(req.batch.max(1)) {
-        logits = model.forward(cache, chunk, Logits::Last)?;
+    let chunks: Vec<&[u32]> = req.prompt_tokens.chunks(req.batch.max(1)).collect();
+    for (i, chunk) in chunks.iter().enumerate() {
+        // Only the prompt's last position needs logits.
+        let want = if i + 1 == chunks.len() {
+            Logits::Last
+        } else {
+            Logits::None
+        };
+        logits = model.forward(cache, chunk, want)?;
     }
     out.prefill_s = t0.elapsed().as_secs_f64();
     let t1 = std::time::Instant::now();

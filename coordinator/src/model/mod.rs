@@ -128,12 +128,6 @@ pub struct Model {
     file: Arc<GgufFile>,
 }
 
-/// Per-step buffers of one row set (the rows of all sequences, back to back).
-struct Rows {
-    n: usize,
-    /// Residual stream, `n × n_embd`.
-    x: Vec<f32>,
-}
 
 /// Opening a model: a GGUF error, or a model/tokenizer error.
 #[derive(Debug, thiserror::Error)]
@@ -409,10 +403,10 @@ impl Model {
         let adds: Vec<(SeqId, usize)> = inputs.iter().map(|i| (i.seq, i.tokens.len())).collect();
         let tx = pool.begin(&adds)?;
         match self.layers(pool, inputs, &segs, opts, obs) {
-            Ok(rows) => {
+            Ok(x) => {
                 let toks: Vec<&[u32]> = inputs.iter().map(|i| i.tokens).collect();
                 pool.commit(tx, &toks);
-                self.head(rows, inputs, &segs, opts.numerics)
+                self.head(&x, inputs, &segs, opts.numerics)
             }
             Err(e) => {
                 pool.rollback(tx);
@@ -421,7 +415,8 @@ impl Model {
         }
     }
 
-    /// Embeddings and every layer for the step's rows (keys and values written to the pool).
+    /// Embeddings and every layer for the step's rows (keys and values written to the pool);
+    /// returns the residual stream, `rows × n_embd`.
     fn layers(
         &self,
         pool: &mut KvPool,
@@ -429,7 +424,7 @@ impl Model {
         segs: &[Segment],
         opts: &StepOptions,
         obs: &mut dyn Observer,
-    ) -> Result<Rows, ForwardError> {
+    ) -> Result<Vec<f32>, ForwardError> {
         let cfg = &self.cfg;
         let numerics = opts.numerics;
         let n: usize = segs.iter().map(|s| s.n).sum();
@@ -627,13 +622,13 @@ impl Model {
             x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
             dump(&format!("l_out-{il}"), &x, d);
         }
-        Ok(Rows { n, x })
+        Ok(x)
     }
 
     /// Final norm and LM head for the rows that want logits, split per input.
     fn head(
         &self,
-        rows: Rows,
+        x: &[f32],
         inputs: &[SeqInput<'_>],
         segs: &[Segment],
         numerics: Numerics,
@@ -650,9 +645,8 @@ impl Model {
         let m = wanted.len();
         let mut xo = Vec::with_capacity(m * d);
         for &r in &wanted {
-            xo.extend_from_slice(&rows.x[r * d..(r + 1) * d]);
+            xo.extend_from_slice(&x[r * d..(r + 1) * d]);
         }
-        debug_assert!(wanted.iter().all(|&r| r < rows.n));
         ops::rms_norm_rows(&mut xo, &self.weights.output_norm, cfg.rms_eps);
         let mut logits = vec![0f32; m * cfg.n_vocab];
         let mut act = Activations::new();
