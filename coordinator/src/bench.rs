@@ -24,6 +24,18 @@ pub struct BenchResult {
     pub agg_tg_tps: Option<f64>,
 }
 
+/// Token ids below `n_vocab` from a xorshift64 stream seeded with `seed` (benchmark prompts:
+/// random, reproducible).
+fn random_tokens(seed: u64, n_vocab: u64) -> impl FnMut() -> u32 {
+    let mut rng = seed;
+    move || {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        (rng % n_vocab) as u32
+    }
+}
+
 /// Runs the benchmark; `batch` is the prompt tokens per forward pass.
 pub fn bench(
     model: &Model,
@@ -34,13 +46,7 @@ pub fn bench(
     reps: usize,
 ) -> Result<BenchResult, ForwardError> {
     let n_vocab = model.cfg.n_vocab as u64;
-    let mut rng = 0x2545_F491_4F6C_DD1Du64;
-    let mut rand_tok = move || {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
-        (rng % n_vocab) as u32
-    };
+    let mut rand_tok = random_tokens(0x2545_F491_4F6C_DD1D, n_vocab);
     let mut cache = model.new_cache_with(n_prompt.max(n_gen.saturating_add(1)), opts);
     let mut run_pp = |cache: &mut crate::kv_cache::KvCache| -> Result<f64, ForwardError> {
         let mut toks: Vec<u32> = (0..n_prompt).map(|_| rand_tok()).collect();
@@ -123,13 +129,7 @@ pub fn bench_parallel(
         let seqs: Vec<_> = (0..n_seq)
             .map(|_| pool.add_sequence(positions as usize))
             .collect();
-        let mut rng = 0x9E37_79B9_7F4A_7C15u64 ^ n_seq as u64;
-        let mut rand_tok = move || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            (rng % n_vocab) as u32
-        };
+        let mut rand_tok = random_tokens(0x9E37_79B9_7F4A_7C15 ^ n_seq as u64, n_vocab);
         let prompts: Vec<Vec<u32>> = (0..n_seq)
             .map(|_| (0..n_prompt.max(1)).map(|_| rand_tok()).collect())
             .collect();
