@@ -813,5 +813,6 @@ fn softmax_exp_follows_ggml_v_expf_on_every_isa() {
     }
 }
 
+mod batched;
 mod invariant;
 mod ternary;

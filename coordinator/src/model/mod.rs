@@ -128,7 +128,6 @@ pub struct Model {
     file: Arc<GgufFile>,
 }
 
-
 /// Opening a model: a GGUF error, or a model/tokenizer error.
 #[derive(Debug, thiserror::Error)]
 pub enum LoadError {

@@ -5,17 +5,25 @@
 //! Integer products use VNNI. Exact integer partial sums may be grouped any way; only the f32
 //! steps have to happen where ggml does them:
 //! - Legacy blocks (q8_0, q4_0, q5_0): per block, eight i32 lanes of four products, one FMA
-//!   per lane, the lanes reduced as `hsum_float_8` at the end. One token: one 256-bit
-//!   accumulator per row (unsigned weight codes, the offset removed by starting the lanes at
-//!   `-offset·Σa`). Several tokens: a 512-bit register holds a (row, token pair) — weights
-//!   broadcast to both halves, the two tokens' activations side by side, biased by +128 to be
-//!   the unsigned operand, the bias removed by starting the lanes at `-128·Σw`.
+//!   per lane, the lanes reduced as `hsum_float_8` at the end. Up to `SMALL_LEGACY_MAX`
+//!   tokens (the GEMV and batched decode): two rows per 512-bit register, unsigned weight
+//!   codes unpacked once per block for every token, the offset removed by starting the lanes
+//!   at `-offset·Σa`. More tokens (prefill): a register holds a (row, token pair) — weights
+//!   unpacked once per row chunk and broadcast to both halves, the two tokens' activations
+//!   side by side, biased by +128 to be the unsigned operand, the bias removed by starting
+//!   the lanes at `-128·Σw`.
 //! - k-quants: the exact integer sum of a super-block (or of 64 values for the q4_K GEMM
-//!   order) is reduced horizontally, four tokens at a time so one transposing reduction serves
-//!   four dot products, then scaled in f32 lanes that hold those four tokens; q6_K's `vec_dot`
-//!   order keeps eight lanes per token, two tokens per register. Which order a token takes is
-//!   `scalar::token_order`: under `Numerics::Invariant` always the 1-token one, so a batched
-//!   row equals what the GEMV gives that token alone.
+//!   order) is reduced horizontally, 16 (row, token) pairs at a time — four rows by four
+//!   tokens — so one transposing reduction serves sixteen dot products, then scaled in f32
+//!   lanes that hold those pairs; q6_K's `vec_dot` order keeps eight lanes per token, two
+//!   tokens per register. Which order a token takes is `scalar::token_order`: under
+//!   `Numerics::Invariant` always the 1-token one, so a batched row equals what the GEMV
+//!   gives that token alone.
+//!
+//! Multi-token calls read each weight block from memory once per call (per token block for a
+//! long prefill) and apply every token while it is in cache; their buffers (prepared
+//! activations, the unpacked weights of a row chunk) are per-thread scratch reused across
+//! calls and never grow with the row count.
 //!
 //! Legacy and float orders do not depend on the batch (the GEMV and the GEMM sum each row in
 //! the same order), so `Numerics` changes nothing for them.
@@ -24,7 +32,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::avx2::{hsum as hsum8, hsum_i32};
-use super::{k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset};
+use super::{k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset, with_scratch, Pod};
 use super::{Q4_0, Q5_0, Q5_K, Q6_K, Q8_0};
 use crate::matmul::Gemm;
 use crate::quant::{QK, QK_K};
@@ -82,7 +90,7 @@ pub(super) unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         unsafe { gemv_legacy::<KIND>(g, out) };
     } else {
         // SAFETY: as this function's contract.
-        unsafe { gemm_legacy::<KIND>(g, out) };
+        unsafe { run_legacy_multi::<KIND>(g, out) };
     }
 }
 
@@ -226,6 +234,9 @@ struct WBlock {
     w: __m256i,
     corr: __m256i,
     d: f32,
+    /// Explicit padding (written as zeros), so a scratch buffer that held `WBlock`s holds only
+    /// initialized bytes whatever type views it next.
+    _pad: [f32; 7],
 }
 
 /// One token pair's block for the GEMM: both tokens' codes biased by +128 (token `2q` in the
@@ -236,15 +247,212 @@ struct APair {
     d: __m512,
 }
 
-/// GEMM (several tokens). Every row of the call is unpacked once; the tokens run in pairs and
-/// in blocks whose prepared activations stay in L2; tiles of 4 rows × 4 pairs keep 16
-/// accumulators in registers for the whole row length (the per-lane chains must run over all
-/// blocks in order).
+// SAFETY: vectors and floats without implicit padding: every bit pattern is a value; alignment
+// 32 / 64.
+unsafe impl Pod for WBlock {}
+// SAFETY: as above.
+unsafe impl Pod for APair {}
+
+/// Up to this many tokens, [`gemm_small_legacy`]; from there on [`gemm_legacy`].
+const SMALL_LEGACY_MAX: usize = 40;
+
+/// Bytes of unpacked weights [`gemm_legacy`] keeps per row chunk (L2-resident).
+const WCHUNK_BYTES: usize = 192 * 1024;
+
+/// Bytes of prepared activations one token block of [`gemm_legacy`] spans (L2-resident).
+const ABLOCK_BYTES: usize = 192 * 1024;
+
+/// The multi-token path for `g.ntok` tokens, on this thread's scratch buffers.
 ///
 /// # Safety
-/// As [`run_legacy`].
+/// As [`run_legacy`], with `g.ntok > 1`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn gemm_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+unsafe fn run_legacy_multi<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    let nb = g.cols / QK;
+    if g.ntok <= SMALL_LEGACY_MAX {
+        // Per token and block: the codes broadcast to both halves, then their corrections.
+        with_scratch(0, 2 * g.ntok * nb, |prep: &mut [__m512i]| {
+            // SAFETY: as this function's contract; `prep` holds `2 · ntok · nb` vectors.
+            unsafe { gemm_small_legacy::<KIND>(g, prep, out) }
+        })
+    } else {
+        let rc = (WCHUNK_BYTES / (nb * core::mem::size_of::<WBlock>()).max(1)).max(4) / 4 * 4;
+        let rc = rc.min(g.nrows);
+        with_scratch(0, g.ntok.div_ceil(2) * nb, |act: &mut [APair]| {
+            with_scratch(1, rc * nb, |wsc: &mut [WBlock]| {
+                // SAFETY: as this function's contract; the buffers hold every pair's blocks
+                // and `rc` rows' blocks.
+                unsafe { gemm_legacy::<KIND>(g, act, wsc, rc, out) }
+            })
+        })
+    }
+}
+
+/// Few tokens (decode of several sequences): the GEMV's loop, four rows at a time two per
+/// register, with up to eight tokens per pass over the rows' blocks, so each weight block is
+/// loaded and unpacked once for all of them and streamed from memory once per call. Per
+/// (row, token) the lanes are [`gemv_legacy`]'s, so the results equal its bit for bit.
+///
+/// # Safety
+/// As [`run_legacy`]; `prep` holds `2 · g.ntok · nb` vectors.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemm_small_legacy<const KIND: u8>(g: &Gemm<'_>, prep: &mut [__m512i], out: &mut [f32]) {
+    let nb = g.cols / QK;
+    let ones = _mm256_set1_epi8(1);
+    let negk = _mm256_set1_epi32(-legacy_offset(KIND));
+    let (codes, corr) = prep.split_at_mut(g.ntok * nb);
+    // SAFETY (whole body): tokens below `g.ntok`, blocks below `nb`, rows below `g.nrows`.
+    unsafe {
+        for t in 0..g.ntok {
+            for b in 0..nb {
+                let a = _mm256_loadu_si256(g.a.as_ptr().add(t * g.a_stride + b * 34 + 2).cast());
+                *codes.get_unchecked_mut(t * nb + b) = _mm512_broadcast_i64x4(a);
+                let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, a);
+                *corr.get_unchecked_mut(t * nb + b) =
+                    _mm512_broadcast_i64x4(_mm256_mullo_epi32(sums, negk));
+            }
+        }
+        let (codes, corr) = (&*codes, &*corr);
+        let mut r = 0;
+        while r + 4 <= g.nrows {
+            let mut t = 0;
+            while t < g.ntok {
+                // The first pass over the rows prefetches the rows ahead; later ones find
+                // these rows in L1/L2.
+                let pf = t == 0;
+                match g.ntok - t {
+                    1 => small_legacy_tile::<KIND, 1>(g, codes, corr, r, t, pf, out),
+                    2 => small_legacy_tile::<KIND, 2>(g, codes, corr, r, t, pf, out),
+                    3 => small_legacy_tile::<KIND, 3>(g, codes, corr, r, t, pf, out),
+                    4 => small_legacy_tile::<KIND, 4>(g, codes, corr, r, t, pf, out),
+                    5 => small_legacy_tile::<KIND, 5>(g, codes, corr, r, t, pf, out),
+                    6 => small_legacy_tile::<KIND, 6>(g, codes, corr, r, t, pf, out),
+                    7 => small_legacy_tile::<KIND, 7>(g, codes, corr, r, t, pf, out),
+                    _ => small_legacy_tile::<KIND, 8>(g, codes, corr, r, t, pf, out),
+                }
+                t += 8;
+            }
+            r += 4;
+        }
+        // The last rows one at a time, as the GEMV's.
+        let bs = legacy_block_bytes(KIND);
+        while r < g.nrows {
+            let w = g.w.as_ptr().add(r * g.w_stride);
+            for t in 0..g.ntok {
+                let mut acc = _mm256_setzero_ps();
+                for b in 0..nb {
+                    let p = w.add(b * bs);
+                    let i = t * nb + b;
+                    let isum = _mm256_dpbusd_epi32(
+                        _mm512_castsi512_si256(*corr.get_unchecked(i)),
+                        unpack_u8::<KIND>(p),
+                        _mm512_castsi512_si256(*codes.get_unchecked(i)),
+                    );
+                    let d = _mm256_set1_ps(f16_to_f32(p) * *g.a_scales.get_unchecked(i));
+                    acc = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(isum), acc);
+                }
+                *out.get_unchecked_mut(t * g.nrows + r) = hsum8(acc);
+            }
+            r += 1;
+        }
+    }
+}
+
+/// Rows `r..r+4` × tokens `t0..t0+T` of [`gemm_small_legacy`]: rows `r`, `r+1` in the halves of
+/// one register and `r+2`, `r+3` of another, per token; one FMA per lane per block with
+/// `d = dw·da`, each half reduced by `hsum_float_8`.
+///
+/// # Safety
+/// Features as the module; `r + 4 <= g.nrows`, `t0 + T <= g.ntok`, `codes` / `corr` prepared
+/// for every token.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn small_legacy_tile<const KIND: u8, const T: usize>(
+    g: &Gemm<'_>,
+    codes: &[__m512i],
+    corr: &[__m512i],
+    r: usize,
+    t0: usize,
+    prefetch: bool,
+    out: &mut [f32],
+) {
+    let nb = g.cols / QK;
+    let bs = legacy_block_bytes(KIND);
+    let st = g.w_stride;
+    let sel_a = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    let sel_b = _mm512_setr_epi32(2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3);
+    let mut acc_a = [_mm512_setzero_ps(); T];
+    let mut acc_b = [_mm512_setzero_ps(); T];
+    // SAFETY (whole body): blocks below `nb` of rows `r..r+4` and of tokens `t0..t0+T`.
+    unsafe {
+        let w = g.w.as_ptr().add(r * st);
+        for b in 0..nb {
+            let p = w.add(b * bs);
+            if prefetch {
+                let q = p.wrapping_add(PF_GROUPS * 4 * st);
+                for i in 0..4 {
+                    _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(i * st).cast());
+                }
+            }
+            let (ua, ub) = (
+                unpack_pair_u8::<KIND>(p, p.add(st)),
+                unpack_pair_u8::<KIND>(p.add(2 * st), p.add(3 * st)),
+            );
+            let dh = _mm_setr_epi16(
+                p.cast::<i16>().read_unaligned(),
+                p.add(st).cast::<i16>().read_unaligned(),
+                p.add(2 * st).cast::<i16>().read_unaligned(),
+                p.add(3 * st).cast::<i16>().read_unaligned(),
+                0,
+                0,
+                0,
+                0,
+            );
+            let dz = _mm512_castps128_ps512(_mm_cvtph_ps(dh));
+            let (dwa, dwb) = (
+                _mm512_permutexvar_ps(sel_a, dz),
+                _mm512_permutexvar_ps(sel_b, dz),
+            );
+            for j in 0..T {
+                let i = (t0 + j) * nb + b;
+                let c = *corr.get_unchecked(i);
+                let a = *codes.get_unchecked(i);
+                let da = _mm512_set1_ps(*g.a_scales.get_unchecked(i));
+                let ia = _mm512_dpbusd_epi32(c, ua, a);
+                let ib = _mm512_dpbusd_epi32(c, ub, a);
+                acc_a[j] =
+                    _mm512_fmadd_ps(_mm512_mul_ps(dwa, da), _mm512_cvtepi32_ps(ia), acc_a[j]);
+                acc_b[j] =
+                    _mm512_fmadd_ps(_mm512_mul_ps(dwb, da), _mm512_cvtepi32_ps(ib), acc_b[j]);
+            }
+        }
+        for j in 0..T {
+            let o = out.as_mut_ptr().add((t0 + j) * g.nrows + r);
+            *o = hsum8(_mm512_castps512_ps256(acc_a[j]));
+            *o.add(1) = hsum8(_mm512_extractf32x8_ps::<1>(acc_a[j]));
+            *o.add(2) = hsum8(_mm512_castps512_ps256(acc_b[j]));
+            *o.add(3) = hsum8(_mm512_extractf32x8_ps::<1>(acc_b[j]));
+        }
+    }
+}
+
+/// GEMM (more tokens, prefill). The tokens run in pairs, prepared once per call; the rows run
+/// in chunks of `rc` whose unpacked blocks (`wsc`) stay in L2 while every token block passes
+/// over them, so each weight block is read from memory and unpacked once per call and no
+/// buffer grows with the row count. Tiles of 4 rows × 4 pairs keep 16 accumulators in
+/// registers for the whole row length (the per-lane chains must run over all blocks in order).
+///
+/// # Safety
+/// As [`run_legacy`]; `act` holds `nb` blocks of every token pair, `wsc` `nb` blocks of `rc`
+/// rows, `rc >= 1` unless `g.nrows == 0`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemm_legacy<const KIND: u8>(
+    g: &Gemm<'_>,
+    act: &mut [APair],
+    wsc: &mut [WBlock],
+    rc: usize,
+    out: &mut [f32],
+) {
     const R: usize = 4;
     const P: usize = 4;
     let nb = g.cols / QK;
@@ -252,106 +460,113 @@ unsafe fn gemm_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let off = _mm256_set1_epi8(legacy_offset(KIND) as u8 as i8);
     let ones = _mm256_set1_epi8(1);
     let npairs = g.ntok.div_ceil(2);
-    // Pairs per token block: their prepared activations (128 bytes per block) within ~192 KiB.
-    let pb = ((192 * 1024) / (nb * 128).max(1)).max(P) / P * P;
-    let mut wsc: Vec<WBlock> = Vec::with_capacity(g.nrows * nb);
-    let mut act: Vec<APair> = Vec::with_capacity(pb.min(npairs) * nb);
+    // Pairs per token block: their prepared activations (128 bytes per block) within L2.
+    let pb = (ABLOCK_BYTES / (nb * 128).max(1)).max(P) / P * P;
     // SAFETY (whole body): rows below `g.nrows`, tokens below `g.ntok` (an odd last token's
-    // partner is a zero block, never read from `g.a`), blocks below `nb`.
+    // partner is a zero block, never read from `g.a`), blocks below `nb`, chunk rows below `rc`.
     unsafe {
-        for r in 0..g.nrows {
-            let w = g.w.as_ptr().add(r * g.w_stride);
+        let bias = _mm256_set1_epi8(-128);
+        for q in 0..npairs {
+            let t = 2 * q;
+            let has1 = t + 1 < g.ntok;
             for b in 0..nb {
-                let p = w.add(b * bs);
-                let sw = _mm256_sub_epi8(unpack_u8::<KIND>(p), off);
-                let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, sw);
-                wsc.push(WBlock {
-                    w: sw,
-                    corr: _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32::<7>(sums)),
-                    d: f16_to_f32(p),
-                });
+                let p0 = g.a.as_ptr().add(t * g.a_stride + b * 34 + 2);
+                let lo = _mm256_xor_si256(_mm256_loadu_si256(p0.cast()), bias);
+                let (hi, d1) = if has1 {
+                    let p1 = p0.add(g.a_stride);
+                    (
+                        _mm256_xor_si256(_mm256_loadu_si256(p1.cast()), bias),
+                        *g.a_scales.get_unchecked((t + 1) * nb + b),
+                    )
+                } else {
+                    (bias, 0.0)
+                };
+                let d0 = *g.a_scales.get_unchecked(t * nb + b);
+                *act.get_unchecked_mut(q * nb + b) = APair {
+                    a: _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi),
+                    d: _mm512_insertf32x8::<1>(
+                        _mm512_castps256_ps512(_mm256_set1_ps(d0)),
+                        _mm256_set1_ps(d1),
+                    ),
+                };
             }
         }
-        let bias = _mm256_set1_epi8(-128);
-        let mut q0 = 0;
-        while q0 < npairs {
-            let q1 = (q0 + pb).min(npairs);
-            act.clear();
-            for q in q0..q1 {
-                let t = 2 * q;
-                let has1 = t + 1 < g.ntok;
+        let act = &*act;
+        let mut r0 = 0;
+        while r0 < g.nrows {
+            let r1 = (r0 + rc).min(g.nrows);
+            for r in r0..r1 {
+                let w = g.w.as_ptr().add(r * g.w_stride);
                 for b in 0..nb {
-                    let p0 = g.a.as_ptr().add(t * g.a_stride + b * 34 + 2);
-                    let lo = _mm256_xor_si256(_mm256_loadu_si256(p0.cast()), bias);
-                    let (hi, d1) = if has1 {
-                        let p1 = p0.add(g.a_stride);
-                        (
-                            _mm256_xor_si256(_mm256_loadu_si256(p1.cast()), bias),
-                            *g.a_scales.get_unchecked((t + 1) * nb + b),
-                        )
-                    } else {
-                        (bias, 0.0)
-                    };
-                    let d0 = *g.a_scales.get_unchecked(t * nb + b);
-                    act.push(APair {
-                        a: _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), hi),
-                        d: _mm512_insertf32x8::<1>(
-                            _mm512_castps256_ps512(_mm256_set1_ps(d0)),
-                            _mm256_set1_ps(d1),
+                    let p = w.add(b * bs);
+                    let sw = _mm256_sub_epi8(unpack_u8::<KIND>(p), off);
+                    let sums = _mm256_dpbusd_epi32(_mm256_setzero_si256(), ones, sw);
+                    *wsc.get_unchecked_mut((r - r0) * nb + b) = WBlock {
+                        w: sw,
+                        corr: _mm256_sub_epi32(
+                            _mm256_setzero_si256(),
+                            _mm256_slli_epi32::<7>(sums),
                         ),
-                    });
+                        d: f16_to_f32(p),
+                        _pad: [0.0; 7],
+                    };
                 }
             }
-            let mut r = 0;
-            while r < g.nrows {
-                let nr = if g.nrows - r >= R { R } else { 1 };
-                let mut q = q0;
-                while q < q1 {
-                    let np = if q1 - q >= P { P } else { 1 };
-                    match (nr, np) {
-                        (R, P) => legacy_tile::<R, P>(g, &wsc, &act, nb, r, q0, q, out),
-                        (R, _) => legacy_tile::<R, 1>(g, &wsc, &act, nb, r, q0, q, out),
-                        (_, P) => legacy_tile::<1, P>(g, &wsc, &act, nb, r, q0, q, out),
-                        _ => legacy_tile::<1, 1>(g, &wsc, &act, nb, r, q0, q, out),
+            let wsc = &*wsc;
+            let mut q0 = 0;
+            while q0 < npairs {
+                let q1 = (q0 + pb).min(npairs);
+                let mut r = r0;
+                while r < r1 {
+                    let nr = if r1 - r >= R { R } else { 1 };
+                    let mut q = q0;
+                    while q < q1 {
+                        let np = if q1 - q >= P { P } else { 1 };
+                        match (nr, np) {
+                            (R, P) => legacy_tile::<R, P>(g, wsc, act, r0, r, q, out),
+                            (R, _) => legacy_tile::<R, 1>(g, wsc, act, r0, r, q, out),
+                            (_, P) => legacy_tile::<1, P>(g, wsc, act, r0, r, q, out),
+                            _ => legacy_tile::<1, 1>(g, wsc, act, r0, r, q, out),
+                        }
+                        q += np;
                     }
-                    q += np;
+                    r += nr;
                 }
-                r += nr;
+                q0 = q1;
             }
-            q0 = q1;
+            r0 = r1;
         }
     }
 }
 
-/// Rows `r0..r0+R` × token pairs `q..q+P` over all `nb` blocks, written to `out` (the second
-/// token of a pair only when it exists).
+/// Rows `r..r+R` × token pairs `q..q+P` over all blocks, written to `out` (the second token of
+/// a pair only when it exists).
 ///
 /// # Safety
-/// Features as the module; `wsc` holds `nb` blocks of every row, `act` `nb` blocks of the pairs
-/// `q0..` (so `q - q0 + P` of them), `r0 + R <= g.nrows`, `2q < g.ntok`.
+/// Features as the module; `wsc` holds the blocks of rows `c0..` (the chunk from `c0`, which
+/// includes `r..r+R`), `act` those of every pair, `r + R <= g.nrows`, `2(q + P - 1) < g.ntok`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
-#[allow(clippy::too_many_arguments)]
 unsafe fn legacy_tile<const R: usize, const P: usize>(
     g: &Gemm<'_>,
     wsc: &[WBlock],
     act: &[APair],
-    nb: usize,
-    r0: usize,
-    q0: usize,
+    c0: usize,
+    r: usize,
     q: usize,
     out: &mut [f32],
 ) {
+    let nb = g.cols / QK;
     let mut acc = [[_mm512_setzero_ps(); P]; R];
     // SAFETY (whole body): indices as the contract.
     unsafe {
         for b in 0..nb {
             let mut ap = [act.get_unchecked(0); P];
             for j in 0..P {
-                ap[j] = act.get_unchecked((q - q0 + j) * nb + b);
+                ap[j] = act.get_unchecked((q + j) * nb + b);
             }
             for i in 0..R {
-                let wb = wsc.get_unchecked((r0 + i) * nb + b);
+                let wb = wsc.get_unchecked((r - c0 + i) * nb + b);
                 let w = _mm512_broadcast_i64x4(wb.w);
                 let c = _mm512_broadcast_i64x4(wb.corr);
                 let dw = _mm512_set1_ps(wb.d);
@@ -366,10 +581,10 @@ unsafe fn legacy_tile<const R: usize, const P: usize>(
             for j in 0..P {
                 let t = 2 * (q + j);
                 let lo = _mm512_castps512_ps256(acc[i][j]);
-                *out.get_unchecked_mut(t * g.nrows + r0 + i) = hsum8(lo);
+                *out.get_unchecked_mut(t * g.nrows + r + i) = hsum8(lo);
                 if t + 1 < g.ntok {
                     let hi = _mm512_extractf32x8_ps::<1>(acc[i][j]);
-                    *out.get_unchecked_mut((t + 1) * g.nrows + r0 + i) = hsum8(hi);
+                    *out.get_unchecked_mut((t + 1) * g.nrows + r + i) = hsum8(hi);
                 }
             }
         }
@@ -390,6 +605,8 @@ pub(super) struct KBlock {
     d: f32,
     dmin: f32,
     bsum_w: __m256i,
+    /// q4_K/q5_K: the 8 mins (i16), once each.
+    m8: __m128i,
 }
 
 /// # Safety
@@ -430,6 +647,7 @@ unsafe fn unpack_k<const KIND: u8>(p: *const u8) -> KBlock {
                 d,
                 dmin: 0.0,
                 bsum_w: sc16,
+                m8: _mm_setzero_si128(),
             }
         } else {
             let d = f16_to_f32(p);
@@ -438,6 +656,7 @@ unsafe fn unpack_k<const KIND: u8>(p: *const u8) -> KBlock {
             let sc512 = _mm512_castsi128_si512(_mm_cvtepu8_epi16(_mm_cvtsi64_si128(scales as i64)));
             let m = _mm_cvtsi64_si128(mins as i64);
             let bsum_w = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
+            let m8 = _mm_cvtepu8_epi16(m);
             let idx0 = _mm512_inserti64x4(_mm512_set1_epi16(0), _mm256_set1_epi16(1), 1);
             let qs = if KIND == Q5_K { p.add(48) } else { p.add(16) };
             let hb = if KIND == Q5_K {
@@ -464,6 +683,7 @@ unsafe fn unpack_k<const KIND: u8>(p: *const u8) -> KBlock {
                 d,
                 dmin,
                 bsum_w,
+                m8,
             }
         }
     }
@@ -583,192 +803,374 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         unsafe { gemv_k::<KIND>(g, out) };
         return;
     }
+    if g.ntok == 0 || g.nrows == 0 {
+        return;
+    }
     let nsb = g.cols / QK_K;
-    let wbs = k_block_bytes(KIND);
-    let ntok = g.ntok;
-    let mut kb: Vec<KBlock> = Vec::with_capacity(nsb);
-    // Token block (a multiple of 4): its activations stay in L2 while the rows stream past.
-    let tb = ((256 * 1024) / g.a_stride.max(1)).max(4) / 4 * 4;
-    // SAFETY (whole body): rows below `g.nrows`, tokens below `ntok` (padding repeats a valid
-    // token), super-blocks below `nsb`, as validated by `Gemm::new`.
+    let ngroups = g.ntok.div_ceil(4);
+    // Token block (whole groups of four): its activations stay in L2 while the rows stream past.
+    let gb = (KBLOCK_BYTES / (4 * g.a_stride).max(1)).clamp(1, ngroups);
+    with_scratch(0, ngroups * nsb, |groups: &mut [KGroup]| {
+        with_scratch(1, gb, |accs: &mut [[__m512; 8]]| {
+            // SAFETY: as this function's contract; the buffers hold every group's super-blocks
+            // and one block of groups' accumulators.
+            unsafe { gemm_k::<KIND>(g, groups, accs, out) }
+        })
+    })
+}
+
+/// Bytes of activations one token block of [`gemm_k`] spans (L2-resident).
+const KBLOCK_BYTES: usize = 512 * 1024;
+
+/// One group of (up to) four tokens at one super-block, prepared once per call for
+/// [`gemm_k`]; a missing token's fields are zero.
+#[derive(Clone, Copy)]
+struct KGroup {
+    /// q4_K/q5_K: in the 128-bit lane of token `t`, its 8 sums `bsums[2j] + bsums[2j+1]`
+    /// (i16), so one `vpmaddwd` with a row's 8 mins gives the four tokens' per-64-value mins.
+    s: __m512i,
+    /// Lane `4t + r`: token `t`'s scale (the tile's lanes are token-major).
+    da4: __m512,
+    /// q6_K: tokens `2p` and `2p + 1`'s 16 `bsums` (i16), side by side.
+    bs2: [__m512i; 2],
+    /// q6_K: tokens `2p` and `2p + 1`'s scales, each over its 8 lanes.
+    da8: [__m512; 2],
+}
+
+// SAFETY: vectors only: every bit pattern is a value; alignment 64.
+unsafe impl Pod for KGroup {}
+
+/// The group of tokens `t0..t0+n` (`n <= 4`) at super-block `sb`.
+///
+/// # Safety
+/// Features as the module; `t0 + n <= g.ntok`, `sb < g.cols / QK_K`, `g` of a k-quant.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn k_prep<const KIND: u8>(g: &Gemm<'_>, t0: usize, n: usize, sb: usize) -> KGroup {
+    let mut s = [0i16; 32];
+    let mut da4 = [0f32; 16];
+    let mut bs2 = [[0i16; 32]; 2];
+    let mut da8 = [[0f32; 16]; 2];
+    for t in 0..n {
+        // SAFETY: token `t0 + t` and super-block `sb` lie inside the activations.
+        let p = unsafe { g.a.as_ptr().add((t0 + t) * g.a_stride + sb * 292) };
+        // SAFETY: q8_K super-block: f32 d at 0, 16 i16 bsums at 4 + 256.
+        let (d, bs) = unsafe {
+            (
+                p.cast::<f32>().read_unaligned(),
+                p.add(4 + QK_K).cast::<[i16; 16]>().read_unaligned(),
+            )
+        };
+        for j in 0..8 {
+            // |bsums| <= 16 · 128: a pair fits in i16.
+            s[8 * t + j] = bs[2 * j] + bs[2 * j + 1];
+        }
+        for r in 0..4 {
+            da4[4 * t + r] = d;
+        }
+        bs2[t / 2][16 * (t % 2)..16 * (t % 2) + 16].copy_from_slice(&bs);
+        for l in 0..8 {
+            da8[t / 2][8 * (t % 2) + l] = d;
+        }
+    }
+    // SAFETY: the arrays are 64 bytes each.
     unsafe {
-        let act = |t: usize, sb: usize| k_act(g.a.as_ptr().add(t * g.a_stride + sb * 292));
-        let mut t0 = 0;
-        while t0 < ntok {
-            let t1 = (t0 + tb).min(ntok);
-            for r in 0..g.nrows {
-                let w = g.w.as_ptr().add(r * g.w_stride);
-                kb.clear();
-                for sb in 0..nsb {
-                    kb.push(unpack_k::<KIND>(w.add(sb * wbs)));
-                }
-                let mut t = t0;
-                while t < t1 {
-                    // Tokens from `t` on share `t`'s order up to the next multiple of 4 (Parity
-                    // switches q4_K from Sb64 to Sb256 at `ntok - ntok % 4`, and `t0` and `tb`
-                    // are multiples of 4), so groups of four never mix orders.
-                    let order = token_order(g, t);
-                    let n = (t1 - t).min(4);
-                    let group = |j: usize, sb: usize| act(t + j.min(n - 1), sb);
-                    let mut res = [0f32; 4];
-                    match order {
-                        KOrder::Sb64 | KOrder::Tiled => {
-                            _mm_storeu_ps(res.as_mut_ptr(), k_group(&kb, order, group))
-                        }
-                        KOrder::Lanes8 if n == 4 => {
-                            _mm_storeu_ps(res.as_mut_ptr(), lanes8_group(&kb, group))
-                        }
-                        KOrder::Sb256 if n == 4 => {
-                            _mm_storeu_ps(res.as_mut_ptr(), k_group(&kb, order, group))
-                        }
-                        // Fewer than four tokens left: one at a time, not a padded group.
-                        KOrder::Lanes8 => {
-                            for j in 0..n {
-                                let mut acc = _mm256_setzero_ps();
-                                for sb in 0..nsb {
-                                    acc = lanes8_step(acc, kb.get_unchecked(sb), &act(t + j, sb));
-                                }
-                                res[j] = hsum8(acc);
-                            }
-                        }
-                        KOrder::Sb256 => {
-                            for j in 0..n {
-                                let mut acc = (0f32, 0f32);
-                                for sb in 0..nsb {
-                                    acc = sb256_step(acc, kb.get_unchecked(sb), &act(t + j, sb));
-                                }
-                                res[j] = acc.0 - acc.1;
-                            }
-                        }
-                    }
-                    for j in 0..n {
-                        *out.get_unchecked_mut((t + j) * g.nrows + r) = res[j];
-                    }
-                    t += n;
-                }
-            }
-            t0 = t1;
+        KGroup {
+            s: _mm512_loadu_si512(s.as_ptr().cast()),
+            da4: _mm512_loadu_ps(da4.as_ptr()),
+            bs2: [
+                _mm512_loadu_si512(bs2[0].as_ptr().cast()),
+                _mm512_loadu_si512(bs2[1].as_ptr().cast()),
+            ],
+            da8: [
+                _mm512_loadu_ps(da8[0].as_ptr()),
+                _mm512_loadu_ps(da8[1].as_ptr()),
+            ],
         }
     }
 }
 
-/// One row (`kb`, all its super-blocks) against four tokens (`act(j, sb)`, j < 4; padding
-/// repeats a token) in [`KOrder::Lanes8`] order (q6_K's `vec_dot`, which Invariant gives every
-/// q6_K token): [`lanes8_step`] with tokens 0 and 1 in the 256-bit halves of one accumulator,
-/// 2 and 3 in another (the same exact lanes, the same `da·dw` product, one FMA per lane per
-/// super-block), each half reduced by `hsum_float_8` at the end; lane `j` is token `j`.
-///
+/// Four rows' super-block `sb`, unpacked once for every token of a block, with the per-row
+/// values the tiles spread over their token-major lanes.
+#[derive(Clone, Copy)]
+struct KRows {
+    kb: [KBlock; 4],
+    /// Lane `4t + r`: row `r`'s `d` / `dmin`.
+    dw: __m512,
+    dm: __m512,
+    /// q4_K/q5_K: row `r`'s 8 mins (i16) in every 128-bit lane. q6_K: its 16 scales (i16) in
+    /// both 256-bit halves.
+    m: [__m512i; 4],
+}
+
 /// # Safety
-/// As [`k_group`].
+/// Features as the module; `p[i]` readable for one `KIND` super-block each.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn lanes8_group(kb: &[KBlock], act: impl Fn(usize, usize) -> KAct) -> __m128 {
-    let mut acc = [_mm512_setzero_ps(); 2];
-    // SAFETY (whole body): `act` as the contract.
-    unsafe {
-        for (sb, b) in kb.iter().enumerate() {
-            let w2 = _mm512_broadcast_i64x4(b.bsum_w);
-            for (p, acc) in acc.iter_mut().enumerate() {
-                let (x, y) = (act(2 * p, sb), act(2 * p + 1, sb));
-                let (vx, vy) = (block_dot(b, &x), block_dot(b, &y));
-                // [x.lo, y.lo] + [x.hi, y.hi]: each token's halves summed, as lanes8_step.
-                let lo = _mm512_shuffle_i64x2::<0b01_00_01_00>(vx, vy);
-                let hi = _mm512_shuffle_i64x2::<0b11_10_11_10>(vx, vy);
-                let bs = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(x.bsums), y.bsums);
-                let corr = _mm512_slli_epi32::<5>(_mm512_madd_epi16(bs, w2));
-                let v = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), corr);
-                let d =
-                    _mm512_insertf32x8::<1>(_mm512_set1_ps(x.d * b.d), _mm256_set1_ps(y.d * b.d));
-                *acc = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(v), *acc);
-            }
+unsafe fn k_rows<const KIND: u8>(p: [*const u8; 4]) -> KRows {
+    // SAFETY: as this function's contract.
+    let kb = unsafe { p.map(|p| unpack_k::<KIND>(p)) };
+    let dw = _mm512_broadcast_f32x4(_mm_setr_ps(kb[0].d, kb[1].d, kb[2].d, kb[3].d));
+    let dm = _mm512_broadcast_f32x4(_mm_setr_ps(kb[0].dmin, kb[1].dmin, kb[2].dmin, kb[3].dmin));
+    let m = kb.map(|b| {
+        if KIND == Q6_K {
+            _mm512_broadcast_i64x4(b.bsum_w)
+        } else {
+            _mm512_broadcast_i32x4(b.m8)
         }
-    }
-    _mm_setr_ps(
-        hsum8(_mm512_castps512_ps256(acc[0])),
-        hsum8(_mm512_extractf32x8_ps::<1>(acc[0])),
-        hsum8(_mm512_castps512_ps256(acc[1])),
-        hsum8(_mm512_extractf32x8_ps::<1>(acc[1])),
+    });
+    KRows { kb, dw, dm, m }
+}
+
+/// Per 128-bit lane `L`: `[Σ_L v0, Σ_L v1, Σ_L v2, Σ_L v3]`, the sums of each vector's four i32
+/// of that lane (exact).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn reduce_lanes(v0: __m512i, v1: __m512i, v2: __m512i, v3: __m512i) -> __m512i {
+    let a01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
+    let a23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
+    _mm512_add_epi32(
+        _mm512_unpacklo_epi64(a01, a23),
+        _mm512_unpackhi_epi64(a01, a23),
     )
 }
 
-/// One row (`kb`, all its super-blocks) against four tokens (`act(j, sb)`, j < 4; padding
-/// repeats a token) in [`KOrder::Sb64`], [`KOrder::Sb256`] or [`KOrder::Tiled`] order; lane `j`
-/// is token `j`. Sb256 (the q4_K/q5_K GEMV order, which Invariant uses for every token) is
-/// [`sb256_step`] in four lanes: the same exact integer sums, the same two FMAs per
-/// super-block with the same `dw·da` and `dmin·da` products, as [`gemv_k`]'s four-row lanes.
-///
-/// # Safety
-/// Features as the module; `act` returns readable q8_K super-blocks for every `sb < kb.len()`.
+/// Lane `4t + r` = the sum of all 16 lanes of `v[4t + r]` (exact), for `t < T` (the others
+/// zero).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn k_group(kb: &[KBlock], order: KOrder, act: impl Fn(usize, usize) -> KAct) -> __m128 {
-    let mut acc = _mm_setzero_ps();
-    let mut acc_min = _mm_setzero_ps();
-    // SAFETY (whole body): `act` as the contract; chunks below 4.
+fn reduce16<const T: usize>(v: &[__m512i; 16]) -> __m512i {
+    let mut b = [_mm512_setzero_si512(); 4];
+    for t in 0..T {
+        b[t] = reduce_lanes(v[4 * t], v[4 * t + 1], v[4 * t + 2], v[4 * t + 3]);
+    }
+    // Lane group t of the result: the four 128-bit lanes of b[t] summed.
+    let s01 = _mm512_add_epi32(
+        _mm512_shuffle_i64x2::<0b10_00_10_00>(b[0], b[1]),
+        _mm512_shuffle_i64x2::<0b11_01_11_01>(b[0], b[1]),
+    );
+    let s23 = _mm512_add_epi32(
+        _mm512_shuffle_i64x2::<0b10_00_10_00>(b[2], b[3]),
+        _mm512_shuffle_i64x2::<0b11_01_11_01>(b[2], b[3]),
+    );
+    _mm512_add_epi32(
+        _mm512_shuffle_i64x2::<0b10_00_10_00>(s01, s23),
+        _mm512_shuffle_i64x2::<0b11_01_11_01>(s01, s23),
+    )
+}
+
+/// Four rows × tokens `0..T` of one group at one super-block: every (row, token) takes one
+/// step of its order's float chain in `acc` (Sb256 / Sb64: `[acc, acc_min]` with lane `4t + r`;
+/// Tiled: `[acc]`; Lanes8: `acc[2r + p]` holds row `r` with tokens `2p`, `2p + 1` in its
+/// halves). The integer sums are exact, so grouping them differently from the scalar
+/// reference changes nothing; the f32 steps are its own, per (row, token), in order.
+///
+/// # Safety
+/// Features as the module; `a[t]` readable for the 256 codes and 16 bsums of token `t`'s
+/// super-block (`t < T`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn k_tile<const KIND: u8, const T: usize>(
+    rows: &KRows,
+    grp: &KGroup,
+    a: &[*const u8; 4],
+    order: KOrder,
+    acc: &mut [__m512; 8],
+) {
+    let kb = &rows.kb;
+    let mut v = [_mm512_setzero_si512(); 16];
+    // SAFETY (whole body): reads within the tokens' super-blocks.
     unsafe {
-        for (sb, b) in kb.iter().enumerate() {
-            let a = [act(0, sb), act(1, sb), act(2, sb), act(3, sb)];
-            let da = _mm_setr_ps(a[0].d, a[1].d, a[2].d, a[3].d);
-            if order == KOrder::Tiled {
-                let mut v = [_mm512_setzero_si512(); 4];
-                for j in 0..4 {
-                    let corr = _mm256_slli_epi32::<5>(_mm256_madd_epi16(a[j].bsums, b.bsum_w));
-                    v[j] = _mm512_sub_epi32(block_dot(b, &a[j]), _mm512_zextsi256_si512(corr));
-                }
-                let res = _mm_mul_ps(_mm_cvtepi32_ps(reduce4(v)), _mm_set1_ps(b.d));
-                acc = _mm_fmadd_ps(res, da, acc);
-            } else if order == KOrder::Sb256 {
-                let mut v = [_mm512_setzero_si512(); 4];
-                let mut m = [_mm256_setzero_si256(); 4];
-                for j in 0..4 {
-                    v[j] = block_dot(b, &a[j]);
-                    m[j] = _mm256_madd_epi16(a[j].bsums, b.bsum_w);
-                }
-                let h =
-                    _mm256_hadd_epi32(_mm256_hadd_epi32(m[0], m[1]), _mm256_hadd_epi32(m[2], m[3]));
-                let imin =
-                    _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
-                let sv = _mm_mul_ps(_mm_set1_ps(b.d), da);
-                let mv = _mm_mul_ps(_mm_set1_ps(b.dmin), da);
-                acc = _mm_fmadd_ps(_mm_cvtepi32_ps(reduce4(v)), sv, acc);
-                acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), mv, acc_min);
-            } else {
-                // Mins: per token, lanes j = min_j·(bsums[2j] + bsums[2j+1]); pairs of
-                // sub-blocks summed and transposed to one vector per 64 values.
-                let mut m = [_mm256_setzero_si256(); 4];
-                for j in 0..4 {
-                    m[j] = _mm256_madd_epi16(a[j].bsums, b.bsum_w);
-                }
-                let h01 = _mm256_hadd_epi32(m[0], m[1]);
-                let h23 = _mm256_hadd_epi32(m[2], m[3]);
-                let (l01, l23) = (_mm256_castsi256_ps(h01), _mm256_castsi256_ps(h23));
-                let lo = _mm256_shuffle_ps::<0b10_00_10_00>(l01, l23);
-                let hi = _mm256_shuffle_ps::<0b11_01_11_01>(l01, l23);
-                let mins = [
-                    _mm256_castps256_ps128(lo),
-                    _mm256_castps256_ps128(hi),
-                    _mm256_extractf128_ps::<1>(lo),
-                    _mm256_extractf128_ps::<1>(hi),
-                ];
-                let sv = _mm_mul_ps(_mm_set1_ps(b.d), da);
-                let mv = _mm_mul_ps(_mm_set1_ps(b.dmin), da);
-                for c in 0..4 {
-                    let mut v = [_mm512_setzero_si512(); 4];
-                    for j in 0..4 {
-                        v[j] = chunk_dot(b, &a[j], c, _mm512_setzero_si512());
+        if order == KOrder::Sb64 {
+            // Row r's mins against the four tokens: lane (t, c) = chunk c's mins of (r, t).
+            let x = rows.m.map(|m| _mm512_madd_epi16(grp.s, m));
+            let lo01 = _mm512_unpacklo_epi32(x[0], x[1]);
+            let hi01 = _mm512_unpackhi_epi32(x[0], x[1]);
+            let lo23 = _mm512_unpacklo_epi32(x[2], x[3]);
+            let hi23 = _mm512_unpackhi_epi32(x[2], x[3]);
+            // Chunk c's mins, lane 4t + r.
+            let mins = [
+                _mm512_unpacklo_epi64(lo01, lo23),
+                _mm512_unpackhi_epi64(lo01, lo23),
+                _mm512_unpacklo_epi64(hi01, hi23),
+                _mm512_unpackhi_epi64(hi01, hi23),
+            ];
+            let sv = _mm512_mul_ps(rows.dw, grp.da4);
+            let mv = _mm512_mul_ps(rows.dm, grp.da4);
+            for c in 0..4 {
+                for r in 0..4 {
+                    let (u, sc) = (kb[r].u[c], kb[r].sc[c]);
+                    for t in 0..T {
+                        let av = _mm512_loadu_si512(a[t].add(64 * c).cast());
+                        let pr = _mm512_maddubs_epi16(u, av);
+                        v[4 * t + r] = _mm512_dpwssd_epi32(_mm512_setzero_si512(), pr, sc);
                     }
-                    let isum = _mm_cvtepi32_ps(reduce4(v));
-                    acc = _mm_fmadd_ps(isum, sv, acc);
-                    let imin = _mm_cvtepi32_ps(_mm_castps_si128(mins[c]));
-                    acc_min = _mm_fmadd_ps(imin, mv, acc_min);
+                }
+                let isum = _mm512_cvtepi32_ps(reduce16::<T>(&v));
+                acc[0] = _mm512_fmadd_ps(isum, sv, acc[0]);
+                acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(mins[c]), mv, acc[1]);
+            }
+            return;
+        }
+        for c in 0..4 {
+            for r in 0..4 {
+                let (u, sc) = (kb[r].u[c], kb[r].sc[c]);
+                for t in 0..T {
+                    let av = _mm512_loadu_si512(a[t].add(64 * c).cast());
+                    let pr = _mm512_maddubs_epi16(u, av);
+                    v[4 * t + r] = _mm512_dpwssd_epi32(v[4 * t + r], pr, sc);
                 }
             }
         }
+        match order {
+            KOrder::Lanes8 => {
+                for p in 0..T.div_ceil(2) {
+                    for r in 0..4 {
+                        // [x.lo, y.lo] + [x.hi, y.hi]: each token's halves summed, as
+                        // `lanes8_step`, less the offset 32 through the bsums.
+                        let (x, y) = (v[8 * p + r], v[8 * p + 4 + r]);
+                        let lo = _mm512_shuffle_i64x2::<0b01_00_01_00>(x, y);
+                        let hi = _mm512_shuffle_i64x2::<0b11_10_11_10>(x, y);
+                        let corr = _mm512_slli_epi32::<5>(_mm512_madd_epi16(grp.bs2[p], rows.m[r]));
+                        let s = _mm512_sub_epi32(_mm512_add_epi32(lo, hi), corr);
+                        let d = _mm512_mul_ps(grp.da8[p], _mm512_set1_ps(kb[r].d));
+                        acc[2 * r + p] = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(s), acc[2 * r + p]);
+                    }
+                }
+            }
+            KOrder::Tiled => {
+                for t in 0..T {
+                    let bs = _mm256_loadu_si256(a[t].add(QK_K).cast());
+                    for r in 0..4 {
+                        let corr = _mm256_slli_epi32::<5>(_mm256_madd_epi16(bs, kb[r].bsum_w));
+                        v[4 * t + r] = _mm512_sub_epi32(v[4 * t + r], _mm512_zextsi256_si512(corr));
+                    }
+                }
+                let res = _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16::<T>(&v)), rows.dw);
+                acc[0] = _mm512_fmadd_ps(res, grp.da4, acc[0]);
+            }
+            _ => {
+                // Sb256: the super-block's sums and mins, one FMA each.
+                let x = rows.m.map(|m| _mm512_madd_epi16(grp.s, m));
+                let imin = reduce_lanes(x[0], x[1], x[2], x[3]);
+                let sv = _mm512_mul_ps(rows.dw, grp.da4);
+                let mv = _mm512_mul_ps(rows.dm, grp.da4);
+                acc[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(reduce16::<T>(&v)), sv, acc[0]);
+                acc[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), mv, acc[1]);
+            }
+        }
     }
-    if order == KOrder::Tiled {
-        acc
-    } else {
-        _mm_sub_ps(acc, acc_min)
+}
+
+/// GEMM (several tokens) of a k-quant. The tokens run in groups of four, prepared once per
+/// call, and in blocks whose activations stay in L2; per block, four rows at a time (the last
+/// rows repeated to fill a group, their copies discarded) are unpacked one super-block at a
+/// time, once for every group of the block, so the weights stream from memory once per block
+/// (once per call for a decode batch) and no buffer grows with the row count. Each token's
+/// float order is `token_order`'s (groups start at multiples of four, so a group never mixes
+/// orders).
+///
+/// # Safety
+/// As [`run_legacy`], with `g.ntok > 1`; `groups` holds `g.ntok.div_ceil(4) · nsb` entries,
+/// `accs` at least one.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemm_k<const KIND: u8>(
+    g: &Gemm<'_>,
+    groups: &mut [KGroup],
+    accs: &mut [[__m512; 8]],
+    out: &mut [f32],
+) {
+    let nsb = g.cols / QK_K;
+    let wbs = k_block_bytes(KIND);
+    let ngroups = g.ntok.div_ceil(4);
+    let st = g.w_stride;
+    // SAFETY (whole body): rows below `g.nrows` (the group's copies too), tokens below
+    // `g.ntok` (padding repeats the group's last token), super-blocks below `nsb`.
+    unsafe {
+        for gi in 0..ngroups {
+            let n = (g.ntok - 4 * gi).min(4);
+            for sb in 0..nsb {
+                *groups.get_unchecked_mut(gi * nsb + sb) = k_prep::<KIND>(g, 4 * gi, n, sb);
+            }
+        }
+        let groups = &*groups;
+        let mut g0 = 0;
+        while g0 < ngroups {
+            let g1 = (g0 + accs.len()).min(ngroups);
+            let mut r = 0;
+            while r < g.nrows {
+                let nv = (g.nrows - r).min(4);
+                let w = [0, 1, 2, 3].map(|i| g.w.as_ptr().add((r + i.min(nv - 1)) * st));
+                for a in &mut accs[..g1 - g0] {
+                    *a = [_mm512_setzero_ps(); 8];
+                }
+                for sb in 0..nsb {
+                    if g0 == 0 {
+                        // The rows two groups ahead (a hint: never faults), as the GEMV.
+                        for p in w {
+                            let q = p.wrapping_add(PF_GROUPS * 4 * st + sb * wbs);
+                            for l in (0..wbs).step_by(64) {
+                                _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(l).cast());
+                            }
+                        }
+                    }
+                    let rows = k_rows::<KIND>(w.map(|p| p.add(sb * wbs)));
+                    for gi in g0..g1 {
+                        let t0 = 4 * gi;
+                        let n = (g.ntok - t0).min(4);
+                        let a = [0, 1, 2, 3].map(|j| {
+                            g.a.as_ptr()
+                                .add((t0 + j.min(n - 1)) * g.a_stride + sb * 292 + 4)
+                        });
+                        let grp = groups.get_unchecked(gi * nsb + sb);
+                        let acc = accs.get_unchecked_mut(gi - g0);
+                        let order = token_order(g, t0);
+                        match n {
+                            1 => k_tile::<KIND, 1>(&rows, grp, &a, order, acc),
+                            2 => k_tile::<KIND, 2>(&rows, grp, &a, order, acc),
+                            3 => k_tile::<KIND, 3>(&rows, grp, &a, order, acc),
+                            _ => k_tile::<KIND, 4>(&rows, grp, &a, order, acc),
+                        }
+                    }
+                }
+                for gi in g0..g1 {
+                    let t0 = 4 * gi;
+                    let n = (g.ntok - t0).min(4);
+                    let acc = accs.get_unchecked(gi - g0);
+                    let o = out.as_mut_ptr();
+                    match token_order(g, t0) {
+                        KOrder::Lanes8 => {
+                            for i in 0..nv {
+                                for t in 0..n {
+                                    let v = acc[2 * i + t / 2];
+                                    let h = if t % 2 == 0 {
+                                        _mm512_castps512_ps256(v)
+                                    } else {
+                                        _mm512_extractf32x8_ps::<1>(v)
+                                    };
+                                    *o.add((t0 + t) * g.nrows + r + i) = hsum8(h);
+                                }
+                            }
+                        }
+                        order => {
+                            let v = if order == KOrder::Tiled {
+                                acc[0]
+                            } else {
+                                _mm512_sub_ps(acc[0], acc[1])
+                            };
+                            let mut lanes = [0f32; 16];
+                            _mm512_storeu_ps(lanes.as_mut_ptr(), v);
+                            for i in 0..nv {
+                                for t in 0..n {
+                                    *o.add((t0 + t) * g.nrows + r + i) = lanes[4 * t + i];
+                                }
+                            }
+                        }
+                    }
+                }
+                r += nv;
+            }
+            g0 = g1;
+        }
     }
 }
 

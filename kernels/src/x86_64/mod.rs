@@ -8,8 +8,10 @@ mod avx512q;
 mod tern_avx2;
 mod tern_avx512;
 
-/// Cover `g.nrows` × `g.ntok` with tiles of R rows × T tokens (edges with 1-row / 1-token
-/// tiles). Expanded inside a `#[target_feature]` function of the module whose tiles it calls.
+/// Cover `g.nrows` × `g.ntok` with tiles of R rows × T tokens: the tokens a block leaves over
+/// (fewer than T) in one narrower tile (T is 1 or 4), so each row's blocks are loaded and
+/// unpacked once per pass for all of them; the last rows in 1-row tiles. Expanded inside a
+/// `#[target_feature]` function of the module whose tiles it calls.
 macro_rules! drive {
     ($g:expr, $out:expr, $tile:ident, $R:literal, $T:literal $(, $extra:ident)*) => {{
         let g: &$crate::matmul::Gemm<'_> = $g;
@@ -21,39 +23,97 @@ macro_rules! drive {
         while t0 < g.ntok {
             let t1 = (t0 + tb).min(g.ntok);
             let mut r = 0;
-            while g.nrows - r >= $R {
-                let mut t = t0;
-                while t1 - t >= $T {
-                    // SAFETY: r + R <= nrows, t + T <= ntok by the loop bounds; the caller has the features.
-                    unsafe { $tile::<$R, $T $(, $extra)*>(g, r, t, out) };
-                    t += $T;
-                }
-                while t < t1 {
-                    // SAFETY: r + R <= nrows, t + T <= ntok by the loop bounds; the caller has the features.
-                    unsafe { $tile::<$R, 1 $(, $extra)*>(g, r, t, out) };
-                    t += 1;
-                }
-                r += $R;
-            }
             while r < g.nrows {
+                let one = g.nrows - r < $R;
                 let mut t = t0;
                 while t1 - t >= $T {
-                    // SAFETY: r + R <= nrows, t + T <= ntok by the loop bounds; the caller has the features.
-                    unsafe { $tile::<1, $T $(, $extra)*>(g, r, t, out) };
+                    // SAFETY: r + R <= nrows (or r + 1 when `one`), t + T <= ntok by the loop
+                    // bounds; the caller has the features.
+                    unsafe {
+                        if one {
+                            $tile::<1, $T $(, $extra)*>(g, r, t, out)
+                        } else {
+                            $tile::<$R, $T $(, $extra)*>(g, r, t, out)
+                        }
+                    };
                     t += $T;
                 }
-                while t < t1 {
-                    // SAFETY: r + R <= nrows, t + T <= ntok by the loop bounds; the caller has the features.
-                    unsafe { $tile::<1, 1 $(, $extra)*>(g, r, t, out) };
-                    t += 1;
+                // SAFETY: as above, with the `t1 - t` (< T) tokens left.
+                unsafe {
+                    match (t1 - t, one) {
+                        (0, _) => {}
+                        (1, false) => $tile::<$R, 1 $(, $extra)*>(g, r, t, out),
+                        (1, true) => $tile::<1, 1 $(, $extra)*>(g, r, t, out),
+                        (2, false) => $tile::<$R, 2 $(, $extra)*>(g, r, t, out),
+                        (2, true) => $tile::<1, 2 $(, $extra)*>(g, r, t, out),
+                        (_, false) => $tile::<$R, 3 $(, $extra)*>(g, r, t, out),
+                        (_, true) => $tile::<1, 3 $(, $extra)*>(g, r, t, out),
+                    }
                 }
-                r += 1;
+                r += if one { 1 } else { $R };
             }
             t0 = t1;
         }
     }};
 }
 pub(crate) use drive;
+
+/// Plain data: every bit pattern of its size is a valid value (SIMD vectors, floats, integers,
+/// and arrays / structs of them), so a scratch buffer may hand out stale bytes as one.
+///
+/// # Safety
+/// Implement only for such types, with an alignment of at most 64.
+pub(crate) unsafe trait Pod: Copy {}
+
+// SAFETY: vectors of integers or floats: every bit pattern is a value.
+unsafe impl Pod for core::arch::x86_64::__m512i {}
+// SAFETY: as above.
+unsafe impl Pod for core::arch::x86_64::__m512 {}
+// SAFETY: as above.
+unsafe impl Pod for f32 {}
+// SAFETY: arrays of plain data are plain data.
+unsafe impl<T: Pod, const N: usize> Pod for [T; N] {}
+
+/// One cache line of scratch (the buffers' unit, so they are 64-byte aligned).
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+struct Line([u8; 64]);
+
+/// Per-thread scratch buffers kept above this size are freed after the call instead: they are
+/// prefill-sized, where one allocation is nothing next to the matmul.
+const SCRATCH_KEEP: usize = 4 << 20;
+
+std::thread_local! {
+    /// Two buffers per thread (prepared activations, unpacked weights), reused across calls so
+    /// a matmul allocates (and page-faults) only when it needs more room than any before it.
+    static SCRATCH: [std::cell::RefCell<Vec<Line>>; 2] =
+        const { [std::cell::RefCell::new(Vec::new()), std::cell::RefCell::new(Vec::new())] };
+}
+
+/// Runs `f` on `len` values of `T` from this thread's scratch buffer `slot` (0 or 1). The values
+/// are unspecified (whatever an earlier call left): `f` must write before it reads.
+pub(crate) fn with_scratch<T: Pod, R>(slot: usize, len: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
+    fn view<T: Pod>(v: &mut Vec<Line>, len: usize) -> &mut [T] {
+        assert!(core::mem::align_of::<T>() <= 64);
+        let bytes = len
+            .checked_mul(core::mem::size_of::<T>())
+            .expect("scratch size overflows usize");
+        if v.len() * 64 < bytes {
+            v.resize(bytes.div_ceil(64), Line([0; 64]));
+        }
+        // SAFETY: `v` holds at least `len` values' worth of initialized bytes, 64-byte aligned;
+        // `T` is `Pod`, so any bytes are a valid `T`; the slice borrows `v` mutably.
+        unsafe { core::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<T>(), len) }
+    }
+    if len.saturating_mul(core::mem::size_of::<T>()) > SCRATCH_KEEP {
+        return f(view(&mut Vec::new(), len));
+    }
+    SCRATCH.with(|s| match s[slot].try_borrow_mut() {
+        Ok(mut v) => f(view(&mut v, len)),
+        // Only if a kernel ever nested two uses of one slot: a fresh buffer is still right.
+        Err(_) => f(view(&mut Vec::new(), len)),
+    })
+}
 
 // Kinds of weight block, as const-generic parameters of the tile functions.
 pub(crate) const Q8_0: u8 = 0;

@@ -212,26 +212,39 @@ pub(super) unsafe fn correction<const KIND: u8>(y: *const u8) -> __m256i {
     }
 }
 
-/// Four-token and one-token tiles sum a (row, token) in the same order (the module's), so
-/// the result does not depend on the batch and `Numerics` changes nothing.
+/// Every tile width sums a (row, token) in the same order (the module's), so the result does
+/// not depend on the batch and `Numerics` changes nothing. Tokens run in blocks whose
+/// activations stay in L2 while the rows stream past; per row, tiles of four tokens and one
+/// narrower tile for the rest, so the row's blocks are decoded once per four tokens and read
+/// from memory once per block (once per call for a decode batch).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA, F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
 /// g.nrows` and `g.wty` of kind `KIND`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run_tern<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    for r in 0..g.nrows {
-        let mut t = 0;
-        while g.ntok - t >= 4 {
-            // SAFETY: r < nrows, t + 4 <= ntok; the caller has the features.
-            unsafe { tile::<KIND, 4>(g, r, t, out) };
-            t += 4;
+    let tb = ((256 * 1024) / g.a_stride.max(1)).max(4) / 4 * 4;
+    let mut t0 = 0;
+    while t0 < g.ntok {
+        let t1 = (t0 + tb).min(g.ntok);
+        for r in 0..g.nrows {
+            let mut t = t0;
+            while t1 - t >= 4 {
+                // SAFETY: r < nrows, t + 4 <= ntok; the caller has the features.
+                unsafe { tile::<KIND, 4>(g, r, t, out) };
+                t += 4;
+            }
+            // SAFETY: as above with the `t1 - t` (< 4) tokens left.
+            unsafe {
+                match t1 - t {
+                    0 => {}
+                    1 => tile::<KIND, 1>(g, r, t, out),
+                    2 => tile::<KIND, 2>(g, r, t, out),
+                    _ => tile::<KIND, 3>(g, r, t, out),
+                }
+            }
         }
-        while t < g.ntok {
-            // SAFETY: r < nrows, t < ntok; the caller has the features.
-            unsafe { tile::<KIND, 1>(g, r, t, out) };
-            t += 1;
-        }
+        t0 = t1;
     }
 }
 

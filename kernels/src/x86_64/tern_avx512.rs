@@ -49,29 +49,56 @@ unsafe fn decode_pair<const KIND: u8>(a: *const u8, bb: *const u8, c: &mut [__m5
     }
 }
 
-/// Four-token and one-token tiles sum a (row, token) in the same order (the module's), so
-/// the result does not depend on the batch and `Numerics` changes nothing.
+/// Every tile width sums a (row, token) in the same order (the module's), so the result does
+/// not depend on the batch and `Numerics` changes nothing. Tokens run in blocks whose
+/// activations stay in L2 while the rows stream past; per row pair, tiles of four or eight
+/// tokens and one narrower tile for the rest, so the pair's blocks are decoded once per tile
+/// and read from memory once per block (once per call for a decode batch).
 ///
 /// # Safety
 /// The CPU has this module's features; `g` comes from `Gemm::new` with `out.len() ==
 /// g.ntok * g.nrows` and `g.wty` of kind `KIND`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_tern<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    let mut r = 0;
-    while r < g.nrows {
-        let pair = g.nrows - r >= 2;
-        let mut t = 0;
-        while g.ntok - t >= 4 {
-            // SAFETY: r (+1 when `pair`) < nrows, t + 4 <= ntok; the caller has the features.
-            unsafe { tile::<KIND, 4>(g, r, pair, t, out) };
-            t += 4;
+    // Tokens per tile: eight where decoding the weights costs more than the products
+    // (TQ1_0 and TF1's base-3 digits), else four (more would spill registers).
+    let wide = if KIND == TQ2_0 || KIND == TF2 { 4 } else { 8 };
+    let tb = ((256 * 1024) / g.a_stride.max(1)).max(8) / 8 * 8;
+    let mut t0 = 0;
+    while t0 < g.ntok {
+        let t1 = (t0 + tb).min(g.ntok);
+        let mut r = 0;
+        while r < g.nrows {
+            let pair = g.nrows - r >= 2;
+            let mut t = t0;
+            while t1 - t >= wide {
+                // SAFETY: r (+1 when `pair`) < nrows, t + wide <= ntok; the caller has the
+                // features.
+                unsafe {
+                    if wide == 8 {
+                        tile::<KIND, 8>(g, r, pair, t, out)
+                    } else {
+                        tile::<KIND, 4>(g, r, pair, t, out)
+                    }
+                };
+                t += wide;
+            }
+            // SAFETY: as above with the `t1 - t` (< 8) tokens left.
+            unsafe {
+                match t1 - t {
+                    0 => {}
+                    1 => tile::<KIND, 1>(g, r, pair, t, out),
+                    2 => tile::<KIND, 2>(g, r, pair, t, out),
+                    3 => tile::<KIND, 3>(g, r, pair, t, out),
+                    4 => tile::<KIND, 4>(g, r, pair, t, out),
+                    5 => tile::<KIND, 5>(g, r, pair, t, out),
+                    6 => tile::<KIND, 6>(g, r, pair, t, out),
+                    _ => tile::<KIND, 7>(g, r, pair, t, out),
+                }
+            }
+            r += if pair { 2 } else { 1 };
         }
-        while t < g.ntok {
-            // SAFETY: as above with one token.
-            unsafe { tile::<KIND, 1>(g, r, pair, t, out) };
-            t += 1;
-        }
-        r += if pair { 2 } else { 1 };
+        t0 = t1;
     }
 }
 

@@ -1,0 +1,91 @@
+//! Batched decode and prefill shapes on many rows: every SIMD matmul equals the scalar
+//! reference bit for bit (quantized weights; float weights within rounding) in both numerics,
+//! for every small token count and for row ranges long enough to cross the kernels' row chunks
+//! (the unpacked-weight buffers cover a few dozen to a few hundred rows) and their 4-row
+//! groups, starting at an odd row.
+
+use super::{abs_dot, random_weights, Rng, MATMUL_TYPES};
+use crate::dispatch::Isa;
+use crate::*;
+
+/// Token counts: each small tile width, the small/large kernel switches, and past them.
+const NS: [usize; 15] = [2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 24, 37, 45];
+
+fn cols_for(ty: GgmlType) -> &'static [usize] {
+    match ty.block_size() {
+        1 => &[200],
+        // 4160: 130 blocks, a few rows per chunk of unpacked weights.
+        32 => &[640, 4160],
+        128 => &[640],
+        _ => &[2560],
+    }
+}
+
+fn run(
+    isa: Isa,
+    m: &QMatrix<'_>,
+    act: &Activations,
+    rows: std::ops::Range<usize>,
+    numerics: Numerics,
+) -> Vec<f32> {
+    let mut out = vec![f32::NAN; act.n() * rows.len()];
+    matmul_with(isa, m, act, rows, &mut out, numerics).unwrap();
+    out
+}
+
+#[test]
+fn batched_matmuls_on_many_rows_match_scalar() {
+    let mut rng = Rng(0xBA7E);
+    let mut checked = 0usize;
+    for ty in MATMUL_TYPES {
+        for &cols in cols_for(ty) {
+            let total_rows = 160;
+            let w = random_weights(ty, cols * total_rows, &mut rng);
+            let m = QMatrix::new(ty, total_rows, cols, &w).unwrap();
+            let mut wf = vec![0f32; cols * total_rows];
+            dequantize_row(ty, &w, &mut wf).unwrap();
+            let rows = 3..total_rows - 2;
+            let nr = rows.len();
+            for n in NS {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+                let mut act = Activations::new();
+                act.quantize_for(ty, &x, n, cols).unwrap();
+                let mut af = vec![0f32; n * cols];
+                for t in 0..n {
+                    dequantize_row(act.ty(), act.row(t), &mut af[t * cols..(t + 1) * cols])
+                        .unwrap();
+                }
+                for numerics in [Numerics::Parity, Numerics::Invariant] {
+                    let want = run(Isa::Scalar, &m, &act, rows.clone(), numerics);
+                    for isa in [Isa::Avx2, Isa::Avx512] {
+                        if !isa.is_available() {
+                            continue;
+                        }
+                        let got = run(isa, &m, &act, rows.clone(), numerics);
+                        for t in 0..n {
+                            for r in 0..nr {
+                                let i = t * nr + r;
+                                let row = rows.start + r;
+                                let tol = if ty.block_size() > 1 {
+                                    0.0
+                                } else {
+                                    let wr = &wf[row * cols..(row + 1) * cols];
+                                    2e-5 * abs_dot(wr, &af[t * cols..(t + 1) * cols]) + 1e-30
+                                };
+                                assert!(
+                                    (got[i] - want[i]).abs() <= tol && !got[i].is_nan(),
+                                    "{isa:?} {ty:?} {numerics:?} cols={cols} n={n} t={t} \
+                                     row={row}: got {} want {}",
+                                    got[i],
+                                    want[i]
+                                );
+                                checked += 1;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 100_000, "only {checked} comparisons ran");
+}
