@@ -24,8 +24,8 @@ export TERNFLEET_SKIP_LOG="$root/target/skipped.log"
 status=0
 # The light crates first; then the coordinator's model-heavy tests one at a time, each on both
 # cores (its rayon pool), so two of them never fight over the machine's two cores.
-cargo test --workspace --exclude ternfleet-coordinator 2>&1 | tee target/test.log || status=1
-cargo test -p ternfleet-coordinator -- --test-threads=1 2>&1 | tee -a target/test.log || status=1
+cargo test --no-fail-fast --workspace --exclude ternfleet-coordinator 2>&1 | tee target/test.log || status=1
+cargo test --no-fail-fast -p ternfleet-coordinator -- --test-threads=1 2>&1 | tee -a target/test.log || status=1
 # Benches must keep compiling and running (criterion --test mode runs each once).
 cargo bench --workspace --quiet -- --test >/dev/null || status=1
 skipped=$(wc -l <"$TERNFLEET_SKIP_LOG")
