@@ -46,8 +46,6 @@ pub struct Output {
     /// Logits of the prompt's last position, then of each generated token but the last
     /// (`keep_logits` only).
     pub logits: Vec<Vec<f32>>,
-    /// Prompt positions taken from shared blocks.
-    pub reused: usize,
 }
 
 /// Totals of a run.
@@ -59,10 +57,6 @@ pub struct RunStats {
     pub prompt_tokens: usize,
     pub generated: usize,
     pub prefix_reused: usize,
-    /// Wall time of steps that carried at least one decode token and no prompt token.
-    pub decode_only_s: f64,
-    /// Decode tokens produced in those steps.
-    pub decode_only_tokens: usize,
     pub wall_s: f64,
 }
 
@@ -158,10 +152,7 @@ pub fn run_on(
                 history: prompt.clone(),
                 prompt,
                 done: reused,
-                out: Output {
-                    reused,
-                    ..Output::default()
-                },
+                out: Output::default(),
                 sampler: Sampler::new(params)?,
                 next: None,
             });
@@ -171,7 +162,6 @@ pub fn run_on(
         }
         // One step.
         let mut feeds: Vec<Vec<u32>> = Vec::with_capacity(active.len());
-        let mut any_prompt = false;
         for a in &active {
             if let Some(t) = a.next {
                 feeds.push(vec![t]);
@@ -185,7 +175,6 @@ pub fn run_on(
                     end
                 };
                 feeds.push(a.prompt[a.done..end].to_vec());
-                any_prompt = true;
             }
         }
         let inputs: Vec<SeqInput<'_>> = active
@@ -202,15 +191,9 @@ pub fn run_on(
                 top_experts: opts.top_experts,
             })
             .collect();
-        let t = Instant::now();
         let logits = model.step(pool, &inputs, &step_opts, &mut NoObserver)?;
-        let dt = t.elapsed().as_secs_f64();
         stats.steps += 1;
         stats.rows += feeds.iter().map(Vec::len).sum::<usize>();
-        if !any_prompt {
-            stats.decode_only_s += dt;
-            stats.decode_only_tokens += active.len();
-        }
         // Sample, finish.
         let mut finished = Vec::new();
         for (i, ((a, f), l)) in active.iter_mut().zip(&feeds).zip(logits).enumerate() {

@@ -68,10 +68,6 @@ impl KvCache {
         }
         Ok(())
     }
-    /// Keeps the first `len` positions.
-    pub fn truncate(&mut self, len: usize) -> Result<(), KvError> {
-        self.pool.truncate(self.seq, len)
-    }
 
     pub(crate) fn seq(&self) -> SeqId {
         self.seq

@@ -222,15 +222,6 @@ impl KvPool {
         Ok(&self.seq(id)?.tokens)
     }
 
-    /// The block holding position `pos` of `id` (committed or written in the current step).
-    pub fn block_of(&self, id: SeqId, pos: usize) -> Result<u32, KvError> {
-        self.seq(id)?
-            .blocks
-            .get(pos / BLOCK)
-            .copied()
-            .ok_or(KvError::NoSeq(id.0))
-    }
-
     /// The blocks of `id`, in position order.
     pub fn blocks(&self, id: SeqId) -> Result<&[u32], KvError> {
         Ok(&self.seq(id)?.blocks)
