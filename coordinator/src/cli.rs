@@ -61,6 +61,127 @@ pub enum Command {
     /// agreement, and per-layer routing agreement for two MoE models with the same experts
     /// (--top-experts then applies to both).
     Compare(CompareArgs),
+    /// Serve the model over an OpenAI-compatible HTTP API, many requests at once.
+    ///
+    /// POST /v1/completions, /v1/chat/completions (JSON or SSE streaming), GET /v1/models,
+    /// POST /tokenize, /detokenize; GET /health (liveness), /ready (503 while loading or
+    /// draining), /metrics (Prometheus). Prints one start-up line
+    /// {"ternfleet":"listening",...,"http":ADDR} on stdout after binding, then loads the model.
+    /// Every option can also come from a TOML file (--config; template in deploy/serve.toml);
+    /// flags override it. SIGTERM drains: running requests finish within --grace seconds.
+    Serve(Box<ServeArgs>),
+}
+
+/// `ternfleet serve` (flags override --config).
+#[derive(Args, Debug, Default)]
+pub struct ServeArgs {
+    /// TOML configuration file (every option; see deploy/serve.toml).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// Model: a GGUF file or a bundle directory.
+    #[arg(short = 'm', long = "model")]
+    pub model: Option<PathBuf>,
+    /// HTTP API address (default 127.0.0.1:8080; port 0 picks one).
+    #[arg(long)]
+    pub http: Option<String>,
+    /// Allow a non-loopback --http address (the API has no TLS yet).
+    #[arg(long)]
+    pub listen_any: bool,
+    /// Compute threads (default: all cores).
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
+    /// invariant (default: a request's tokens do not depend on what shares its steps) or parity.
+    #[arg(long)]
+    pub numerics: Option<String>,
+    /// MoE models: experts per token.
+    #[arg(long = "top-experts")]
+    pub top_experts: Option<usize>,
+    /// Requests generating at once (default 16).
+    #[arg(long)]
+    pub parallel: Option<usize>,
+    /// Requests waiting beyond --parallel; more get 429 at once (default 64).
+    #[arg(long = "max-queue")]
+    pub max_queue: Option<usize>,
+    /// Positions per request, prompt + generated (default 4096; 0: the model's own).
+    #[arg(long)]
+    pub ctx: Option<usize>,
+    /// KV pool size (e.g. 2GiB; default: --parallel requests of --ctx positions).
+    #[arg(long = "kv-budget")]
+    pub kv_budget: Option<String>,
+    /// Prompt tokens per request per step (default 256).
+    #[arg(long)]
+    pub chunk: Option<usize>,
+    /// Rows per step (default 512).
+    #[arg(long = "step-tokens")]
+    pub step_tokens: Option<usize>,
+    /// Largest request body (default 1MiB).
+    #[arg(long = "max-body")]
+    pub max_body: Option<String>,
+    /// Prompt tokens per request (default: --ctx minus one).
+    #[arg(long = "max-prompt-tokens")]
+    pub max_prompt_tokens: Option<usize>,
+    /// max_tokens of a request that sets none (default: up to the context).
+    #[arg(long = "default-max-tokens")]
+    pub default_max_tokens: Option<usize>,
+    /// chatml, gemma, llama3 or a Jinja file (default: the model's own template).
+    #[arg(long = "chat-template")]
+    pub chat_template: Option<String>,
+    /// A bearer API key clients must send (repeat for several).
+    #[arg(long = "api-key")]
+    pub api_key: Vec<String>,
+    /// A file of API keys, one per line.
+    #[arg(long = "api-key-file")]
+    pub api_key_file: Option<PathBuf>,
+    /// A request's deadline in seconds (default 600).
+    #[arg(long)]
+    pub timeout: Option<f64>,
+    /// Seconds running requests may finish after SIGTERM (default 30).
+    #[arg(long)]
+    pub grace: Option<f64>,
+    /// Name the API reports for the model (default: the file name).
+    #[arg(long = "model-name")]
+    pub model_name: Option<String>,
+    /// This process's id (default coordinator).
+    #[arg(long)]
+    pub id: Option<String>,
+}
+
+impl ServeArgs {
+    /// The configuration: the file (or the defaults), then these flags.
+    pub fn config(self) -> Result<crate::serve::config::ServeConfig> {
+        let mut c = match &self.config {
+            Some(p) => crate::serve::config::ServeConfig::from_file(p)?,
+            None => crate::serve::config::ServeConfig::default(),
+        };
+        macro_rules! set {
+            ($($f:ident => $g:ident),*) => { $(if let Some(v) = self.$f { c.$g = v; })* };
+        }
+        set!(model => model, http => http, numerics => numerics, parallel => parallel,
+             max_queue => max_queue, ctx => ctx, kv_budget => kv_budget, chunk => chunk,
+             step_tokens => step_tokens, max_body => max_body,
+             max_prompt_tokens => max_prompt_tokens, chat_template => chat_template,
+             timeout => timeout_s, grace => grace_s, id => id);
+        if self.listen_any {
+            c.listen_any = true;
+        }
+        if self.threads.is_some() {
+            c.threads = self.threads;
+        }
+        if self.top_experts.is_some() {
+            c.top_experts = self.top_experts;
+        }
+        if self.default_max_tokens.is_some() {
+            c.default_max_tokens = self.default_max_tokens;
+        }
+        if self.api_key_file.is_some() {
+            c.api_key_file = self.api_key_file;
+        }
+        if self.model_name.is_some() {
+            c.model_name = self.model_name;
+        }
+        c.api_keys.extend(self.api_key);
+        Ok(c)
+    }
 }
 
 /// `ternfleet convert`.
@@ -373,7 +494,22 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Info(a) => cmd_info(a),
         Command::Convert(a) => cmd_convert(a),
         Command::Compare(a) => cmd_compare(a),
+        Command::Serve(a) => cmd_serve(*a),
     }
+}
+
+fn cmd_serve(a: ServeArgs) -> Result<()> {
+    let cfg = a.config()?;
+    init_runtime(cfg.threads)?;
+    if !cfg.model.exists() {
+        let hint = if cfg.model == std::path::Path::new(DEFAULT_MODEL) {
+            " (run scripts/fetch-model.sh to download the default model)"
+        } else {
+            ""
+        };
+        bail!("model {} not found{hint}", cfg.model.display());
+    }
+    crate::serve::serve(cfg)
 }
 
 fn cmd_convert(a: ConvertArgs) -> Result<()> {
@@ -500,6 +636,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         repeat_penalty: a.repeat_penalty,
         repeat_last_n: a.repeat_last_n,
         seed: a.seed,
+        ..SamplerParams::default()
     };
     if let Some(file) = &a.prompts {
         return generate_many(&model, opts, params, file, &a);

@@ -12,6 +12,8 @@
 //!   `generate --prompts --parallel`, `bench --parallel`).
 //! - [`generate::generate`], [`perplexity::perplexity`], [`bench::bench`] — the workloads the
 //!   CLI subcommands ([`cli`]) call.
+//! - [`serve`] — `ternfleet serve`: the scheduler, the compute thread driving `step`, and the
+//!   OpenAI-compatible HTTP API.
 //! - [`sampler::Sampler`] — greedy / temperature / top-k / top-p / min-p / repetition penalty.
 pub mod attention;
 pub mod bench;
@@ -26,4 +28,5 @@ pub mod model;
 pub mod ops;
 pub mod perplexity;
 pub mod sampler;
+pub mod serve;
 pub mod tokenizer;

@@ -14,8 +14,13 @@ pub struct SamplerParams {
     pub min_p: f32,
     /// 1 disables.
     pub repeat_penalty: f32,
-    /// How many recent tokens the penalty looks at.
+    /// How many recent tokens the penalties look at.
     pub repeat_last_n: usize,
+    /// Subtracted once from every token seen in the window (OpenAI's presence penalty); 0
+    /// disables.
+    pub presence_penalty: f32,
+    /// Subtracted per occurrence in the window (OpenAI's frequency penalty); 0 disables.
+    pub frequency_penalty: f32,
     pub seed: u64,
 }
 
@@ -28,6 +33,8 @@ impl Default for SamplerParams {
             min_p: 0.05,
             repeat_penalty: 1.0,
             repeat_last_n: 64,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
             seed: 0,
         }
     }
@@ -67,6 +74,14 @@ impl SamplerParams {
                 self.repeat_penalty,
                 "must be finite and > 0",
             );
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !v.is_finite() {
+                return bad(name, v, "must be finite");
+            }
         }
         Ok(())
     }
@@ -118,19 +133,25 @@ impl Sampler {
     pub fn sample(&mut self, logits: &[f32], history: &[u32]) -> u32 {
         let p = &self.p;
         let mut logits = std::borrow::Cow::Borrowed(logits);
-        if p.repeat_penalty != 1.0 {
+        if p.repeat_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0 {
+            // llama.cpp's penalties sampler: per distinct token of the window, the repetition
+            // penalty, then `count * frequency + presence`.
             let l = logits.to_mut();
             let start = history.len().saturating_sub(p.repeat_last_n);
-            let mut seen = std::collections::HashSet::new();
+            let mut counts: std::collections::HashMap<u32, u32> = std::collections::HashMap::new();
             for &t in &history[start..] {
-                if (t as usize) < l.len() && seen.insert(t) {
-                    let v = &mut l[t as usize];
-                    *v = if *v <= 0.0 {
-                        *v * p.repeat_penalty
-                    } else {
-                        *v / p.repeat_penalty
-                    };
+                *counts.entry(t).or_default() += 1;
+            }
+            for (&t, &c) in &counts {
+                let Some(v) = l.get_mut(t as usize) else {
+                    continue;
+                };
+                if *v <= 0.0 {
+                    *v *= p.repeat_penalty;
+                } else {
+                    *v /= p.repeat_penalty;
                 }
+                *v -= c as f32 * p.frequency_penalty + p.presence_penalty;
             }
         }
         if p.temperature == 0.0 {
@@ -231,6 +252,19 @@ mod tests {
         })
         .unwrap();
         assert_eq!(s.sample(&[3.0, 2.0], &[0]), 1);
+    }
+
+    #[test]
+    fn frequency_and_presence_penalties_subtract_per_count() {
+        let mut s = Sampler::new(SamplerParams {
+            temperature: 0.0,
+            frequency_penalty: 1.0,
+            presence_penalty: 0.5,
+            ..Default::default()
+        })
+        .unwrap();
+        // Token 0 seen twice: 3.0 - 2*1.0 - 0.5 = 0.5 < 1.0 (token 1, seen once: 1.0 - 1.5).
+        assert_eq!(s.sample(&[3.0, 1.0, 0.9], &[0, 0, 1]), 2);
     }
 
     #[test]

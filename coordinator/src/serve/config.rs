@@ -1,0 +1,285 @@
+//! Every option of `ternfleet serve`: a TOML file (`--config`, unknown keys refused) whose
+//! values the command line overrides. `deploy/serve.toml` is the commented template; a test
+//! checks that it parses and equals the defaults.
+
+use std::path::PathBuf;
+
+use anyhow::{bail, Context, Result};
+use serde::Deserialize;
+use ternfleet_kernels::Numerics;
+
+use super::chat::{ChatTemplate, BUILTIN};
+use super::openai::Limits;
+use crate::cli::{parse_size, DEFAULT_MODEL};
+use crate::model::Model;
+
+/// The server's configuration.
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// Model: a GGUF file or a bundle directory.
+    pub model: PathBuf,
+    /// Name the API reports for the model (default: the file name).
+    pub model_name: Option<String>,
+    /// This process's id in the cluster.
+    pub id: String,
+    /// HTTP API address.
+    pub http: String,
+    /// Allow binding a non-loopback address (no TLS on the API yet).
+    pub listen_any: bool,
+    /// Compute threads (default: all cores).
+    pub threads: Option<usize>,
+    /// `invariant` (a request's tokens do not depend on what shares its steps) or `parity`.
+    pub numerics: String,
+    /// MoE models: experts per token.
+    pub top_experts: Option<usize>,
+    /// Requests generating at once.
+    pub parallel: usize,
+    /// Requests waiting beyond those; more get 429 at once.
+    pub max_queue: usize,
+    /// Positions per request (prompt + generated); 0 = the model's training context.
+    pub ctx: usize,
+    /// KV pool size (`2GiB`, bytes); empty = enough for `parallel` requests of `ctx`.
+    pub kv_budget: String,
+    /// Prompt tokens per request per step.
+    pub chunk: usize,
+    /// Rows per step.
+    pub step_tokens: usize,
+    /// Largest request body (`1MiB`, bytes).
+    pub max_body: String,
+    /// Prompt tokens per request; 0 = `ctx - 1`.
+    pub max_prompt_tokens: usize,
+    pub max_stop: usize,
+    pub max_stop_len: usize,
+    pub max_logprobs: usize,
+    pub max_messages: usize,
+    /// `max_tokens` of a request that gives none (default: up to the context).
+    pub default_max_tokens: Option<usize>,
+    /// A request's deadline, seconds.
+    pub timeout_s: f64,
+    /// How long running requests may finish after SIGTERM, seconds.
+    pub grace_s: f64,
+    /// `chatml`, `gemma`, `llama3` or a Jinja file; empty = the model's own (chatml if none).
+    pub chat_template: String,
+    /// Bearer API keys; empty = no auth.
+    pub api_keys: Vec<String>,
+    /// A file with one API key per line (added to `api_keys`).
+    pub api_key_file: Option<PathBuf>,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            model: PathBuf::from(DEFAULT_MODEL),
+            model_name: None,
+            id: "coordinator".into(),
+            http: "127.0.0.1:8080".into(),
+            listen_any: false,
+            threads: None,
+            numerics: "invariant".into(),
+            top_experts: None,
+            parallel: 16,
+            max_queue: 64,
+            ctx: 4096,
+            kv_budget: String::new(),
+            chunk: 256,
+            step_tokens: 512,
+            max_body: "1MiB".into(),
+            max_prompt_tokens: 0,
+            max_stop: 4,
+            max_stop_len: 256,
+            max_logprobs: 20,
+            max_messages: 1024,
+            default_max_tokens: None,
+            timeout_s: 600.0,
+            grace_s: 30.0,
+            chat_template: String::new(),
+            api_keys: Vec::new(),
+            api_key_file: None,
+        }
+    }
+}
+
+impl ServeConfig {
+    /// Reads a TOML file.
+    pub fn from_file(path: &std::path::Path) -> Result<ServeConfig> {
+        let text =
+            std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+        toml::from_str(&text).with_context(|| format!("{}", path.display()))
+    }
+
+    /// Checks values that have no type to say so.
+    pub fn validate(&self) -> Result<()> {
+        if self.parallel == 0 {
+            bail!("parallel must be at least 1");
+        }
+        if self.chunk == 0 || self.step_tokens == 0 {
+            bail!("chunk and step_tokens must be at least 1");
+        }
+        if self.step_tokens < self.parallel {
+            bail!(
+                "step_tokens ({}) must be at least parallel ({}): every running request decodes one row per step",
+                self.step_tokens,
+                self.parallel
+            );
+        }
+        for (name, v) in [("timeout_s", self.timeout_s), ("grace_s", self.grace_s)] {
+            if !v.is_finite() || v <= 0.0 || v > 1e7 {
+                bail!("{name} = {v}: expected a positive number of seconds");
+            }
+        }
+        self.numerics()?;
+        self.max_body_bytes()?;
+        if !self.kv_budget.is_empty() {
+            parse_size(&self.kv_budget).map_err(|e| anyhow::anyhow!("kv_budget: {e}"))?;
+        }
+        Ok(())
+    }
+
+    pub fn numerics(&self) -> Result<Numerics> {
+        self.numerics
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("numerics: {e}"))
+    }
+
+    pub fn max_body_bytes(&self) -> Result<usize> {
+        let b = parse_size(&self.max_body).map_err(|e| anyhow::anyhow!("max_body: {e}"))?;
+        usize::try_from(b).context("max_body is too large")
+    }
+
+    /// The API's name for the model.
+    pub fn model_name(&self) -> String {
+        self.model_name.clone().unwrap_or_else(|| {
+            self.model
+                .file_name()
+                .map_or("model".into(), |n| n.to_string_lossy().into_owned())
+        })
+    }
+
+    /// The configured keys plus those of `api_key_file`.
+    pub fn api_keys(&self) -> Result<Vec<String>> {
+        let mut keys = self.api_keys.clone();
+        if let Some(f) = &self.api_key_file {
+            let text = std::fs::read_to_string(f)
+                .with_context(|| format!("reading the API key file {}", f.display()))?;
+            keys.extend(
+                text.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.starts_with('#'))
+                    .map(String::from),
+            );
+        }
+        if keys.iter().any(|k| k.len() < 8) {
+            bail!("API keys must be at least 8 characters");
+        }
+        Ok(keys)
+    }
+
+    /// Positions per request for `model`.
+    pub fn ctx_for(&self, model: &Model) -> usize {
+        if self.ctx == 0 {
+            model.cfg.n_ctx_train
+        } else {
+            self.ctx
+        }
+    }
+
+    /// The request limits (before the model is known, `ctx` as configured).
+    pub fn limits(&self) -> Limits {
+        let ctx = if self.ctx == 0 { 4096 } else { self.ctx };
+        Limits {
+            ctx,
+            max_prompt_tokens: if self.max_prompt_tokens == 0 {
+                ctx.saturating_sub(1).max(1)
+            } else {
+                self.max_prompt_tokens
+            },
+            max_stop: self.max_stop,
+            max_stop_len: self.max_stop_len,
+            max_logprobs: self.max_logprobs,
+            max_messages: self.max_messages,
+        }
+    }
+
+    /// KV pool bytes: as configured, or `parallel` requests of `ctx` positions.
+    pub fn kv_budget_for(&self, model: &Model, ctx: usize) -> Result<u64> {
+        if !self.kv_budget.is_empty() {
+            return parse_size(&self.kv_budget).map_err(|e| anyhow::anyhow!("kv_budget: {e}"));
+        }
+        let per_block = crate::kv_pool::KvPool::block_bytes(
+            model.cfg.n_layer,
+            model.cfg.k_dim(),
+            model.cfg.v_dim(),
+        );
+        let blocks = (ctx.div_ceil(crate::kv_pool::BLOCK) + 1) * self.parallel;
+        Ok(per_block * blocks as u64)
+    }
+
+    /// The chat template: the configured one, else the model's own, else chatml.
+    pub fn chat_template(&self, model: &Model) -> Result<ChatTemplate> {
+        let tok = &model.tokenizer;
+        let text = |id: Option<u32>| {
+            id.and_then(|i| tok.token_text(i))
+                .unwrap_or_default()
+                .to_string()
+        };
+        let (bos, eos) = (text(tok.bos()), text(tok.eos()));
+        let name = self.chat_template.as_str();
+        if !name.is_empty() {
+            if let Some(t) = ChatTemplate::builtin(name, &bos, &eos) {
+                return Ok(t?);
+            }
+            let path = std::path::Path::new(name);
+            if !path.exists() {
+                let names: Vec<&str> = BUILTIN.iter().map(|(n, _)| *n).collect();
+                bail!(
+                    "--chat-template {name}: neither a built-in template ({}) nor a file",
+                    names.join(", ")
+                );
+            }
+            let src = std::fs::read_to_string(path)
+                .with_context(|| format!("reading the chat template {}", path.display()))?;
+            return Ok(ChatTemplate::new(name, &src, &bos, &eos)?);
+        }
+        match model.file().get_str("tokenizer.chat_template") {
+            Ok(Some(src)) => Ok(ChatTemplate::new("gguf", src, &bos, &eos)?),
+            _ => {
+                tracing::warn!(
+                    "the model has no chat template: /v1/chat/completions uses chatml (set --chat-template)"
+                );
+                ChatTemplate::builtin("chatml", &bos, &eos)
+                    .expect("chatml is built in")
+                    .map_err(Into::into)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_template_in_deploy_parses_and_equals_the_defaults() {
+        let path = concat!(env!("CARGO_MANIFEST_DIR"), "/../deploy/serve.toml");
+        let c = ServeConfig::from_file(std::path::Path::new(path)).unwrap();
+        assert_eq!(c, ServeConfig::default());
+        c.validate().unwrap();
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_refused_with_the_field_named() {
+        let e = toml::from_str::<ServeConfig>("paralel = 4")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("paralel"), "{e}");
+        let c: ServeConfig = toml::from_str("numerics = \"fast\"").unwrap();
+        assert!(c.validate().unwrap_err().to_string().contains("numerics"));
+        let c: ServeConfig = toml::from_str("parallel = 32\nstep_tokens = 16").unwrap();
+        assert!(c
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("step_tokens"));
+    }
+}

@@ -1,0 +1,262 @@
+//! The compute thread: executes the [`Scheduler`]'s decisions against the model and the KV
+//! pool. It owns both; the async API layer reaches it only through a bounded command channel
+//! and hears back on one bounded channel per request, so no compute ever runs on the async
+//! runtime and nothing the API does can block a step.
+//!
+//! Each iteration: take commands (block only when idle), end requests whose client went away
+//! (their reply channel is closed) or whose deadline passed, admit, run one step, dispatch the
+//! scheduler's actions. A failed step changed nothing (steps are transactional) and is retried
+//! once; if it fails again, its requests end with the error and the others go on.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::mpsc::Sender;
+
+use crate::kv_pool::{KvPool, SeqId};
+use crate::model::{Logits, Model, NoObserver, SeqInput, StepOptions};
+
+use super::metrics::Metrics;
+use super::scheduler::{
+    Action, Finish, Reject, ReqId, Row, Scheduler, Submit, TokenLogprob, Usage,
+};
+
+/// What the API layer asks of the compute thread.
+pub enum Cmd {
+    /// A new request; its events go to `reply`, which must hold `max_tokens + 2` events.
+    Submit(Box<Submit>, Sender<Event>),
+    /// Stop admitting; finish what runs until `deadline`, cancel the rest, then exit.
+    Drain { deadline: Instant },
+}
+
+/// What a request hears back.
+#[derive(Debug)]
+pub enum Event {
+    Token {
+        token: u32,
+        text: String,
+        logprob: Option<TokenLogprob>,
+    },
+    Done {
+        reason: Finish,
+        text: String,
+        usage: Usage,
+    },
+    Rejected(Reject),
+}
+
+/// How the engine runs each step.
+pub struct DriverOptions {
+    pub step: StepOptions,
+    pub top_experts: Option<usize>,
+}
+
+struct Live {
+    reply: Sender<Event>,
+    seq: Option<SeqId>,
+}
+
+/// Runs until drained (or the command channel closes). `ready` is set once running.
+pub fn run(
+    model: Arc<Model>,
+    mut pool: KvPool,
+    mut sched: Scheduler,
+    opts: DriverOptions,
+    rx: Receiver<Cmd>,
+    metrics: Arc<Metrics>,
+    ready: Arc<AtomicBool>,
+) {
+    let mut live: HashMap<ReqId, Live> = HashMap::new();
+    let mut drain: Option<Instant> = None;
+    metrics
+        .kv_blocks_total
+        .set(pool.stats().blocks_total as i64);
+    ready.store(true, Ordering::SeqCst);
+    loop {
+        // Commands: wait for one when there is nothing to compute.
+        let mut cmds = Vec::new();
+        if sched.is_idle() {
+            if drain.is_some() {
+                break;
+            }
+            match rx.recv_timeout(Duration::from_millis(200)) {
+                Ok(c) => cmds.push(c),
+                Err(RecvTimeoutError::Timeout) => continue,
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        cmds.extend(rx.try_iter());
+        for c in cmds {
+            match c {
+                Cmd::Submit(req, reply) => {
+                    let id = req.id;
+                    if drain.is_some() {
+                        let _ = reply.try_send(Event::Rejected(Reject::QueueFull {
+                            waiting: sched.waiting(),
+                            max: 0,
+                        }));
+                        continue;
+                    }
+                    match sched.submit(*req) {
+                        Ok(()) => {
+                            live.insert(id, Live { reply, seq: None });
+                        }
+                        Err(e) => {
+                            let _ = reply.try_send(Event::Rejected(e));
+                        }
+                    }
+                }
+                Cmd::Drain { deadline } => drain = Some(deadline),
+            }
+        }
+        let now = Instant::now();
+        let mut actions = sched.expire(now);
+        // Clients that went away: their receiver is dropped.
+        let gone: Vec<ReqId> = live
+            .iter()
+            .filter(|(_, l)| l.reply.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            actions.extend(sched.end(id, Finish::Cancelled));
+        }
+        if drain.is_some_and(|d| now >= d) {
+            let ids: Vec<ReqId> = live.keys().copied().collect();
+            for id in ids {
+                actions.extend(sched.end(id, Finish::Cancelled));
+            }
+        }
+        dispatch(actions, &mut live, &mut pool, &metrics);
+
+        for s in sched.admit(now) {
+            let seq = pool.add_sequence(s.limit);
+            let reused = pool.reuse_prefix(seq, &s.prompt).unwrap_or(0);
+            metrics.prompt_tokens.inc_by(s.prompt.len() as u64);
+            metrics.prefix_cache_hit_tokens.inc_by(reused as u64);
+            if let Some(l) = live.get_mut(&s.id) {
+                l.seq = Some(seq);
+            }
+            sched.started(s.id, reused);
+        }
+        metrics.queue_depth.set(sched.waiting() as i64);
+        metrics.running.set(sched.running() as i64);
+        let rows = sched.rows();
+        if rows.is_empty() {
+            continue;
+        }
+        let result = run_step(&model, &mut pool, &rows, &live, &opts, &metrics);
+        let actions = match result {
+            Ok(logits) => sched.on_step(&model.tokenizer, &rows, logits),
+            Err(msg) => {
+                tracing::error!("step of {} rows failed twice: {msg}", rows.len());
+                rows.iter()
+                    .flat_map(|r| sched.end(r.id, Finish::Error(msg.clone())))
+                    .collect()
+            }
+        };
+        dispatch(actions, &mut live, &mut pool, &metrics);
+        metrics.kv_blocks_used.set(pool.stats().blocks_used as i64);
+    }
+    ready.store(false, Ordering::SeqCst);
+}
+
+/// One step over `rows`, retried once; per row its logits when it asked for them.
+fn run_step(
+    model: &Model,
+    pool: &mut KvPool,
+    rows: &[Row],
+    live: &HashMap<ReqId, Live>,
+    opts: &DriverOptions,
+    metrics: &Metrics,
+) -> Result<Vec<Option<Vec<f32>>>, String> {
+    let mut inputs = Vec::with_capacity(rows.len());
+    for r in rows {
+        let Some(seq) = live.get(&r.id).and_then(|l| l.seq) else {
+            return Err(format!("request {} has no KV sequence", r.id));
+        };
+        inputs.push(SeqInput {
+            seq,
+            tokens: &r.tokens,
+            logits: if r.logits { Logits::Last } else { Logits::None },
+            top_experts: opts.top_experts,
+        });
+    }
+    metrics
+        .batch_rows
+        .observe(rows.iter().map(|r| r.tokens.len()).sum::<usize>() as f64);
+    let mut last = String::new();
+    for _ in 0..2 {
+        metrics.steps.inc();
+        match model.step(pool, &inputs, &opts.step, &mut NoObserver) {
+            Ok(out) => {
+                return Ok(rows
+                    .iter()
+                    .zip(out)
+                    .map(|(r, l)| r.logits.then_some(l))
+                    .collect())
+            }
+            Err(e) => {
+                metrics.step_failures.inc();
+                tracing::warn!("step failed (KV unchanged): {e}");
+                last = e.to_string();
+            }
+        }
+    }
+    Err(last)
+}
+
+fn dispatch(
+    actions: Vec<Action>,
+    live: &mut HashMap<ReqId, Live>,
+    pool: &mut KvPool,
+    metrics: &Metrics,
+) {
+    for a in actions {
+        match a {
+            Action::Token {
+                id,
+                token,
+                text,
+                logprob,
+            } => {
+                metrics.generated_tokens.inc();
+                if let Some(l) = live.get(&id) {
+                    // The channel holds max_tokens + 2 events, so it is never full; a closed
+                    // one is noticed at the next iteration.
+                    let _ = l.reply.try_send(Event::Token {
+                        token,
+                        text,
+                        logprob,
+                    });
+                }
+            }
+            Action::Finish {
+                id,
+                reason,
+                text,
+                usage,
+            } => {
+                if let Some(l) = live.get(&id) {
+                    let _ = l.reply.try_send(Event::Done {
+                        reason,
+                        text,
+                        usage,
+                    });
+                }
+                if live.get(&id).is_some_and(|l| l.seq.is_none()) {
+                    live.remove(&id);
+                }
+            }
+            Action::Free { id } => {
+                if let Some(seq) = live.remove(&id).and_then(|l| l.seq) {
+                    if let Err(e) = pool.remove(seq) {
+                        tracing::error!("freeing request {id}'s KV: {e}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,810 @@
+//! The HTTP API (axum): OpenAI-compatible completions and chat (JSON and SSE), models,
+//! tokenize / detokenize, health, readiness and metrics.
+//!
+//! Handlers never compute: they validate, tokenize (bounded by the body limit), take a stream
+//! permit (429 at once when none is left), hand the request to the compute thread and relay
+//! its events. A dropped response (client gone) drops the request's channel, which the compute
+//! thread notices at the next step and frees the sequence.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use futures_util::stream::{self, Stream};
+use serde_json::{json, Value};
+use subtle::ConstantTimeEq;
+use ternfleet_shared::error::ErrorClass;
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+
+use super::chat::ChatTemplate;
+use super::driver::{Cmd, Event};
+use super::metrics::Metrics;
+use super::openai::{self, ApiError, ChatRequest, CompletionRequest, Limits, Prompt, Valid};
+use super::scheduler::{Reject, Submit, TokenLogprob, Usage};
+use crate::model::Model;
+
+/// What exists once the model is loaded.
+pub struct Engine {
+    pub model: Arc<Model>,
+    pub chat: ChatTemplate,
+    pub tx: std::sync::mpsc::SyncSender<Cmd>,
+}
+
+/// Shared by every handler.
+pub struct AppState {
+    pub engine: OnceLock<Engine>,
+    pub ready: Arc<AtomicBool>,
+    pub draining: AtomicBool,
+    pub limits: Limits,
+    pub metrics: Arc<Metrics>,
+    /// One permit per request admitted (running or waiting).
+    pub permits: Arc<Semaphore>,
+    /// How many permits there are in all.
+    pub slots: usize,
+    pub api_keys: Vec<String>,
+    pub model_name: String,
+    pub next_id: AtomicU64,
+    pub created: u64,
+    /// Default `max_tokens` when a request gives none (up to the context).
+    pub default_max_tokens: Option<usize>,
+    /// Per-request deadline.
+    pub timeout: Duration,
+}
+
+/// The router over `state`, with the body limit applied before parsing.
+pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
+    Router::new()
+        .route("/health", get(health))
+        .route("/ready", get(ready))
+        .route("/metrics", get(metrics))
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/tokenize", post(tokenize))
+        .route("/detokenize", post(detokenize))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(max_body))
+        .with_state(state)
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = StatusCode::from_u16(self.class.http_status())
+            .unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        let mut r = (status, Json(self.body())).into_response();
+        if self.class == ErrorClass::Unavailable || self.class == ErrorClass::Overloaded {
+            r.headers_mut()
+                .insert(header::RETRY_AFTER, header::HeaderValue::from_static("1"));
+        }
+        r
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+async fn not_found() -> ApiError {
+    ApiError::new(ErrorClass::NotFound, "no such endpoint")
+}
+
+async fn health() -> Json<Value> {
+    Json(json!({"status": "ok"}))
+}
+
+async fn ready(State(s): State<Arc<AppState>>) -> Response {
+    if s.draining.load(Ordering::SeqCst) {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "draining"})),
+        )
+            .into_response()
+    } else if s.ready.load(Ordering::SeqCst) {
+        Json(json!({"status": "ready"})).into_response()
+    } else {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "loading"})),
+        )
+            .into_response()
+    }
+}
+
+async fn metrics(State(s): State<Arc<AppState>>) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.encode(),
+    )
+        .into_response()
+}
+
+/// Bearer key check (constant time per key); `Ok` when no keys are configured.
+fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    if s.api_keys.is_empty() {
+        return Ok(());
+    }
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    let ok = s.api_keys.iter().fold(false, |acc, k| {
+        acc | bool::from(k.as_bytes().ct_eq(given.as_bytes()))
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(ApiError::new(
+            ErrorClass::Unauthenticated,
+            "missing or invalid API key: send `Authorization: Bearer <key>`",
+        ))
+    }
+}
+
+/// The engine, or 503 while loading / draining.
+fn engine(s: &AppState) -> Result<&Engine, ApiError> {
+    if s.draining.load(Ordering::SeqCst) {
+        return Err(ApiError::new(
+            ErrorClass::Unavailable,
+            "the server is shutting down; retry on another instance",
+        ));
+    }
+    match s.engine.get() {
+        Some(e) if s.ready.load(Ordering::SeqCst) => Ok(e),
+        _ => Err(ApiError::new(
+            ErrorClass::Unavailable,
+            "the model is still loading; retry shortly (GET /ready answers 200 when it is loaded)",
+        )),
+    }
+}
+
+fn body_json<T: serde::de::DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    let body = body.map_err(|e| {
+        ApiError::new(
+            ErrorClass::BadRequest,
+            format!("reading the request body: {e} (the limit is set by --max-body)"),
+        )
+    })?;
+    serde_json::from_slice(&body)
+        .map_err(|e| ApiError::new(ErrorClass::BadRequest, format!("invalid JSON body: {e}")))
+}
+
+async fn models(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+) -> Result<Json<Value>, ApiError> {
+    authorize(&s, &headers)?;
+    let meta = s.engine.get().map(|e| {
+        json!({
+            "arch": e.model.cfg.arch.name(),
+            "n_vocab": e.model.cfg.n_vocab,
+            "n_ctx": s.limits.ctx,
+            "chat_template": e.chat.name,
+        })
+    });
+    Ok(Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.model_name,
+            "object": "model",
+            "created": s.created,
+            "owned_by": "ternfleet",
+            "meta": meta,
+        }]
+    })))
+}
+
+#[derive(serde::Deserialize)]
+struct TokenizeReq {
+    content: String,
+    #[serde(default)]
+    add_special: bool,
+    #[serde(default)]
+    with_pieces: bool,
+}
+
+async fn tokenize(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let r = tokenize_inner(&s, &headers, body);
+    s.metrics.request("tokenize", status_of(&r));
+    r
+}
+
+fn tokenize_inner(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    authorize(s, headers)?;
+    let e = engine(s)?;
+    let r: TokenizeReq = body_json(body)?;
+    let tok = &e.model.tokenizer;
+    let ids = tok.encode(&r.content, r.add_special, true);
+    if r.with_pieces {
+        let pieces: Vec<Value> = ids
+            .iter()
+            .map(|&id| {
+                let b = tok.token_to_piece(id, true);
+                match String::from_utf8(b) {
+                    Ok(t) => json!({"id": id, "piece": t}),
+                    Err(e) => json!({"id": id, "piece": e.into_bytes()}),
+                }
+            })
+            .collect();
+        return Ok(Json(json!({ "tokens": pieces })));
+    }
+    Ok(Json(json!({ "tokens": ids })))
+}
+
+#[derive(serde::Deserialize)]
+struct DetokenizeReq {
+    tokens: Vec<u32>,
+}
+
+async fn detokenize(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let r = (|| {
+        authorize(&s, &headers)?;
+        let e = engine(&s)?;
+        let r: DetokenizeReq = body_json(body)?;
+        let n = e.model.tokenizer.n_vocab();
+        if let Some(bad) = r.tokens.iter().find(|&&t| t as usize >= n) {
+            return Err(ApiError::bad(
+                "tokens",
+                format!("token id {bad} is out of range: the vocabulary has {n} tokens"),
+            ));
+        }
+        let text = e.model.tokenizer.detokenize(&r.tokens, false, true);
+        Ok(Json(json!({ "content": String::from_utf8_lossy(&text) })))
+    })();
+    s.metrics.request("detokenize", status_of(&r));
+    r
+}
+
+fn status_of<T>(r: &Result<T, ApiError>) -> u16 {
+    match r {
+        Ok(_) => 200,
+        Err(e) => e.class.http_status(),
+    }
+}
+
+/// Which API a generation answers in.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Completion,
+    Chat,
+}
+
+impl Kind {
+    fn endpoint(self) -> &'static str {
+        match self {
+            Kind::Completion => "completions",
+            Kind::Chat => "chat",
+        }
+    }
+}
+
+/// A validated generation ready to submit.
+struct Prepared {
+    kind: Kind,
+    prompt: Vec<u32>,
+    valid: Valid,
+    max_tokens: usize,
+}
+
+fn prepare(
+    s: &AppState,
+    kind: Kind,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Prepared, ApiError> {
+    let e = engine(s)?;
+    let tok = &e.model.tokenizer;
+    let (prompt, valid) = match kind {
+        Kind::Completion => {
+            let r: CompletionRequest = body_json(body)?;
+            if r.echo {
+                return Err(ApiError::bad("echo", "echo is not supported"));
+            }
+            let valid = openai::validate_common(&r.common, r.logprobs, &s.limits)?;
+            let prompt = match r.prompt {
+                Prompt::Text(t) => tok.encode(&t, true, true),
+                Prompt::Texts(v) if v.len() == 1 => tok.encode(&v[0], true, true),
+                Prompt::Texts(v) => {
+                    return Err(ApiError::bad(
+                        "prompt",
+                        format!(
+                            "{} prompts in one request: send one prompt per request",
+                            v.len()
+                        ),
+                    ))
+                }
+                Prompt::Tokens(ids) => {
+                    let n = tok.n_vocab();
+                    if let Some(bad) = ids.iter().find(|&&t| t as usize >= n) {
+                        return Err(ApiError::bad(
+                            "prompt",
+                            format!(
+                                "token id {bad} is out of range: the vocabulary has {n} tokens"
+                            ),
+                        ));
+                    }
+                    ids
+                }
+            };
+            (prompt, valid)
+        }
+        Kind::Chat => {
+            let r: ChatRequest = body_json(body)?;
+            let lp = if r.logprobs {
+                Some(r.top_logprobs.unwrap_or(0))
+            } else if r.top_logprobs.is_some() {
+                return Err(ApiError::bad(
+                    "top_logprobs",
+                    "top_logprobs needs logprobs: true",
+                ));
+            } else {
+                None
+            };
+            let valid = openai::validate_common(&r.common, lp, &s.limits)?;
+            let msgs = openai::chat_messages(&r, &s.limits)?;
+            let text = e
+                .chat
+                .render(&msgs)
+                .map_err(|err| ApiError::bad("messages", err.to_string()))?;
+            let mut ids = tok.encode(&text, true, true);
+            // A template that writes BOS itself, on a tokenizer that adds one: keep one.
+            if let Some(b) = tok.bos() {
+                if tok.add_bos() && ids.len() >= 2 && ids[0] == b && ids[1] == b {
+                    ids.remove(0);
+                }
+            }
+            (ids, valid)
+        }
+    };
+    if prompt.is_empty() {
+        return Err(ApiError::bad("prompt", "the prompt is empty"));
+    }
+    if prompt.len() > s.limits.max_prompt_tokens {
+        return Err(ApiError::bad(
+            "prompt",
+            format!(
+                "the prompt is {} tokens: the limit is {} (--max-prompt-tokens)",
+                prompt.len(),
+                s.limits.max_prompt_tokens
+            ),
+        ));
+    }
+    let room = s.limits.ctx.saturating_sub(prompt.len());
+    let max_tokens = match valid.max_tokens {
+        Some(m) if m > room => {
+            return Err(ApiError::bad(
+                "max_tokens",
+                format!(
+                    "prompt ({} tokens) + max_tokens ({m}) = {} is over the context size {}",
+                    prompt.len(),
+                    prompt.len() + m,
+                    s.limits.ctx
+                ),
+            ))
+        }
+        Some(m) => m,
+        None => s.default_max_tokens.unwrap_or(room).min(room),
+    };
+    if max_tokens == 0 {
+        return Err(ApiError::bad(
+            "prompt",
+            format!(
+                "the prompt ({} tokens) fills the context size {}",
+                prompt.len(),
+                s.limits.ctx
+            ),
+        ));
+    }
+    Ok(Prepared {
+        kind,
+        prompt,
+        valid,
+        max_tokens,
+    })
+}
+
+/// A submitted request: its events, its permit, when it arrived.
+struct Flight {
+    rx: mpsc::Receiver<Event>,
+    _permit: OwnedSemaphorePermit,
+    id: String,
+    arrived: Instant,
+    last: Option<Instant>,
+    kind: Kind,
+    metrics: Arc<Metrics>,
+    model: String,
+    created: u64,
+    tok: Arc<Model>,
+}
+
+fn submit(s: &AppState, p: &Prepared, arrived: Instant) -> Result<Flight, ApiError> {
+    let e = engine(s)?;
+    let permit = s.permits.clone().try_acquire_owned().map_err(|_| {
+        ApiError::new(
+            ErrorClass::Overloaded,
+            format!(
+                "server overloaded: all {} request slots (--parallel + --max-queue) are taken; retry later",
+                s.slots
+            ),
+        )
+    })?;
+    let n = s.next_id.fetch_add(1, Ordering::Relaxed);
+    let (tx, rx) = mpsc::channel(p.max_tokens + 2);
+    let req = Submit {
+        id: n,
+        prompt: p.prompt.clone(),
+        max_tokens: p.max_tokens,
+        sampling: p.valid.sampling.clone(),
+        stop: p.valid.stop.clone(),
+        ignore_eos: p.valid.ignore_eos,
+        logprobs: p.valid.logprobs,
+        deadline: Some(arrived + s.timeout),
+    };
+    e.tx.try_send(Cmd::Submit(Box::new(req), tx))
+        .map_err(|err| match err {
+            std::sync::mpsc::TrySendError::Full(_) => ApiError::new(
+                ErrorClass::Overloaded,
+                "server overloaded: the command queue is full; retry later",
+            ),
+            std::sync::mpsc::TrySendError::Disconnected(_) => {
+                ApiError::new(ErrorClass::Unavailable, "the engine has stopped")
+            }
+        })?;
+    let prefix = if p.kind == Kind::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    };
+    Ok(Flight {
+        rx,
+        _permit: permit,
+        id: format!("{prefix}-{n}"),
+        arrived,
+        last: None,
+        kind: p.kind,
+        metrics: s.metrics.clone(),
+        model: s.model_name.clone(),
+        created: unix_now(),
+        tok: e.model.clone(),
+    })
+}
+
+fn reject_error(r: Reject) -> ApiError {
+    match r {
+        Reject::QueueFull { .. } => ApiError::new(ErrorClass::Overloaded, r.to_string()),
+        _ => ApiError::new(ErrorClass::BadRequest, r.to_string()),
+    }
+}
+
+impl Flight {
+    fn observe_token(&mut self) {
+        let now = Instant::now();
+        match self.last {
+            None => self
+                .metrics
+                .ttft
+                .observe((now - self.arrived).as_secs_f64()),
+            Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
+        }
+        self.last = Some(now);
+    }
+
+    fn piece_text(&self, t: u32) -> String {
+        String::from_utf8_lossy(&self.tok.tokenizer.token_to_piece(t, false)).into_owned()
+    }
+
+    /// OpenAI's logprobs entry for one token (chat: `content[]` items).
+    fn chat_logprob(&self, lp: &TokenLogprob) -> Value {
+        json!({
+            "token": String::from_utf8_lossy(&lp.bytes),
+            "logprob": lp.logprob,
+            "bytes": lp.bytes,
+            "top_logprobs": lp.top.iter().map(|(_, l, b)| json!({
+                "token": String::from_utf8_lossy(b), "logprob": l, "bytes": b
+            })).collect::<Vec<_>>(),
+        })
+    }
+
+    fn choice(
+        &self,
+        text: &str,
+        lps: &[TokenLogprob],
+        finish: Option<&str>,
+        delta: bool,
+        first: bool,
+    ) -> Value {
+        let logprobs = if lps.is_empty() {
+            Value::Null
+        } else if self.kind == Kind::Chat {
+            json!({ "content": lps.iter().map(|l| self.chat_logprob(l)).collect::<Vec<_>>() })
+        } else {
+            json!({
+                "tokens": lps.iter().map(|l| self.piece_text(l.token)).collect::<Vec<_>>(),
+                "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                "top_logprobs": lps.iter().map(|l| {
+                    l.top.iter().map(|(t, p, _)| (self.piece_text(*t), json!(p))).collect::<serde_json::Map<_, _>>()
+                }).collect::<Vec<_>>(),
+            })
+        };
+        match (self.kind, delta) {
+            (Kind::Completion, _) => json!({
+                "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish
+            }),
+            (Kind::Chat, false) => json!({
+                "index": 0,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }),
+            (Kind::Chat, true) => {
+                let d = if first {
+                    json!({"role": "assistant", "content": text})
+                } else if finish.is_some() && text.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": text})
+                };
+                json!({"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish})
+            }
+        }
+    }
+
+    fn object(&self, stream: bool) -> &'static str {
+        match (self.kind, stream) {
+            (Kind::Completion, _) => "text_completion",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Chat, true) => "chat.completion.chunk",
+        }
+    }
+
+    fn envelope(&self, stream: bool, choices: Vec<Value>, usage: Option<Value>) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": self.object(stream),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        v
+    }
+}
+
+async fn completions(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(s, headers, body, Kind::Completion).await
+}
+
+async fn chat(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    generate(s, headers, body, Kind::Chat).await
+}
+
+async fn generate(
+    s: Arc<AppState>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    kind: Kind,
+) -> Response {
+    let arrived = Instant::now();
+    let started = authorize(&s, &headers)
+        .and_then(|()| prepare(&s, kind, body))
+        .and_then(|p| submit(&s, &p, arrived).map(|f| (p, f)));
+    let (p, mut f) = match started {
+        Ok(x) => x,
+        Err(e) => {
+            s.metrics.request(kind.endpoint(), e.class.http_status());
+            return e.into_response();
+        }
+    };
+    // The first event tells whether the engine took the request.
+    let first = f.rx.recv().await;
+    let first = match first {
+        Some(Event::Rejected(r)) => {
+            let e = reject_error(r);
+            s.metrics.request(kind.endpoint(), e.class.http_status());
+            return e.into_response();
+        }
+        Some(ev) => ev,
+        None => {
+            let e = ApiError::new(ErrorClass::Unavailable, "the engine stopped");
+            s.metrics.request(kind.endpoint(), e.class.http_status());
+            return e.into_response();
+        }
+    };
+    if p.valid.stream {
+        s.metrics.request(kind.endpoint(), 200);
+        stream_response(f, first, p.valid.include_usage).into_response()
+    } else {
+        let r = collect(&mut f, first).await;
+        s.metrics.request(kind.endpoint(), status_of(&r));
+        match r {
+            Ok(v) => Json(v).into_response(),
+            Err(e) => e.into_response(),
+        }
+    }
+}
+
+/// Non-streaming: every event, then one response object.
+async fn collect(f: &mut Flight, first: Event) -> Result<Value, ApiError> {
+    let mut text = String::new();
+    let mut lps = Vec::new();
+    let mut ev = Some(first);
+    loop {
+        match ev {
+            Some(Event::Token {
+                text: t, logprob, ..
+            }) => {
+                f.observe_token();
+                text.push_str(&t);
+                lps.extend(logprob);
+            }
+            Some(Event::Done {
+                reason,
+                text: t,
+                usage,
+            }) => {
+                f.metrics.e2e.observe(f.arrived.elapsed().as_secs_f64());
+                let Some(fr) = openai::finish_reason(&reason) else {
+                    return Err(openai::finish_error(&reason));
+                };
+                text.push_str(&t);
+                let choice = f.choice(&text, &lps, Some(fr), false, false);
+                return Ok(f.envelope(false, vec![choice], Some(openai::usage_json(&usage))));
+            }
+            Some(Event::Rejected(r)) => return Err(reject_error(r)),
+            None => {
+                return Err(ApiError::new(
+                    ErrorClass::Internal,
+                    "the engine dropped the request",
+                ))
+            }
+        }
+        ev = f.rx.recv().await;
+    }
+}
+
+/// Where an SSE response is.
+enum Sse0 {
+    Events { first_chunk: bool },
+    Usage(Usage),
+    Done,
+    End,
+}
+
+struct SseState {
+    f: Flight,
+    pending: Option<Event>,
+    state: Sse0,
+    include_usage: bool,
+}
+
+/// Streaming: OpenAI's chunks, an error as a `data:` event if the request fails midway, then
+/// `[DONE]`.
+fn stream_response(
+    f: Flight,
+    first: Event,
+    include_usage: bool,
+) -> Sse<impl Stream<Item = Result<SseEvent, std::convert::Infallible>>> {
+    let st = SseState {
+        f,
+        pending: Some(first),
+        state: Sse0::Events { first_chunk: true },
+        include_usage,
+    };
+    let s = stream::unfold(st, |mut st| async move {
+        let ev = match std::mem::replace(&mut st.state, Sse0::End) {
+            Sse0::End => return None,
+            Sse0::Done => {
+                st.state = Sse0::End;
+                return Some((Ok(SseEvent::default().data("[DONE]")), st));
+            }
+            Sse0::Usage(u) => {
+                st.state = Sse0::Done;
+                let v = st.f.envelope(true, vec![], Some(openai::usage_json(&u)));
+                return Some((Ok(SseEvent::default().data(v.to_string())), st));
+            }
+            Sse0::Events { first_chunk } => {
+                let ev = match st.pending.take() {
+                    Some(e) => e,
+                    None => match st.f.rx.recv().await {
+                        Some(e) => e,
+                        None => {
+                            let e = ApiError::new(
+                                ErrorClass::Internal,
+                                "the engine dropped the request",
+                            );
+                            st.state = Sse0::Done;
+                            return Some((Ok(SseEvent::default().data(e.body().to_string())), st));
+                        }
+                    },
+                };
+                (ev, first_chunk)
+            }
+        };
+        let (ev, first_chunk) = ev;
+        let usage_null = if st.include_usage {
+            Some(Value::Null)
+        } else {
+            None
+        };
+        match ev {
+            Event::Token { text, logprob, .. } => {
+                st.f.observe_token();
+                st.state = Sse0::Events { first_chunk: false };
+                let lps: Vec<TokenLogprob> = logprob.into_iter().collect();
+                let c = st.f.choice(&text, &lps, None, true, first_chunk);
+                let v = st.f.envelope(true, vec![c], usage_null);
+                Some((Ok(SseEvent::default().data(v.to_string())), st))
+            }
+            Event::Done {
+                reason,
+                text,
+                usage,
+            } => {
+                st.f.metrics
+                    .e2e
+                    .observe(st.f.arrived.elapsed().as_secs_f64());
+                match openai::finish_reason(&reason) {
+                    Some(fr) => {
+                        let c = st.f.choice(&text, &[], Some(fr), true, first_chunk);
+                        let v = st.f.envelope(true, vec![c], usage_null);
+                        st.state = if st.include_usage {
+                            Sse0::Usage(usage)
+                        } else {
+                            Sse0::Done
+                        };
+                        Some((Ok(SseEvent::default().data(v.to_string())), st))
+                    }
+                    None => {
+                        st.state = Sse0::Done;
+                        let e = openai::finish_error(&reason);
+                        Some((Ok(SseEvent::default().data(e.body().to_string())), st))
+                    }
+                }
+            }
+            Event::Rejected(r) => {
+                st.state = Sse0::Done;
+                Some((
+                    Ok(SseEvent::default().data(reject_error(r).body().to_string())),
+                    st,
+                ))
+            }
+        }
+    });
+    Sse::new(s)
+}

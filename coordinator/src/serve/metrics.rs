@@ -1,0 +1,152 @@
+//! The server's Prometheus metrics (`GET /metrics`, OpenMetrics text). Names follow
+//! Prometheus's rules: `ternfleet_` prefix, base units (seconds), `_total` on counters (the
+//! encoder appends it).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// Label of the requests counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RequestLabels {
+    /// `completions`, `chat`, `tokenize`, ...
+    pub endpoint: String,
+    /// The HTTP status answered.
+    pub status: String,
+}
+
+/// Every metric, cheap to update from any thread.
+pub struct Metrics {
+    pub registry: Registry,
+    pub requests: Family<RequestLabels, Counter>,
+    pub prompt_tokens: Counter,
+    pub generated_tokens: Counter,
+    pub prefix_cache_hit_tokens: Counter,
+    pub ttft: Histogram,
+    pub itl: Histogram,
+    pub e2e: Histogram,
+    pub batch_rows: Histogram,
+    pub queue_depth: Gauge,
+    pub running: Gauge,
+    pub kv_blocks_used: Gauge,
+    pub kv_blocks_total: Gauge,
+    pub steps: Counter,
+    pub step_failures: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::default();
+        let m = Metrics {
+            requests: Family::default(),
+            prompt_tokens: Counter::default(),
+            generated_tokens: Counter::default(),
+            prefix_cache_hit_tokens: Counter::default(),
+            ttft: Histogram::new(exponential_buckets(0.005, 2.0, 14)),
+            itl: Histogram::new(exponential_buckets(0.001, 2.0, 14)),
+            e2e: Histogram::new(exponential_buckets(0.01, 2.0, 16)),
+            batch_rows: Histogram::new(exponential_buckets(1.0, 2.0, 12)),
+            queue_depth: Gauge::default(),
+            running: Gauge::default(),
+            kv_blocks_used: Gauge::default(),
+            kv_blocks_total: Gauge::default(),
+            steps: Counter::default(),
+            step_failures: Counter::default(),
+            registry: Registry::default(),
+        };
+        registry.register(
+            "ternfleet_requests",
+            "API requests by endpoint and HTTP status",
+            m.requests.clone(),
+        );
+        registry.register(
+            "ternfleet_prompt_tokens",
+            "Prompt tokens of admitted requests",
+            m.prompt_tokens.clone(),
+        );
+        registry.register(
+            "ternfleet_generated_tokens",
+            "Tokens generated",
+            m.generated_tokens.clone(),
+        );
+        registry.register(
+            "ternfleet_prefix_cache_hit_tokens",
+            "Prompt tokens reused from the KV pool's shared prefixes",
+            m.prefix_cache_hit_tokens.clone(),
+        );
+        registry.register(
+            "ternfleet_time_to_first_token_seconds",
+            "From request arrival to its first generated token",
+            m.ttft.clone(),
+        );
+        registry.register(
+            "ternfleet_inter_token_latency_seconds",
+            "Between consecutive generated tokens of a request",
+            m.itl.clone(),
+        );
+        registry.register(
+            "ternfleet_request_duration_seconds",
+            "From request arrival to its last token",
+            m.e2e.clone(),
+        );
+        registry.register(
+            "ternfleet_batch_rows",
+            "Rows (tokens of all sequences) per engine step",
+            m.batch_rows.clone(),
+        );
+        registry.register(
+            "ternfleet_queue_depth",
+            "Requests waiting for a sequence slot",
+            m.queue_depth.clone(),
+        );
+        registry.register(
+            "ternfleet_running_sequences",
+            "Requests admitted to the engine",
+            m.running.clone(),
+        );
+        registry.register(
+            "ternfleet_kv_blocks_used",
+            "KV pool blocks held by sequences",
+            m.kv_blocks_used.clone(),
+        );
+        registry.register(
+            "ternfleet_kv_blocks_total",
+            "KV pool blocks in all",
+            m.kv_blocks_total.clone(),
+        );
+        registry.register("ternfleet_steps", "Engine steps run", m.steps.clone());
+        registry.register(
+            "ternfleet_step_failures",
+            "Engine steps that failed (each is retried once)",
+            m.step_failures.clone(),
+        );
+        Metrics { registry, ..m }
+    }
+
+    /// Counts one answered request.
+    pub fn request(&self, endpoint: &str, status: u16) {
+        self.requests
+            .get_or_create(&RequestLabels {
+                endpoint: endpoint.to_string(),
+                status: status.to_string(),
+            })
+            .inc();
+    }
+
+    /// The OpenMetrics text of every metric.
+    pub fn encode(&self) -> String {
+        let mut s = String::new();
+        prometheus_client::encoding::text::encode(&mut s, &self.registry)
+            .expect("writing to a String cannot fail");
+        s
+    }
+}

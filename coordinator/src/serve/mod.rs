@@ -1,0 +1,225 @@
+//! `ternfleet serve`: the model behind an OpenAI-compatible HTTP API, many requests at once.
+//!
+//! Three parts, apart (STYLE.md): [`scheduler`] decides (pure logic, time as input),
+//! [`driver`] computes (the model and the KV pool, on its own thread and the rayon pool), and
+//! [`http`] is how it is reached (axum on a small tokio runtime). [`config`] holds every
+//! option, from a TOML file (`--config`) with command-line overrides.
+//!
+//! Start-up follows ../shared/CONVENTIONS.md: bind, print the start-up line, then load;
+//! `/health` answers from the start, `/ready` and the API only once the model is loaded.
+//! SIGTERM / Ctrl-C: `/ready` turns 503, new requests get 503, running ones finish within the
+//! grace period (then are cancelled), and the process exits 0.
+
+pub mod chat;
+pub mod config;
+pub mod driver;
+pub mod http;
+pub mod metrics;
+pub mod openai;
+pub mod scheduler;
+pub mod text;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+
+use crate::model::{Model, StepOptions};
+use config::ServeConfig;
+
+/// Runs the server until SIGTERM / Ctrl-C.
+pub fn serve(cfg: ServeConfig) -> Result<()> {
+    cfg.validate()?;
+    let addr: std::net::SocketAddr = cfg
+        .http
+        .parse()
+        .with_context(|| format!("--http {:?}: expected HOST:PORT", cfg.http))?;
+    if !addr.ip().is_loopback() && !cfg.listen_any {
+        bail!(
+            "--http {addr}: binding a non-loopback address serves the API to the network without TLS; pass --listen-any to do it anyway"
+        );
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("ternfleet-http")
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(run(cfg, addr))
+}
+
+async fn run(cfg: ServeConfig, addr: std::net::SocketAddr) -> Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("binding the HTTP API to {addr}"))?;
+    let bound = listener.local_addr().context("reading the bound address")?;
+    {
+        use std::io::Write;
+        let line = serde_json::json!({
+            "ternfleet": "listening",
+            "role": "coordinator",
+            "id": cfg.id,
+            "http": bound.to_string(),
+        });
+        let mut out = std::io::stdout().lock();
+        writeln!(out, "{line}").context("writing the start-up line")?;
+        out.flush().context("writing the start-up line")?;
+    }
+    let metrics = Arc::new(metrics::Metrics::new());
+    let slots = cfg.parallel + cfg.max_queue;
+    let ready = Arc::new(AtomicBool::new(false));
+    let state = Arc::new(http::AppState {
+        engine: OnceLock::new(),
+        ready: ready.clone(),
+        draining: AtomicBool::new(false),
+        limits: cfg.limits(),
+        metrics: metrics.clone(),
+        permits: Arc::new(tokio::sync::Semaphore::new(slots)),
+        slots,
+        api_keys: cfg.api_keys()?,
+        model_name: cfg.model_name(),
+        next_id: AtomicU64::new(0),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+        default_max_tokens: cfg.default_max_tokens,
+        timeout: Duration::from_secs_f64(cfg.timeout_s),
+    });
+    tracing::info!(
+        "HTTP API on http://{bound}; loading {}",
+        cfg.model.display()
+    );
+
+    // Load and compute on a thread of its own; the runtime only does I/O.
+    let loader_state = state.clone();
+    let loader_cfg = cfg.clone();
+    let compute = std::thread::Builder::new()
+        .name("ternfleet-engine".into())
+        .spawn(move || {
+            if let Err(e) = load_and_run(loader_cfg, loader_state, metrics, ready) {
+                tracing::error!("{e:#}");
+                eprintln!("error: {e:#}");
+                std::process::exit(1);
+            }
+        })
+        .context("starting the engine thread")?;
+
+    let app = http::router(state.clone(), cfg.max_body_bytes()?);
+    let grace = Duration::from_secs_f64(cfg.grace_s);
+    let shutdown_state = state.clone();
+    let shutdown = async move {
+        wait_for_signal().await;
+        tracing::info!("shutting down: draining for up to {grace:?}");
+        shutdown_state.draining.store(true, Ordering::SeqCst);
+        if let Some(e) = shutdown_state.engine.get() {
+            let _ = e.tx.send(driver::Cmd::Drain {
+                deadline: Instant::now() + grace,
+            });
+        }
+    };
+    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    // In-flight streams end when the engine drains; bound the wait anyway.
+    let drained = async {
+        while !state.draining.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tokio::time::sleep(grace + Duration::from_secs(5)).await;
+    };
+    tokio::select! {
+        r = server => r.context("serving HTTP")?,
+        () = drained => tracing::warn!("connections still open after the grace period; closing"),
+    }
+    // The engine thread exits once drained (or immediately if it never finished loading).
+    let deadline = Instant::now() + grace + Duration::from_secs(5);
+    while !compute.is_finished() && Instant::now() < deadline && state.engine.get().is_some() {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    tracing::info!("stopped");
+    Ok(())
+}
+
+async fn wait_for_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = term.recv() => {},
+                    _ = tokio::signal::ctrl_c() => {},
+                }
+            }
+            Err(e) => {
+                tracing::warn!("cannot listen for SIGTERM ({e}); Ctrl-C only");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = tokio::signal::ctrl_c().await;
+    }
+}
+
+fn load_and_run(
+    cfg: ServeConfig,
+    state: Arc<http::AppState>,
+    metrics: Arc<metrics::Metrics>,
+    ready: Arc<AtomicBool>,
+) -> Result<()> {
+    let t = Instant::now();
+    let model = if cfg.model.is_dir() {
+        Model::open_bundle(&cfg.model)
+    } else {
+        Model::open(&cfg.model)
+    }
+    .with_context(|| format!("loading {}", cfg.model.display()))?;
+    let chat = cfg.chat_template(&model)?;
+    let ctx = cfg.ctx_for(&model);
+    let budget = cfg.kv_budget_for(&model, ctx)?;
+    let pool = model.new_pool(budget, cfg.numerics()?)?;
+    let kv_blocks = pool.stats().blocks_total;
+    tracing::info!(
+        arch = model.cfg.arch.name(),
+        ctx,
+        kv_blocks,
+        parallel = cfg.parallel,
+        numerics = cfg.numerics,
+        chat_template = chat.name,
+        "loaded {} in {:.2}s",
+        cfg.model.display(),
+        t.elapsed().as_secs_f64()
+    );
+    let sched = scheduler::Scheduler::new(scheduler::SchedConfig {
+        max_running: cfg.parallel,
+        max_waiting: cfg.max_queue,
+        chunk: cfg.chunk,
+        step_tokens: cfg.step_tokens,
+        kv_blocks,
+        sharing: pool.sharing(),
+    });
+    // Room for every request slot's submit plus drain commands: a full channel means 429.
+    let (tx, rx) = std::sync::mpsc::sync_channel(cfg.parallel + cfg.max_queue + 8);
+    let model = Arc::new(model);
+    if state
+        .engine
+        .set(http::Engine {
+            model: model.clone(),
+            chat,
+            tx,
+        })
+        .is_err()
+    {
+        bail!("the engine was started twice");
+    }
+    let opts = driver::DriverOptions {
+        step: StepOptions {
+            numerics: cfg.numerics()?,
+            ..StepOptions::default()
+        },
+        top_experts: cfg.top_experts,
+    };
+    driver::run(model, pool, sched, opts, rx, metrics, ready);
+    Ok(())
+}
