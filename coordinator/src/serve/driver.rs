@@ -141,8 +141,7 @@ pub fn run(
             }
             sched.started(s.id, reused);
         }
-        metrics.queue_depth.set(sched.waiting() as i64);
-        metrics.running.set(sched.running() as i64);
+        gauges(&metrics, &sched, &pool);
         let rows = sched.rows();
         if rows.is_empty() {
             continue;
@@ -158,9 +157,15 @@ pub fn run(
             }
         };
         dispatch(actions, &mut live, &mut pool, &metrics);
-        metrics.kv_blocks_used.set(pool.stats().blocks_used as i64);
+        gauges(&metrics, &sched, &pool);
     }
     ready.store(false, Ordering::SeqCst);
+}
+
+fn gauges(metrics: &Metrics, sched: &Scheduler, pool: &KvPool) {
+    metrics.queue_depth.set(sched.waiting() as i64);
+    metrics.running.set(sched.running() as i64);
+    metrics.kv_blocks_used.set(pool.stats().blocks_used as i64);
 }
 
 /// One step over `rows`, retried once; per row its logits when it asked for them.

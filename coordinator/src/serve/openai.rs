@@ -200,18 +200,19 @@ pub fn validate_common(
             ));
         }
     }
-    let max_tokens =
-        match c.max_completion_tokens.or(c.max_tokens) {
-            None => None,
-            Some(m) if m < 1 || m as u64 > limits.ctx as u64 => return Err(ApiError::bad(
+    let max_tokens = match c.max_completion_tokens.or(c.max_tokens) {
+        None => None,
+        Some(m) if m < 1 || m as u64 > limits.ctx as u64 => {
+            return Err(ApiError::bad(
                 "max_tokens",
                 format!(
                     "max_tokens = {m} is out of range: it must be in [1, {}] (the context size)",
                     limits.ctx
                 ),
-            )),
-            Some(m) => Some(m as usize),
-        };
+            ))
+        }
+        Some(m) => Some(m as usize),
+    };
     let d = SamplerParams::default();
     let temperature = match c.temperature {
         Some(t) => finite("temperature", t, 0.0, 2.0)?,

@@ -1,0 +1,566 @@
+//! `ternfleet serve` end to end: the real binary on Gemma 3 270M, bound to port 0 (the address
+//! read from its start-up line), driven by real HTTP clients (ureq here, the `openai` Python
+//! package in `openai_python_client_*`). Every wait is bounded; the server is killed by pid
+//! on every exit path (`Server`'s `Drop`).
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use ternfleet_shared::testing::skip;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn gemma() -> Option<PathBuf> {
+    let p = root().join("models/gemma-3-270m-q4_k_m.gguf");
+    if p.exists() {
+        Some(p)
+    } else {
+        skip(
+            "serve tests",
+            "models/gemma-3-270m-q4_k_m.gguf missing (scripts/fetch-model.sh)",
+        );
+        None
+    }
+}
+
+struct Server {
+    child: Child,
+    url: String,
+}
+
+impl Server {
+    /// Starts `ternfleet serve` on Gemma with `extra` flags and waits (bounded) until ready.
+    fn start(extra: &[&str]) -> Option<Server> {
+        let model = gemma()?;
+        let log = root().join("target/serve-test.log");
+        let mut child = Command::new(env!("CARGO_BIN_EXE_ternfleet"))
+            .arg("serve")
+            .arg("-m")
+            .arg(&model)
+            .args(["--http", "127.0.0.1:0", "-t", "2"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).map_or(Stdio::null(), Stdio::from))
+            .spawn()
+            .expect("spawning ternfleet serve");
+        let stdout = child.stdout.take().expect("stdout is piped");
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            let mut line = String::new();
+            let _ = BufReader::new(stdout).read_line(&mut line);
+            let _ = tx.send(line);
+        });
+        let mut server = Server {
+            child,
+            url: String::new(),
+        };
+        let line = rx
+            .recv_timeout(Duration::from_secs(60))
+            .expect("start-up line within 60 s");
+        let v: Value = serde_json::from_str(&line).expect("the start-up line is JSON");
+        assert_eq!(v["ternfleet"], "listening");
+        assert_eq!(v["role"], "coordinator");
+        server.url = format!("http://{}", v["http"].as_str().expect("http address"));
+        // /health answers at once; /ready once loaded.
+        assert_eq!(get(&server.url, "/health").0, 200);
+        let t = Instant::now();
+        while get(&server.url, "/ready").0 != 200 {
+            assert!(t.elapsed() < Duration::from_secs(120), "not ready in 120 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(server)
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(120))
+        .build()
+}
+
+/// (status, body) of a GET.
+fn get(url: &str, path: &str) -> (u16, String) {
+    match agent().get(&format!("{url}{path}")).call() {
+        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap_or_default()),
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+/// (status, body) of a POST of raw bytes.
+fn post_bytes(url: &str, path: &str, body: &[u8], key: Option<&str>) -> (u16, String) {
+    let mut req = agent()
+        .post(&format!("{url}{path}"))
+        .set("Content-Type", "application/json");
+    if let Some(k) = key {
+        req = req.set("Authorization", &format!("Bearer {k}"));
+    }
+    match req.send_bytes(body) {
+        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap_or_default()),
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+fn post(url: &str, path: &str, body: &Value) -> (u16, Value) {
+    let (s, b) = post_bytes(url, path, body.to_string().as_bytes(), None);
+    (s, serde_json::from_str(&b).unwrap_or(Value::String(b)))
+}
+
+fn metric(url: &str, name: &str) -> f64 {
+    let (_, text) = get(url, "/metrics");
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// The tokens of a completion (as text pieces) and their log-probabilities.
+fn completion_tokens(
+    url: &str,
+    prompt: &str,
+    max_tokens: usize,
+    seed: u64,
+) -> (Vec<String>, Vec<f64>) {
+    let (s, v) = post(
+        url,
+        "/v1/completions",
+        &json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
+                "logprobs": 0, "ignore_eos": true}),
+    );
+    assert_eq!(s, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let toks = lp["tokens"]
+        .as_array()
+        .expect("logprobs.tokens")
+        .iter()
+        .map(|t| t.as_str().unwrap_or_default().to_string())
+        .collect();
+    let lps = lp["token_logprobs"]
+        .as_array()
+        .expect("logprobs.token_logprobs")
+        .iter()
+        .map(|x| x.as_f64().unwrap_or(f64::NAN))
+        .collect();
+    (toks, lps)
+}
+
+#[test]
+fn the_same_request_gives_the_same_tokens_alone_or_among_15_others() {
+    let Some(srv) = Server::start(&["--parallel", "16", "--numerics", "invariant"]) else {
+        return;
+    };
+    let prompt = "The history of the printing press begins";
+    let alone = completion_tokens(&srv.url, prompt, 24, 42);
+    assert_eq!(alone.0.len(), 24);
+    let others: Vec<String> = (0..15)
+        .map(|i| {
+            format!(
+                "Prompt number {i}: {}",
+                "tell me about rivers and mountains ".repeat(i % 5 + 1)
+            )
+        })
+        .collect();
+    let url = srv.url.clone();
+    let handles: Vec<_> = (0..16)
+        .map(|i| {
+            let url = url.clone();
+            let p = if i == 7 {
+                prompt.to_string()
+            } else {
+                others[i - (i > 7) as usize].clone()
+            };
+            std::thread::spawn(move || {
+                // Staggered joins: requests arrive while others prefill and decode.
+                std::thread::sleep(Duration::from_millis(15 * i as u64));
+                let n = if i == 7 { 24 } else { 8 + 3 * i };
+                completion_tokens(&url, &p, n, if i == 7 { 42 } else { i as u64 })
+            })
+        })
+        .collect();
+    let results: Vec<_> = handles
+        .into_iter()
+        .map(|h| h.join().expect("client thread"))
+        .collect();
+    assert_eq!(
+        results[7].0, alone.0,
+        "same tokens alone and among 15 others"
+    );
+    // Log-probabilities equal to the last bit: the logits did not change either.
+    assert_eq!(results[7].1, alone.1);
+}
+
+#[test]
+fn limits_and_hostile_requests_get_4xx_and_the_server_keeps_serving() {
+    let Some(srv) = Server::start(&["--ctx", "256", "--max-body", "64KiB"]) else {
+        return;
+    };
+    let u = &srv.url;
+    let long_prompt = "word ".repeat(400);
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "malformed JSON",
+            b"{\"prompt\": \"x\"".to_vec(),
+            400,
+            "invalid JSON",
+        ),
+        (
+            "wrong type",
+            br#"{"prompt": "x", "max_tokens": "ten"}"#.to_vec(),
+            400,
+            "invalid type",
+        ),
+        (
+            "invalid UTF-8",
+            b"{\"prompt\": \"\xff\xfe\"}".to_vec(),
+            400,
+            "invalid JSON",
+        ),
+        (
+            "huge number",
+            br#"{"prompt": "x", "max_tokens": 1e400}"#.to_vec(),
+            400,
+            "invalid JSON",
+        ),
+        (
+            "NaN",
+            br#"{"prompt": "x", "temperature": NaN}"#.to_vec(),
+            400,
+            "invalid JSON",
+        ),
+        (
+            "oversized body",
+            format!("{{\"prompt\": \"{}\"}}", "a".repeat(100_000)).into_bytes(),
+            400,
+            "limit",
+        ),
+        (
+            "prompt over the limit",
+            json!({"prompt": long_prompt}).to_string().into_bytes(),
+            400,
+            "the limit is 255",
+        ),
+        (
+            "prompt + max_tokens over ctx",
+            json!({"prompt": "hello", "max_tokens": 255})
+                .to_string()
+                .into_bytes(),
+            400,
+            "context size 256",
+        ),
+        (
+            "temperature out of range",
+            json!({"prompt": "x", "temperature": 9})
+                .to_string()
+                .into_bytes(),
+            400,
+            "temperature = 9",
+        ),
+        (
+            "too many stops",
+            json!({"prompt": "x", "stop": ["a","b","c","d","e"]})
+                .to_string()
+                .into_bytes(),
+            400,
+            "at most 4",
+        ),
+        (
+            "stop too long",
+            json!({"prompt": "x", "stop": ["s".repeat(300)]})
+                .to_string()
+                .into_bytes(),
+            400,
+            "300 bytes",
+        ),
+        (
+            "logprobs cap",
+            json!({"prompt": "x", "logprobs": 50})
+                .to_string()
+                .into_bytes(),
+            400,
+            "limit is 20",
+        ),
+        (
+            "n",
+            json!({"prompt": "x", "n": 3}).to_string().into_bytes(),
+            400,
+            "n = 3",
+        ),
+        (
+            "token id out of range",
+            json!({"prompt": [1, 99999999]}).to_string().into_bytes(),
+            400,
+            "out of range",
+        ),
+        (
+            "empty messages",
+            json!({"messages": []}).to_string().into_bytes(),
+            400,
+            "messages is empty",
+        ),
+    ];
+    for (what, body, status, needle) in &cases {
+        let path = if what.contains("messages") {
+            "/v1/chat/completions"
+        } else {
+            "/v1/completions"
+        };
+        let (s, b) = post_bytes(u, path, body, None);
+        assert_eq!(s, *status, "{what}: {b}");
+        let v: Value =
+            serde_json::from_str(&b).unwrap_or_else(|_| panic!("{what}: error body is JSON: {b}"));
+        let msg = v["error"]["message"].as_str().unwrap_or_default();
+        assert!(msg.contains(needle), "{what}: {msg:?} lacks {needle:?}");
+        assert!(
+            v["error"]["type"].is_string(),
+            "{what}: OpenAI error object"
+        );
+    }
+    assert_eq!(post(u, "/v1/nothing", &json!({})).0, 404);
+    // Jinja in a message is text, not template code.
+    let (s, v) = post(u, "/tokenize", &json!({"content": "{{ 7*7 }}"}));
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = post(
+        u,
+        "/v1/chat/completions",
+        &json!({"messages": [{"role": "user", "content": "{% for x in range(99999999) %}{{x}}{% endfor %}"}], "max_tokens": 2}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert!(
+        v["usage"]["prompt_tokens"].as_u64().unwrap_or(0) < 60,
+        "{v}"
+    );
+    // Still serving.
+    let (s, v) = post(
+        u,
+        "/v1/completions",
+        &json!({"prompt": "Paris is", "max_tokens": 4, "temperature": 0}),
+    );
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 4);
+    assert!(
+        metric(
+            u,
+            "ternfleet_requests_total{endpoint=\"completions\",status=\"400\"}"
+        ) >= 13.0
+    );
+}
+
+#[test]
+fn a_dropped_stream_frees_its_kv_within_a_step() {
+    let Some(srv) = Server::start(&[]) else {
+        return;
+    };
+    let u = srv.url.clone();
+    let body = json!({"prompt": "Once upon a time", "max_tokens": 400, "stream": true, "ignore_eos": true});
+    let r = agent()
+        .post(&format!("{u}/v1/completions"))
+        .send_string(&body.to_string())
+        .expect("stream starts");
+    let mut reader = BufReader::new(r.into_reader());
+    let mut events = 0;
+    let mut line = String::new();
+    while events < 5 {
+        line.clear();
+        assert!(reader.read_line(&mut line).expect("reading the stream") > 0);
+        if line.starts_with("data: {") {
+            events += 1;
+        }
+    }
+    assert_eq!(metric(&u, "ternfleet_running_sequences"), 1.0);
+    assert!(metric(&u, "ternfleet_kv_blocks_used") >= 1.0);
+    drop(reader);
+    let t = Instant::now();
+    while metric(&u, "ternfleet_running_sequences") != 0.0
+        || metric(&u, "ternfleet_kv_blocks_used") != 0.0
+    {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "KV not freed 5 s after the client left"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(metric(&u, "ternfleet_generated_tokens_total") < 100.0);
+}
+
+#[test]
+fn overload_is_refused_at_once_and_admitted_requests_complete() {
+    let Some(srv) = Server::start(&["--parallel", "1", "--max-queue", "1"]) else {
+        return;
+    };
+    let handles: Vec<_> = (0..5)
+        .map(|i| {
+            let u = srv.url.clone();
+            std::thread::spawn(move || {
+                std::thread::sleep(Duration::from_millis(10 * i));
+                let t = Instant::now();
+                let (s, v) = post(
+                    &u,
+                    "/v1/completions",
+                    &json!({"prompt": "Count: one, two,", "max_tokens": 48, "ignore_eos": true}),
+                );
+                (s, v, t.elapsed())
+            })
+        })
+        .collect();
+    let res: Vec<_> = handles
+        .into_iter()
+        .map(|h| h.join().expect("client"))
+        .collect();
+    let ok = res.iter().filter(|r| r.0 == 200).count();
+    let shed: Vec<_> = res.iter().filter(|r| r.0 == 429).collect();
+    assert_eq!(
+        (ok, shed.len()),
+        (2, 3),
+        "{:?}",
+        res.iter().map(|r| r.0).collect::<Vec<_>>()
+    );
+    for (_, v, took) in &shed {
+        assert!(*took < Duration::from_millis(500), "429 took {took:?}");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap_or_default()
+                .contains("overloaded"),
+            "{v}"
+        );
+    }
+    for (s, v, _) in &res {
+        if *s == 200 {
+            assert_eq!(v["usage"]["completion_tokens"], 48);
+        }
+    }
+}
+
+#[test]
+fn api_keys_guard_the_api_but_not_health() {
+    let Some(srv) = Server::start(&["--api-key", "sk-test-123456"]) else {
+        return;
+    };
+    let u = &srv.url;
+    assert_eq!(get(u, "/health").0, 200);
+    assert_eq!(get(u, "/ready").0, 200);
+    let body = json!({"prompt": "hi", "max_tokens": 1}).to_string();
+    assert_eq!(
+        post_bytes(u, "/v1/completions", body.as_bytes(), None).0,
+        401
+    );
+    assert_eq!(
+        post_bytes(
+            u,
+            "/v1/completions",
+            body.as_bytes(),
+            Some("sk-wrong-123456")
+        )
+        .0,
+        401
+    );
+    let (s, b) = post_bytes(
+        u,
+        "/v1/completions",
+        body.as_bytes(),
+        Some("sk-test-123456"),
+    );
+    assert_eq!(s, 200, "{b}");
+}
+
+#[test]
+fn sigterm_drains_running_requests_and_exits_zero() {
+    let Some(mut srv) = Server::start(&["--grace", "20"]) else {
+        return;
+    };
+    let u = srv.url.clone();
+    let client = std::thread::spawn(move || {
+        post(
+            &u,
+            "/v1/completions",
+            &json!({"prompt": "A long story:", "max_tokens": 40, "ignore_eos": true}),
+        )
+    });
+    let t = Instant::now();
+    while metric(&srv.url, "ternfleet_running_sequences") != 1.0 {
+        assert!(t.elapsed() < Duration::from_secs(10));
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let st = Command::new("kill")
+        .args(["-TERM", &srv.pid().to_string()])
+        .status()
+        .expect("kill");
+    assert!(st.success());
+    let (s, v) = client.join().expect("client");
+    assert_eq!(s, 200, "the running request finished: {v}");
+    assert_eq!(v["usage"]["completion_tokens"], 40);
+    let t = Instant::now();
+    loop {
+        if let Some(code) = srv.child.try_wait().expect("try_wait") {
+            assert!(code.success(), "exit status {code}");
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "still running 30 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn openai_python_client_chat_and_completions_streaming_and_not() {
+    let ok = Command::new("python3")
+        .args(["-c", "import openai"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        skip(
+            "openai client test",
+            "the Python openai package is not installed (pip install openai)",
+        );
+        return;
+    }
+    let Some(srv) = Server::start(&[]) else {
+        return;
+    };
+    let mut child = Command::new("python3")
+        .arg(root().join("tests/e2e/openai_client.py"))
+        .arg(format!("{}/v1", srv.url))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3");
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            break s;
+        }
+        if t.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("the openai client script ran over 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut out = String::new();
+    let mut err = String::new();
+    let _ = child.stdout.take().map(|mut s| s.read_to_string(&mut out));
+    let _ = child.stderr.take().map(|mut s| s.read_to_string(&mut err));
+    assert!(status.success(), "openai_client.py failed:\n{out}\n{err}");
+    assert!(out.contains("all checks passed"), "{out}");
+}
