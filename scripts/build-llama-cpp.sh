@@ -11,7 +11,7 @@ dir="$root/target/llama.cpp"
 bin="$dir/build/bin"
 source_only=0
 [ "${1:-}" = "--source-only" ] && source_only=1
-if [ "$source_only" = 0 ] && [ -x "$bin/llama-simple" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/test-backend-ops" ] && [ -x "$bin/llama-batched-bench" ]; then
+if [ "$source_only" = 0 ] && [ -x "$bin/llama-simple" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/test-backend-ops" ] && [ -x "$bin/llama-batched-bench" ] && [ -x "$bin/llama-server" ]; then
   echo "llama.cpp: $bin"; exit 0
 fi
 mkdir -p "$dir"
@@ -43,7 +43,7 @@ echo "llama.cpp: building for $isa (no AMX, no AVX-VNNI)" >&2
 cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=OFF $isa -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
   -DGGML_AMX_BF16=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=ON -DLLAMA_BUILD_EXAMPLES=ON \
-  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+  -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON -DBUILD_SHARED_LIBS=OFF >/dev/null
 cmake --build "$dir/build" -j"$(nproc)" --target llama-simple llama-tokenize llama-perplexity \
-  llama-bench llama-batched-bench test-backend-ops llama-quantize 2>&1 | tail -n 3
+  llama-bench llama-batched-bench test-backend-ops llama-quantize llama-server 2>&1 | tail -n 3
 echo "llama.cpp: $bin"

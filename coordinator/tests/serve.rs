@@ -564,3 +564,144 @@ fn openai_python_client_chat_and_completions_streaming_and_not() {
     assert!(status.success(), "openai_client.py failed:\n{out}\n{err}");
     assert!(out.contains("all checks passed"), "{out}");
 }
+
+#[test]
+fn sse_wire_format_as_curl_sees_it() {
+    let Some(srv) = Server::start(&[]) else {
+        return;
+    };
+    let out = Command::new("curl")
+        .args([
+            "-sN",
+            "-D",
+            "-",
+            "--max-time",
+            "60",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+        ])
+        .arg(
+            json!({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                    "stream": true, "stream_options": {"include_usage": true}})
+            .to_string(),
+        )
+        .arg(format!("{}/v1/chat/completions", srv.url))
+        .output();
+    let Ok(out) = out else {
+        skip("SSE format test", "curl is not installed");
+        return;
+    };
+    let text = String::from_utf8(out.stdout).expect("UTF-8 response");
+    let (head, body) = text.split_once("\r\n\r\n").expect("headers, then the body");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/event-stream"),
+        "{head}"
+    );
+    // Events are `data: <json>` lines separated by blank lines, ending with `data: [DONE]`.
+    let events: Vec<&str> = body.split("\n\n").filter(|e| !e.is_empty()).collect();
+    assert_eq!(events.last(), Some(&"data: [DONE]"), "{body}");
+    let chunks: Vec<Value> = events[..events.len() - 1]
+        .iter()
+        .map(|e| {
+            let d = e
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data event: {e:?}"));
+            serde_json::from_str(d).unwrap_or_else(|err| panic!("{err}: {d}"))
+        })
+        .collect();
+    // 4 tokens (one chunk each, the first with the role), the finish chunk, the usage chunk.
+    assert_eq!(chunks.len(), 6, "{body}");
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    for c in &chunks {
+        assert_eq!(c["object"], "chat.completion.chunk");
+        assert_eq!(c["id"], chunks[0]["id"]);
+    }
+    assert_eq!(chunks[4]["choices"][0]["finish_reason"], "length");
+    assert_eq!(chunks[4]["choices"][0]["delta"], json!({}));
+    assert_eq!(chunks[5]["choices"], json!([]));
+    assert_eq!(chunks[5]["usage"]["completion_tokens"], 4);
+    assert!(chunks[..5].iter().all(|c| c["usage"].is_null()));
+}
+
+/// A free TCP port for a reference process that cannot bind port 0 and report it.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+#[test]
+fn built_in_chat_templates_render_as_llama_server_does() {
+    let ls = root().join("target/llama.cpp/build/bin/llama-server");
+    if !ls.exists() {
+        skip(
+            "chat template parity",
+            "llama-server missing (scripts/build-llama-cpp.sh)",
+        );
+        return;
+    }
+    let Some(model) = gemma() else {
+        return;
+    };
+    let conversations = [
+        json!([{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi  "}]),
+        json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": " b "}, {"role": "user", "content": "c\n"}]),
+        json!([{"role": "system", "content": "s1"}, {"role": "system", "content": "s2"},
+               {"role": "user", "content": "u"}, {"role": "assistant", "content": "m"},
+               {"role": "system", "content": "s3"}, {"role": "user", "content": "u2 {{ not code }}"}]),
+    ];
+    for name in ["chatml", "gemma", "llama3"] {
+        let port = free_port();
+        let mut child = Command::new(&ls)
+            .arg("-m")
+            .arg(&model)
+            .args([
+                "--host",
+                "127.0.0.1",
+                "--port",
+                &port.to_string(),
+                "-t",
+                "2",
+                "-c",
+                "512",
+            ])
+            .args(["--no-jinja", "--chat-template", name, "--no-webui"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("spawning llama-server");
+        let ls_url = format!("http://127.0.0.1:{port}");
+        let t = Instant::now();
+        while get(&ls_url, "/health").0 != 200 {
+            if t.elapsed() > Duration::from_secs(60) {
+                let _ = child.kill();
+                panic!("llama-server not ready in 60 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let srv = Server::start(&["--chat-template", name]);
+        for conv in &conversations {
+            let body = json!({ "messages": conv });
+            let (s1, theirs) = post(&ls_url, "/apply-template", &body);
+            let ours = srv.as_ref().map(|s| post(&s.url, "/apply-template", &body));
+            if s1 != 200 || ours.as_ref().is_none_or(|o| o.0 != 200) {
+                let _ = child.kill();
+                panic!("{name}: llama-server {s1} {theirs}, ternfleet {ours:?}");
+            }
+            let ours = ours.expect("checked above").1;
+            if theirs["prompt"] != ours["prompt"] {
+                let _ = child.kill();
+                panic!(
+                    "{name} on {conv}:\nllama-server: {}\nternfleet:    {}",
+                    theirs["prompt"], ours["prompt"]
+                );
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}

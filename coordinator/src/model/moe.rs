@@ -2,7 +2,7 @@
 //!
 //! The coordinator routes; the expert backend runs the chosen experts and sums their outputs in
 //! the order of the routes made here. Everything follows llama.cpp's `build_moe_ffn`
-//! (src/llama-graph.cpp) and the float order of its CPU kernels (docs/notes-issue3.md §1), so
+//! (src/llama-graph.cpp) and the float order of its CPU kernels (docs/llama-cpp-moe-ternary-notes.md §1), so
 //! that a model routes every token exactly as the reference engine does:
 //!
 //! 1. router logits `ffn_gate_inp · x` in f32, summed like ggml's `mul_mat` for an f32 matrix

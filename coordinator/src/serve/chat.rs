@@ -26,22 +26,25 @@ pub const BUILTIN: &[(&str, &str)] = &[
          {%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}",
     ),
     (
-        // llama.cpp's LLM_CHAT_TEMPLATE_GEMMA: a system message goes before the first user
-        // turn, "assistant" is "model", contents trimmed.
+        // llama.cpp's LLM_CHAT_TEMPLATE_GEMMA (src/llama-chat.cpp): system messages (trimmed,
+        // concatenated) go before the next user turn, "assistant" is "model", contents trimmed.
         "gemma",
-        "{%- if messages and messages[0]['role'] == 'system' -%}\
-           {%- set sys = messages[0]['content'] | trim + '\\n\\n' -%}{%- set msgs = messages[1:] -%}\
-         {%- else -%}{%- set sys = '' -%}{%- set msgs = messages -%}{%- endif -%}\
-         {%- for message in msgs -%}\
-           {{- '<start_of_turn>' + ('model' if message['role'] == 'assistant' else message['role']) + '\\n' -}}\
-           {{- (sys if loop.first else '') + message['content'] | trim + '<end_of_turn>\\n' -}}\
+        "{%- set ns = namespace(sys='') -%}\
+         {%- for message in messages -%}\
+           {%- if message['role'] == 'system' -%}{%- set ns.sys = ns.sys + message['content'] | trim -%}\
+           {%- else -%}\
+             {%- set role = 'model' if message['role'] == 'assistant' else message['role'] -%}\
+             {{- '<start_of_turn>' + role + '\\n' -}}\
+             {%- if ns.sys and role != 'model' -%}{{- ns.sys + '\\n\\n' -}}{%- set ns.sys = '' -%}{%- endif -%}\
+             {{- message['content'] | trim + '<end_of_turn>\\n' -}}\
+           {%- endif -%}\
          {%- endfor -%}\
          {%- if add_generation_prompt -%}{{- '<start_of_turn>model\\n' -}}{%- endif -%}",
     ),
     (
+        // LLM_CHAT_TEMPLATE_LLAMA_3 (BOS comes from the tokenizer, not the template).
         "llama3",
-        "{{- bos_token -}}\
-         {%- for message in messages -%}\
+        "{%- for message in messages -%}\
          {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' -}}\
          {%- endfor -%}\
          {%- if add_generation_prompt -%}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}{%- endif -%}",

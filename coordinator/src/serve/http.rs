@@ -70,6 +70,7 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/v1/chat/completions", post(chat))
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
+        .route("/apply-template", post(apply_template))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
@@ -279,6 +280,27 @@ async fn detokenize(
         Ok(Json(json!({ "content": String::from_utf8_lossy(&text) })))
     })();
     s.metrics.request("detokenize", status_of(&r));
+    r
+}
+
+/// llama-server's `POST /apply-template`: the prompt a chat request's messages render to.
+async fn apply_template(
+    State(s): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Json<Value>, ApiError> {
+    let r = (|| {
+        authorize(&s, &headers)?;
+        let e = engine(&s)?;
+        let r: ChatRequest = body_json(body)?;
+        let msgs = openai::chat_messages(&r, &s.limits)?;
+        let prompt = e
+            .chat
+            .render(&msgs)
+            .map_err(|err| ApiError::bad("messages", err.to_string()))?;
+        Ok(Json(json!({ "prompt": prompt })))
+    })();
+    s.metrics.request("apply-template", status_of(&r));
     r
 }
 
