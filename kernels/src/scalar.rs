@@ -863,6 +863,7 @@ const EXP_P: [u32; 5] = [
 /// One lane of ggml's AVX-512 `ggml_v_expf` (ggml-cpu/vec.h): `2^n · p(b)` with
 /// `n = round(x·log2 e)`, `b = x - n·ln 2` in two FMAs, `p` a degree-5 polynomial, and
 /// `_mm512_scalef_ps` for the power of two; 0 or ∞ when `|n| > 192`.
+#[inline(always)]
 pub(crate) fn ggml_v_expf(x: f32) -> f32 {
     let f = f32::from_bits;
     let r = f(EXP_SHIFT);
@@ -899,6 +900,7 @@ pub(crate) fn swiglu(g: &mut [f32], u: &[f32]) {
 /// `ggml_vec_soft_max_f32` (AVX-512 build): `x[i] = exp(x[i] - max)` and the sum, 16 lanes at
 /// a time with `ggml_v_expf` and `_mm512_reduce_add_ps` (halving: +8, +4, +2, +1) into an f64,
 /// the tail with libm `expf`.
+#[inline(always)]
 pub(crate) fn softmax_exp(x: &mut [f32], max: f32) -> f64 {
     let mut sum = 0f64;
     let mut chunks = x.chunks_exact_mut(16);

@@ -42,10 +42,10 @@ impl Avx2 {
             mad_f16,
             scale_f16,
             mad_f32,
+            fa_scores,
+            fa_pv,
             // ggml's AVX2 build has its own `ggml_v_expf`; we follow the AVX-512 one everywhere.
-            fa_scores: crate::scalar::fa_scores,
-            fa_pv: crate::scalar::fa_pv,
-            softmax_exp: crate::scalar::softmax_exp,
+            softmax_exp,
         }
     }
 }
@@ -708,4 +708,173 @@ unsafe fn dot_raw<const KIND: u8>(a: *const u8, b: *const u8, n: usize) -> f32 {
 #[cfg(test)]
 pub(crate) fn has_matmul(ty: GgmlType) -> bool {
     matmul_for(ty).is_some()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tiled flash attention pieces, bit-identical to `scalar::fa_scores` / `fa_pv` / `softmax_exp`
+// (each element one FMA chain in the reference's order; 8 lanes are 8 independent elements).
+
+/// Lanes `0..left.min(8)` set: the mask of a ragged 8-column tail.
+#[target_feature(enable = "avx2,fma,f16c")]
+fn tail_mask(left: usize) -> __m256i {
+    _mm256_cmpgt_epi32(
+        _mm256_set1_epi32(left.min(8) as i32),
+        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+    )
+}
+
+fn fa_scores(q: &[f32], kt: &[f32], w: usize, out: &mut [f32]) {
+    let dk = kt.len() / w.max(1);
+    assert!(w > 0 && dk > 0 && q.len().is_multiple_of(dk) && out.len() == q.len() / dk * w);
+    let rows = q.len() / dk;
+    let mut r = 0;
+    while r < rows {
+        let n = (rows - r).min(4);
+        let (qr, orow) = (&q[r * dk..(r + n) * dk], &mut out[r * w..(r + n) * w]);
+        // SAFETY: token-gated (see above); the slices hold `n` rows of `dk` / `w`, `kt` is
+        // `dk x w` (asserted).
+        unsafe {
+            match n {
+                4 => fa_scores_raw::<4>(qr, kt.as_ptr(), dk, w, orow),
+                3 => fa_scores_raw::<3>(qr, kt.as_ptr(), dk, w, orow),
+                2 => fa_scores_raw::<2>(qr, kt.as_ptr(), dk, w, orow),
+                _ => fa_scores_raw::<1>(qr, kt.as_ptr(), dk, w, orow),
+            }
+        }
+        r += n;
+    }
+}
+
+/// `R` query rows against the tile, 8 keys per register, two registers per row, each `kt` load
+/// shared by the rows.
+///
+/// # Safety
+/// Features as the module; `q` holds `R * dk`, `out` `R * w` floats, `kt` `dk * w`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fa_scores_raw<const R: usize>(
+    q: &[f32],
+    kt: *const f32,
+    dk: usize,
+    w: usize,
+    out: &mut [f32],
+) {
+    let mut j0 = 0;
+    // SAFETY (whole body): columns below `w` of rows below `dk`; masked tails.
+    unsafe {
+        while j0 < w {
+            let m = [tail_mask(w - j0), tail_mask(w.saturating_sub(j0 + 8))];
+            let live = [true, w > j0 + 8];
+            let mut acc = [[_mm256_setzero_ps(); 2]; R];
+            for d in 0..dk {
+                let row = kt.add(d * w + j0);
+                let mut k = [_mm256_setzero_ps(); 2];
+                for c in 0..2 {
+                    if live[c] {
+                        k[c] = _mm256_maskload_ps(row.add(8 * c), m[c]);
+                    }
+                }
+                for r in 0..R {
+                    let qv = _mm256_set1_ps(*q.get_unchecked(r * dk + d));
+                    for c in 0..2 {
+                        acc[r][c] = _mm256_fmadd_ps(k[c], qv, acc[r][c]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for c in 0..2 {
+                    if live[c] {
+                        let o = out.as_mut_ptr().add(r * w + j0 + 8 * c);
+                        _mm256_maskstore_ps(o, m[c], acc[r][c]);
+                    }
+                }
+            }
+            j0 += 16;
+        }
+    }
+}
+
+fn fa_pv(acc: &mut [f32], p: &[f32], v: &[f32], n: usize) {
+    let w = v.len() / n.max(1);
+    assert!(n > 0 && acc.len().is_multiple_of(n) && p.len() == acc.len() / n * w);
+    let rows = acc.len() / n;
+    let mut r = 0;
+    while r < rows {
+        let k = (rows - r).min(4);
+        let (ar, pr) = (&mut acc[r * n..(r + k) * n], &p[r * w..(r + k) * w]);
+        // SAFETY: token-gated; `ar` holds `k` rows of `n`, `pr` `k` rows of `w`, `v` `w x n`.
+        unsafe {
+            match k {
+                4 => fa_pv_raw::<4>(ar, pr, v.as_ptr(), n, w),
+                3 => fa_pv_raw::<3>(ar, pr, v.as_ptr(), n, w),
+                2 => fa_pv_raw::<2>(ar, pr, v.as_ptr(), n, w),
+                _ => fa_pv_raw::<1>(ar, pr, v.as_ptr(), n, w),
+            }
+        }
+        r += k;
+    }
+}
+
+/// `R` rows of P·V, 16 columns at a time, each `v` load shared by the rows.
+///
+/// # Safety
+/// Features as the module; `acc` holds `R * n`, `p` `R * w` floats, `v` `w * n`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fa_pv_raw<const R: usize>(acc: &mut [f32], p: &[f32], v: *const f32, n: usize, w: usize) {
+    let mut i0 = 0;
+    // SAFETY (whole body): columns below `n` of rows below `w`; masked tails.
+    unsafe {
+        while i0 < n {
+            let m = [tail_mask(n - i0), tail_mask(n.saturating_sub(i0 + 8))];
+            let live = [true, n > i0 + 8];
+            let mut a = [[_mm256_setzero_ps(); 2]; R];
+            for r in 0..R {
+                for c in 0..2 {
+                    if live[c] {
+                        a[r][c] = _mm256_maskload_ps(acc.as_ptr().add(r * n + i0 + 8 * c), m[c]);
+                    }
+                }
+            }
+            for j in 0..w {
+                let row = v.add(j * n + i0);
+                let mut x = [_mm256_setzero_ps(); 2];
+                for c in 0..2 {
+                    if live[c] {
+                        x[c] = _mm256_maskload_ps(row.add(8 * c), m[c]);
+                    }
+                }
+                for r in 0..R {
+                    let pv = _mm256_set1_ps(*p.get_unchecked(r * w + j));
+                    for c in 0..2 {
+                        a[r][c] = _mm256_fmadd_ps(x[c], pv, a[r][c]);
+                    }
+                }
+            }
+            for r in 0..R {
+                for c in 0..2 {
+                    if live[c] {
+                        _mm256_maskstore_ps(
+                            acc.as_mut_ptr().add(r * n + i0 + 8 * c),
+                            m[c],
+                            a[r][c],
+                        );
+                    }
+                }
+            }
+            i0 += 16;
+        }
+    }
+}
+
+fn softmax_exp(x: &mut [f32], max: f32) -> f64 {
+    // SAFETY: token-gated.
+    unsafe { softmax_exp_fma(x, max) }
+}
+
+/// The reference itself, compiled with FMA so its `mul_add`s are instructions, not calls.
+///
+/// # Safety
+/// Features as the module.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn softmax_exp_fma(x: &mut [f32], max: f32) -> f64 {
+    crate::scalar::softmax_exp(x, max)
 }
