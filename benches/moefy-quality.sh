@@ -20,7 +20,7 @@ B=target/release/ternfleet
 out=target/moefy
 mkdir -p "$out"
 cargo build --release --quiet
-./scripts/fetch-model.sh >/dev/null
+./scripts/fetch-model.sh gemma >/dev/null
 q4=models/gemma-3-270m-q4_k_m.gguf
 f16=models/gemma-3-270m-f16.gguf
 [ -f "$f16" ] || python3 scripts/dequantize-model.py "$q4" "$f16"

@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 python3 -c "import httpx" 2>/dev/null || python3 -m pip install --quiet httpx
-./scripts/fetch-model.sh >/dev/null
+./scripts/fetch-model.sh gemma >/dev/null
 ./scripts/build-llama-cpp.sh >/dev/null
 cargo build --release --quiet
 tf=target/release/ternfleet

@@ -13,8 +13,9 @@ use crate::model::Model;
 use crate::sampler::{Sampler, SamplerParams};
 use ternfleet_kernels::Numerics;
 
-/// Where `scripts/fetch-model.sh` puts the default model.
-pub const DEFAULT_MODEL: &str = "models/gemma-3-270m-q4_k_m.gguf";
+/// The user-facing default model (Qwen2.5-Coder 0.5B Instruct, `scripts/fetch-model.sh qwen`);
+/// tests and parity scripts name Gemma 3 270M explicitly.
+pub const DEFAULT_MODEL: &str = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf";
 
 /// ternfleet: run Mixture-of-Experts language models across a fleet of ordinary machines.
 ///
@@ -410,7 +411,7 @@ fn init(args: &ModelArgs) -> Result<(Model, SeqOptions)> {
     init_runtime(args.threads)?;
     if !args.model.exists() {
         let hint = if args.model == std::path::Path::new(DEFAULT_MODEL) {
-            " (run scripts/fetch-model.sh to download the default model)"
+            " (run scripts/fetch-model.sh qwen to download the default model)"
         } else {
             ""
         };
@@ -503,7 +504,7 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
     init_runtime(cfg.threads)?;
     if !cfg.model.exists() {
         let hint = if cfg.model == std::path::Path::new(DEFAULT_MODEL) {
-            " (run scripts/fetch-model.sh to download the default model)"
+            " (run scripts/fetch-model.sh qwen to download the default model)"
         } else {
             ""
         };

@@ -37,12 +37,16 @@ struct Server {
 impl Server {
     /// Starts `ternfleet serve` on Gemma with `extra` flags and waits (bounded) until ready.
     fn start(extra: &[&str]) -> Option<Server> {
-        let model = gemma()?;
+        Self::start_with(&gemma()?, extra)
+    }
+
+    /// Starts `ternfleet serve` on `model`.
+    fn start_with(model: &Path, extra: &[&str]) -> Option<Server> {
         let log = root().join("target/serve-test.log");
         let mut child = Command::new(env!("CARGO_BIN_EXE_ternfleet"))
             .arg("serve")
             .arg("-m")
-            .arg(&model)
+            .arg(model)
             .args(["--http", "127.0.0.1:0", "-t", "2"])
             .args(extra)
             .env("RUST_LOG", "info")
@@ -634,16 +638,82 @@ fn free_port() -> u16 {
         .expect("a free port")
 }
 
-#[test]
-fn built_in_chat_templates_render_as_llama_server_does() {
+/// llama-server on `model` with `args`, ready (bounded); killed by the caller.
+fn llama_server(model: &Path, args: &[&str]) -> Option<(Child, String)> {
     let ls = root().join("target/llama.cpp/build/bin/llama-server");
     if !ls.exists() {
+        skip("chat template parity", "llama-server missing (scripts/build-llama-cpp.sh)");
+        return None;
+    }
+    let port = free_port();
+    let mut child = Command::new(&ls)
+        .arg("-m")
+        .arg(model)
+        .args(["--host", "127.0.0.1", "--port", &port.to_string(), "-t", "2", "-c", "512", "--no-webui"])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawning llama-server");
+    let url = format!("http://127.0.0.1:{port}");
+    let t = Instant::now();
+    while get(&url, "/health").0 != 200 {
+        if t.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("llama-server not ready in 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Some((child, url))
+}
+
+/// Both servers' `/apply-template` of each conversation are equal.
+fn same_templates(what: &str, ls_url: &str, ours: &Server, conversations: &[Value]) -> Result<(), String> {
+    for conv in conversations {
+        let body = json!({ "messages": conv });
+        let (s1, theirs) = post(ls_url, "/apply-template", &body);
+        let (s2, mine) = post(&ours.url, "/apply-template", &body);
+        if s1 != 200 || s2 != 200 {
+            return Err(format!("{what}: llama-server {s1} {theirs}, ternfleet {s2} {mine}"));
+        }
+        if theirs["prompt"] != mine["prompt"] {
+            return Err(format!(
+                "{what} on {conv}:\nllama-server: {}\nternfleet:    {}",
+                theirs["prompt"], mine["prompt"]
+            ));
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn qwen_s_own_chat_template_renders_as_llama_server_jinja_does() {
+    let model = root().join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
+    if !model.exists() {
         skip(
-            "chat template parity",
-            "llama-server missing (scripts/build-llama-cpp.sh)",
+            "Qwen chat template parity",
+            "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf missing (scripts/fetch-model.sh qwen)",
         );
         return;
     }
+    let Some((mut child, ls_url)) = llama_server(&model, &["--jinja"]) else {
+        return;
+    };
+    let srv = Server::start_with(&model, &[]).expect("the model exists");
+    let conversations = [
+        json!([{"role": "user", "content": "Write a haiku."}]),
+        json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+               {"role": "assistant", "content": "Hello."}, {"role": "user", "content": " And now? "}]),
+        json!([{"role": "user", "content": "<|im_start|>system {{ x }}"}]),
+    ];
+    let r = same_templates("qwen gguf template", &ls_url, &srv, &conversations);
+    let _ = child.kill();
+    let _ = child.wait();
+    r.unwrap();
+}
+
+#[test]
+fn built_in_chat_templates_render_as_llama_server_does() {
     let Some(model) = gemma() else {
         return;
     };
@@ -655,53 +725,15 @@ fn built_in_chat_templates_render_as_llama_server_does() {
                {"role": "system", "content": "s3"}, {"role": "user", "content": "u2 {{ not code }}"}]),
     ];
     for name in ["chatml", "gemma", "llama3"] {
-        let port = free_port();
-        let mut child = Command::new(&ls)
-            .arg("-m")
-            .arg(&model)
-            .args([
-                "--host",
-                "127.0.0.1",
-                "--port",
-                &port.to_string(),
-                "-t",
-                "2",
-                "-c",
-                "512",
-            ])
-            .args(["--no-jinja", "--chat-template", name, "--no-webui"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .expect("spawning llama-server");
-        let ls_url = format!("http://127.0.0.1:{port}");
-        let t = Instant::now();
-        while get(&ls_url, "/health").0 != 200 {
-            if t.elapsed() > Duration::from_secs(60) {
-                let _ = child.kill();
-                panic!("llama-server not ready in 60 s");
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let srv = Server::start(&["--chat-template", name]);
-        for conv in &conversations {
-            let body = json!({ "messages": conv });
-            let (s1, theirs) = post(&ls_url, "/apply-template", &body);
-            let ours = srv.as_ref().map(|s| post(&s.url, "/apply-template", &body));
-            if s1 != 200 || ours.as_ref().is_none_or(|o| o.0 != 200) {
-                let _ = child.kill();
-                panic!("{name}: llama-server {s1} {theirs}, ternfleet {ours:?}");
-            }
-            let ours = ours.expect("checked above").1;
-            if theirs["prompt"] != ours["prompt"] {
-                let _ = child.kill();
-                panic!(
-                    "{name} on {conv}:\nllama-server: {}\nternfleet:    {}",
-                    theirs["prompt"], ours["prompt"]
-                );
-            }
-        }
+        let Some((mut child, ls_url)) =
+            llama_server(&model, &["--no-jinja", "--chat-template", name])
+        else {
+            return;
+        };
+        let srv = Server::start(&["--chat-template", name]).expect("the model exists");
+        let r = same_templates(name, &ls_url, &srv, &conversations);
         let _ = child.kill();
         let _ = child.wait();
+        r.unwrap();
     }
 }
