@@ -642,14 +642,27 @@ fn free_port() -> u16 {
 fn llama_server(model: &Path, args: &[&str]) -> Option<(Child, String)> {
     let ls = root().join("target/llama.cpp/build/bin/llama-server");
     if !ls.exists() {
-        skip("chat template parity", "llama-server missing (scripts/build-llama-cpp.sh)");
+        skip(
+            "chat template parity",
+            "llama-server missing (scripts/build-llama-cpp.sh)",
+        );
         return None;
     }
     let port = free_port();
     let mut child = Command::new(&ls)
         .arg("-m")
         .arg(model)
-        .args(["--host", "127.0.0.1", "--port", &port.to_string(), "-t", "2", "-c", "512", "--no-webui"])
+        .args([
+            "--host",
+            "127.0.0.1",
+            "--port",
+            &port.to_string(),
+            "-t",
+            "2",
+            "-c",
+            "512",
+            "--no-webui",
+        ])
         .args(args)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -668,13 +681,20 @@ fn llama_server(model: &Path, args: &[&str]) -> Option<(Child, String)> {
 }
 
 /// Both servers' `/apply-template` of each conversation are equal.
-fn same_templates(what: &str, ls_url: &str, ours: &Server, conversations: &[Value]) -> Result<(), String> {
+fn same_templates(
+    what: &str,
+    ls_url: &str,
+    ours: &Server,
+    conversations: &[Value],
+) -> Result<(), String> {
     for conv in conversations {
         let body = json!({ "messages": conv });
         let (s1, theirs) = post(ls_url, "/apply-template", &body);
         let (s2, mine) = post(&ours.url, "/apply-template", &body);
         if s1 != 200 || s2 != 200 {
-            return Err(format!("{what}: llama-server {s1} {theirs}, ternfleet {s2} {mine}"));
+            return Err(format!(
+                "{what}: llama-server {s1} {theirs}, ternfleet {s2} {mine}"
+            ));
         }
         if theirs["prompt"] != mine["prompt"] {
             return Err(format!(
