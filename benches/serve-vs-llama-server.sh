@@ -62,7 +62,7 @@ python3 benches/serve_load.py "http://127.0.0.1:$port" --concurrency "$conc" \
 kill "${pids[-1]}"; wait "${pids[-1]}" 2>/dev/null || true
 
 # ternfleet serve, same slots, 512 positions per request.
-"$tf" serve -m "$model" --http 127.0.0.1:0 -t "$threads" --parallel "$maxc" --max-queue "$maxc" \
+"$tf" serve -m "$model" --http 127.0.0.1:0 --grpc "" -t "$threads" --parallel "$maxc" --max-queue "$maxc" \
   --ctx 1536 --numerics "$numerics" >"$out/tf.out" 2>"$out/tf.log" &
 pids+=($!)
 for _ in $(seq 1 300); do [ -s "$out/tf.out" ] && break; sleep 0.1; done

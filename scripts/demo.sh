@@ -18,7 +18,7 @@ cleanup() {
   rm -rf "$tmp"
 }
 trap cleanup EXIT
-RUST_LOG=${RUST_LOG:-warn} ./target/release/ternfleet serve -m "$model" --http 127.0.0.1:0 "$@" \
+RUST_LOG=${RUST_LOG:-warn} ./target/release/ternfleet serve -m "$model" --http 127.0.0.1:0 --grpc 127.0.0.1:0 "$@" \
   >"$tmp/startup" 2>"$tmp/log" &
 pid=$!
 python3 - "$tmp/startup" "$tmp/log" "$question" <<'EOF'

@@ -85,7 +85,10 @@ pub struct ServeArgs {
     /// HTTP API address (default 127.0.0.1:8080; port 0 picks one).
     #[arg(long)]
     pub http: Option<String>,
-    /// Allow a non-loopback --http address (the API has no TLS yet).
+    /// gRPC API address (default 127.0.0.1:50051; "" turns gRPC off; port 0 picks one).
+    #[arg(long)]
+    pub grpc: Option<String>,
+    /// Allow a non-loopback --http / --grpc address (the API has no TLS yet).
     #[arg(long)]
     pub listen_any: bool,
     /// Compute threads (default: all cores).
@@ -157,7 +160,7 @@ impl ServeArgs {
         macro_rules! set {
             ($($f:ident => $g:ident),*) => { $(if let Some(v) = self.$f { c.$g = v; })* };
         }
-        set!(model => model, http => http, numerics => numerics, parallel => parallel,
+        set!(model => model, http => http, grpc => grpc, numerics => numerics, parallel => parallel,
              max_queue => max_queue, ctx => ctx, kv_budget => kv_budget, chunk => chunk,
              step_tokens => step_tokens, max_body => max_body,
              max_prompt_tokens => max_prompt_tokens, chat_template => chat_template,

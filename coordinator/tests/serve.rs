@@ -32,6 +32,8 @@ fn gemma() -> Option<PathBuf> {
 struct Server {
     child: Child,
     url: String,
+    /// The gRPC address from the start-up line.
+    grpc: Option<String>,
 }
 
 impl Server {
@@ -47,7 +49,7 @@ impl Server {
             .arg("serve")
             .arg("-m")
             .arg(model)
-            .args(["--http", "127.0.0.1:0", "-t", "2"])
+            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0", "-t", "2"])
             .args(extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
@@ -64,6 +66,7 @@ impl Server {
         let mut server = Server {
             child,
             url: String::new(),
+            grpc: None,
         };
         let line = rx
             .recv_timeout(Duration::from_secs(60))
@@ -72,6 +75,7 @@ impl Server {
         assert_eq!(v["ternfleet"], "listening");
         assert_eq!(v["role"], "coordinator");
         server.url = format!("http://{}", v["http"].as_str().expect("http address"));
+        server.grpc = v["grpc"].as_str().map(String::from);
         // /health answers at once; /ready once loaded.
         assert_eq!(get(&server.url, "/health").0, 200);
         let t = Instant::now();
@@ -756,4 +760,152 @@ fn built_in_chat_templates_render_as_llama_server_does() {
         let _ = child.wait();
         r.unwrap();
     }
+}
+
+#[test]
+fn grpc_generate_streams_the_same_text_as_http_and_errors_use_the_shared_codes() {
+    use ternfleet_shared::proto::v1::generate_request::Input;
+    use ternfleet_shared::proto::v1::inference_client::InferenceClient;
+    use ternfleet_shared::proto::v1::{
+        DetokenizeRequest, FinishReason, GenerateRequest, ListModelsRequest, TokenizeRequest,
+    };
+    let Some(srv) = Server::start(&[]) else {
+        return;
+    };
+    let grpc = format!(
+        "http://{}",
+        srv.grpc
+            .clone()
+            .expect("a grpc address in the start-up line")
+    );
+    // The same request over HTTP, for comparison.
+    let (s, v) = post(
+        &srv.url,
+        "/v1/completions",
+        &json!({"prompt": "The capital of France is", "max_tokens": 8, "temperature": 0}),
+    );
+    assert_eq!(s, 200, "{v}");
+    let http_text = v["choices"][0]["text"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    rt.block_on(async {
+        let timeout = Duration::from_secs(60);
+        let mut c = tokio::time::timeout(timeout, InferenceClient::connect(grpc.clone()))
+            .await
+            .expect("connect within 60 s")
+            .expect("gRPC connect");
+        let req = GenerateRequest {
+            input: Some(Input::Prompt("The capital of France is".into())),
+            max_tokens: 8,
+            temperature: Some(0.0),
+            ..Default::default()
+        };
+        let mut stream = c.generate(req).await.expect("Generate").into_inner();
+        let (mut text, mut ids, mut last) = (String::new(), Vec::new(), None);
+        while let Some(m) = tokio::time::timeout(timeout, stream.message())
+            .await
+            .expect("a message within 60 s")
+            .expect("no stream error")
+        {
+            text.push_str(&m.text);
+            ids.extend(m.token_ids.iter().copied());
+            last = Some(m);
+        }
+        let last = last.expect("at least one message");
+        assert_eq!(last.finish_reason, FinishReason::Length as i32);
+        let usage = last.usage.expect("usage on the last message");
+        assert_eq!((usage.completion_tokens, ids.len()), (8, 8));
+        assert_eq!(text, http_text, "gRPC and HTTP give the same text");
+        // Tokenize / Detokenize round trip, ListModels.
+        let t = c
+            .tokenize(TokenizeRequest {
+                content: "Hello world".into(),
+                add_special: false,
+            })
+            .await
+            .expect("Tokenize")
+            .into_inner();
+        let d = c
+            .detokenize(DetokenizeRequest {
+                tokens: t.tokens.clone(),
+            })
+            .await
+            .expect("Detokenize")
+            .into_inner();
+        assert_eq!(d.content, "Hello world");
+        let m = c
+            .list_models(ListModelsRequest {})
+            .await
+            .expect("ListModels")
+            .into_inner();
+        assert_eq!(m.models.len(), 1);
+        assert_eq!(m.models[0].arch, "gemma3");
+        // Errors: the shared classes.
+        let bad = GenerateRequest {
+            input: Some(Input::Prompt("x".into())),
+            temperature: Some(9.0),
+            ..Default::default()
+        };
+        let e = c.generate(bad).await.expect_err("temperature 9 is refused");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("temperature = 9"), "{}", e.message());
+        let e = c
+            .detokenize(DetokenizeRequest {
+                tokens: vec![u32::MAX],
+            })
+            .await
+            .expect_err("an out-of-range id is refused");
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        // The standard health service says SERVING for the inference service.
+        let channel = tonic::transport::Channel::from_shared(grpc.clone())
+            .expect("a valid URI")
+            .connect()
+            .await
+            .expect("health connect");
+        let mut h = tonic_health::pb::health_client::HealthClient::new(channel);
+        let r = h
+            .check(tonic_health::pb::HealthCheckRequest {
+                service: "ternfleet.v1.Inference".into(),
+            })
+            .await
+            .expect("health check")
+            .into_inner();
+        assert_eq!(
+            r.status,
+            tonic_health::pb::health_check_response::ServingStatus::Serving as i32
+        );
+    });
+}
+
+#[test]
+fn grpc_api_keys_are_required_like_http() {
+    use ternfleet_shared::proto::v1::inference_client::InferenceClient;
+    use ternfleet_shared::proto::v1::ListModelsRequest;
+    let Some(srv) = Server::start(&["--api-key", "sk-test-123456"]) else {
+        return;
+    };
+    let grpc = format!("http://{}", srv.grpc.clone().expect("grpc address"));
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    rt.block_on(async {
+        let mut c = InferenceClient::connect(grpc).await.expect("connect");
+        let e = c
+            .list_models(ListModelsRequest {})
+            .await
+            .expect_err("no key");
+        assert_eq!(e.code(), tonic::Code::Unauthenticated);
+        let mut req = tonic::Request::new(ListModelsRequest {});
+        req.metadata_mut().insert(
+            "authorization",
+            "Bearer sk-test-123456".parse().expect("ASCII metadata"),
+        );
+        c.list_models(req).await.expect("with the key");
+    });
 }

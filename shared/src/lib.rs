@@ -28,4 +28,5 @@ pub mod compute;
 pub mod error;
 pub mod expert;
 pub mod gguf;
+pub mod proto;
 pub mod testing;

@@ -25,6 +25,8 @@ pub struct ServeConfig {
     pub id: String,
     /// HTTP API address.
     pub http: String,
+    /// gRPC API address; empty = no gRPC.
+    pub grpc: String,
     /// Allow binding a non-loopback address (no TLS on the API yet).
     pub listen_any: bool,
     /// Compute threads (default: all cores).
@@ -74,6 +76,7 @@ impl Default for ServeConfig {
             model_name: None,
             id: "coordinator".into(),
             http: "127.0.0.1:8080".into(),
+            grpc: "127.0.0.1:50051".into(),
             listen_any: false,
             threads: None,
             numerics: "invariant".into(),
@@ -129,11 +132,27 @@ impl ServeConfig {
             }
         }
         self.numerics()?;
+        self.grpc_addr()?;
         self.max_body_bytes()?;
         if !self.kv_budget.is_empty() {
             parse_size(&self.kv_budget).map_err(|e| anyhow::anyhow!("kv_budget: {e}"))?;
         }
         Ok(())
+    }
+
+    /// The gRPC address, if gRPC is on; non-loopback only with `listen_any`.
+    pub fn grpc_addr(&self) -> Result<Option<std::net::SocketAddr>> {
+        if self.grpc.is_empty() {
+            return Ok(None);
+        }
+        let a: std::net::SocketAddr = self
+            .grpc
+            .parse()
+            .with_context(|| format!("--grpc {:?}: expected HOST:PORT", self.grpc))?;
+        if !a.ip().is_loopback() && !self.listen_any {
+            bail!("--grpc {a}: binding a non-loopback address serves the API to the network without TLS; pass --listen-any to do it anyway");
+        }
+        Ok(Some(a))
     }
 
     pub fn numerics(&self) -> Result<Numerics> {

@@ -134,14 +134,20 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 
 /// Bearer key check (constant time per key); `Ok` when no keys are configured.
 fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+    authorize_value(
+        s,
+        headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok()),
+    )
+}
+
+/// Bearer key check of an `authorization` value (HTTP header or gRPC metadata).
+pub(crate) fn authorize_value(s: &AppState, value: Option<&str>) -> Result<(), ApiError> {
     if s.api_keys.is_empty() {
         return Ok(());
     }
-    let given = headers
-        .get(header::AUTHORIZATION)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+    let given = value.and_then(|v| v.strip_prefix("Bearer ")).unwrap_or("");
     let ok = s.api_keys.iter().fold(false, |acc, k| {
         acc | bool::from(k.as_bytes().ct_eq(given.as_bytes()))
     });
@@ -156,7 +162,7 @@ fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
 }
 
 /// The engine, or 503 while loading / draining.
-fn engine(s: &AppState) -> Result<&Engine, ApiError> {
+pub(crate) fn engine(s: &AppState) -> Result<&Engine, ApiError> {
     if s.draining.load(Ordering::SeqCst) {
         return Err(ApiError::new(
             ErrorClass::Unavailable,
@@ -313,7 +319,7 @@ fn status_of<T>(r: &Result<T, ApiError>) -> u16 {
 
 /// Which API a generation answers in.
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum Kind {
+pub(crate) enum Kind {
     Completion,
     Chat,
 }
@@ -328,7 +334,7 @@ impl Kind {
 }
 
 /// A validated generation ready to submit.
-struct Prepared {
+pub(crate) struct Prepared {
     kind: Kind,
     prompt: Vec<u32>,
     valid: Valid,
@@ -362,15 +368,7 @@ fn prepare(
                     ))
                 }
                 Prompt::Tokens(ids) => {
-                    let n = tok.n_vocab();
-                    if let Some(bad) = ids.iter().find(|&&t| t as usize >= n) {
-                        return Err(ApiError::bad(
-                            "prompt",
-                            format!(
-                                "token id {bad} is out of range: the vocabulary has {n} tokens"
-                            ),
-                        ));
-                    }
+                    check_ids(tok.n_vocab(), &ids, "prompt")?;
                     ids
                 }
             };
@@ -390,20 +388,48 @@ fn prepare(
             };
             let valid = openai::validate_common(&r.common, lp, &s.limits)?;
             let msgs = openai::chat_messages(&r, &s.limits)?;
-            let text = e
-                .chat
-                .render(&msgs)
-                .map_err(|err| ApiError::bad("messages", err.to_string()))?;
-            let mut ids = tok.encode(&text, true, true);
-            // A template that writes BOS itself, on a tokenizer that adds one: keep one.
-            if let Some(b) = tok.bos() {
-                if tok.add_bos() && ids.len() >= 2 && ids[0] == b && ids[1] == b {
-                    ids.remove(0);
-                }
-            }
-            (ids, valid)
+            (chat_ids(e, &msgs)?, valid)
         }
     };
+    prepare_prompt(s, kind, prompt, valid)
+}
+
+/// Token ids below the vocabulary size, or a 400 naming `field`.
+pub(crate) fn check_ids(n_vocab: usize, ids: &[u32], field: &'static str) -> Result<(), ApiError> {
+    match ids.iter().find(|&&t| t as usize >= n_vocab) {
+        Some(bad) => Err(ApiError::bad(
+            field,
+            format!("token id {bad} is out of range: the vocabulary has {n_vocab} tokens"),
+        )),
+        None => Ok(()),
+    }
+}
+
+/// The prompt of a chat: the template rendered, tokenized (one BOS when both the template
+/// and the tokenizer add one).
+pub(crate) fn chat_ids(e: &Engine, msgs: &[super::chat::Message]) -> Result<Vec<u32>, ApiError> {
+    let tok = &e.model.tokenizer;
+    let text = e
+        .chat
+        .render(msgs)
+        .map_err(|err| ApiError::bad("messages", err.to_string()))?;
+    let mut ids = tok.encode(&text, true, true);
+    if let Some(b) = tok.bos() {
+        if tok.add_bos() && ids.len() >= 2 && ids[0] == b && ids[1] == b {
+            ids.remove(0);
+        }
+    }
+    Ok(ids)
+}
+
+/// The checks every prompt passes, whatever API it came through: not empty, within the
+/// prompt limit, room for `max_tokens` in the context.
+pub(crate) fn prepare_prompt(
+    s: &AppState,
+    kind: Kind,
+    prompt: Vec<u32>,
+    valid: Valid,
+) -> Result<Prepared, ApiError> {
     if prompt.is_empty() {
         return Err(ApiError::bad("prompt", "the prompt is empty"));
     }
@@ -452,20 +478,20 @@ fn prepare(
 }
 
 /// A submitted request: its events, its permit, when it arrived.
-struct Flight {
-    rx: mpsc::Receiver<Event>,
+pub(crate) struct Flight {
+    pub(crate) rx: mpsc::Receiver<Event>,
     _permit: OwnedSemaphorePermit,
     id: String,
-    arrived: Instant,
+    pub(crate) arrived: Instant,
     last: Option<Instant>,
     kind: Kind,
-    metrics: Arc<Metrics>,
+    pub(crate) metrics: Arc<Metrics>,
     model: String,
     created: u64,
     tok: Arc<Model>,
 }
 
-fn submit(s: &AppState, p: &Prepared, arrived: Instant) -> Result<Flight, ApiError> {
+pub(crate) fn submit(s: &AppState, p: &Prepared, arrived: Instant) -> Result<Flight, ApiError> {
     let e = engine(s)?;
     let permit = s.permits.clone().try_acquire_owned().map_err(|_| {
         ApiError::new(
@@ -517,7 +543,7 @@ fn submit(s: &AppState, p: &Prepared, arrived: Instant) -> Result<Flight, ApiErr
     })
 }
 
-fn reject_error(r: Reject) -> ApiError {
+pub(crate) fn reject_error(r: Reject) -> ApiError {
     match r {
         Reject::QueueFull { .. } => ApiError::new(ErrorClass::Overloaded, r.to_string()),
         _ => ApiError::new(ErrorClass::BadRequest, r.to_string()),
@@ -525,7 +551,7 @@ fn reject_error(r: Reject) -> ApiError {
 }
 
 impl Flight {
-    fn observe_token(&mut self) {
+    pub(crate) fn observe_token(&mut self) {
         let now = Instant::now();
         match self.last {
             None => self

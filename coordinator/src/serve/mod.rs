@@ -13,6 +13,7 @@
 pub mod chat;
 pub mod config;
 pub mod driver;
+pub mod grpc;
 pub mod http;
 pub mod metrics;
 pub mod openai;
@@ -54,14 +55,29 @@ async fn run(cfg: ServeConfig, addr: std::net::SocketAddr) -> Result<()> {
         .await
         .with_context(|| format!("binding the HTTP API to {addr}"))?;
     let bound = listener.local_addr().context("reading the bound address")?;
+    let grpc_listener = match cfg.grpc_addr()? {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .with_context(|| format!("binding the gRPC API to {a}"))?,
+        ),
+        None => None,
+    };
+    let grpc_bound = match &grpc_listener {
+        Some(l) => Some(l.local_addr().context("reading the bound gRPC address")?),
+        None => None,
+    };
     {
         use std::io::Write;
-        let line = serde_json::json!({
+        let mut line = serde_json::json!({
             "ternfleet": "listening",
             "role": "coordinator",
             "id": cfg.id,
             "http": bound.to_string(),
         });
+        if let Some(g) = grpc_bound {
+            line["grpc"] = serde_json::Value::String(g.to_string());
+        }
         let mut out = std::io::stdout().lock();
         writeln!(out, "{line}").context("writing the start-up line")?;
         out.flush().context("writing the start-up line")?;
@@ -86,10 +102,16 @@ async fn run(cfg: ServeConfig, addr: std::net::SocketAddr) -> Result<()> {
         default_max_tokens: cfg.default_max_tokens,
         timeout: Duration::from_secs_f64(cfg.timeout_s),
     });
-    tracing::info!(
-        "HTTP API on http://{bound}; loading {}",
-        cfg.model.display()
-    );
+    match grpc_bound {
+        Some(g) => tracing::info!(
+            "HTTP API on http://{bound}, gRPC on {g}; loading {}",
+            cfg.model.display()
+        ),
+        None => tracing::info!(
+            "HTTP API on http://{bound}; loading {}",
+            cfg.model.display()
+        ),
+    }
 
     // Load and compute on a thread of its own; the runtime only does I/O.
     let loader_state = state.clone();
@@ -107,27 +129,42 @@ async fn run(cfg: ServeConfig, addr: std::net::SocketAddr) -> Result<()> {
 
     let app = http::router(state.clone(), cfg.max_body_bytes()?);
     let grace = Duration::from_secs_f64(cfg.grace_s);
-    let shutdown_state = state.clone();
-    let shutdown = async move {
+    // SIGTERM / Ctrl-C: drain the engine, then stop both listeners.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let signal_state = state.clone();
+    tokio::spawn(async move {
         wait_for_signal().await;
         tracing::info!("shutting down: draining for up to {grace:?}");
-        shutdown_state.draining.store(true, Ordering::SeqCst);
-        if let Some(e) = shutdown_state.engine.get() {
+        signal_state.draining.store(true, Ordering::SeqCst);
+        if let Some(e) = signal_state.engine.get() {
             let _ = e.tx.send(driver::Cmd::Drain {
                 deadline: Instant::now() + grace,
             });
         }
+        let _ = stop_tx.send(true);
+    });
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|v| *v).await;
     };
-    let server = axum::serve(listener, app).with_graceful_shutdown(shutdown);
+    let http_server = axum::serve(listener, app).with_graceful_shutdown(stopped(stop_rx.clone()));
+    let grpc_server = async {
+        match grpc_listener {
+            Some(l) => grpc::serve(l, state.clone(), stopped(stop_rx.clone()))
+                .await
+                .context("serving gRPC"),
+            None => Ok(()),
+        }
+    };
     // In-flight streams end when the engine drains; bound the wait anyway.
     let drained = async {
-        while !state.draining.load(Ordering::SeqCst) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        stopped(stop_rx.clone()).await;
         tokio::time::sleep(grace + Duration::from_secs(5)).await;
     };
     tokio::select! {
-        r = server => r.context("serving HTTP")?,
+        (h, g) = async { tokio::join!(http_server, grpc_server) } => {
+            h.context("serving HTTP")?;
+            g?;
+        }
         () = drained => tracing::warn!("connections still open after the grace period; closing"),
     }
     // The engine thread exits once drained (or immediately if it never finished loading).

@@ -378,6 +378,40 @@ pub fn chat_messages(req: &ChatRequest, limits: &Limits) -> Result<Vec<Message>,
     Ok(out)
 }
 
+/// The checks of [`chat_messages`] for messages that arrive already flattened (gRPC).
+pub fn check_messages(msgs: &[Message], limits: &Limits) -> Result<(), ApiError> {
+    if msgs.is_empty() {
+        return Err(ApiError::bad(
+            "messages",
+            "messages is empty: at least one message is needed",
+        ));
+    }
+    if msgs.len() > limits.max_messages {
+        return Err(ApiError::bad(
+            "messages",
+            format!(
+                "{} messages: at most {} are allowed",
+                msgs.len(),
+                limits.max_messages
+            ),
+        ));
+    }
+    if let Some((i, m)) = msgs
+        .iter()
+        .enumerate()
+        .find(|(_, m)| !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool"))
+    {
+        return Err(ApiError::bad(
+            "messages",
+            format!(
+                "messages[{i}].role = {:?}: expected system, user, assistant or tool",
+                m.role
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The `usage` object.
 pub fn usage_json(u: &super::scheduler::Usage) -> Value {
     json!({
