@@ -75,7 +75,7 @@ fn greedy_continuations_match_llama_cpp_token_for_token() {
             .or(Some(&v))
             .and_then(|c| c.as_array())
             .expect("a list of cases");
-        let (mut ok, mut total) = (0, 0);
+        let (mut ok, mut total, mut near_ties) = (0, 0, 0);
         for item in items {
             let prompt = item["prompt"].as_str().expect("prompt");
             let want_prompt: Vec<u32> =
@@ -112,7 +112,16 @@ fn greedy_continuations_match_llama_cpp_token_for_token() {
                 .position(|(a, b)| a != b)
                 .unwrap_or(g.tokens.len().min(want.len()));
             let top = &item["top"][first];
-            let gap = top[0][1].as_f64().unwrap_or(f64::MAX) - top[1][1].as_f64().unwrap_or(0.0);
+            let top1 = top[0][1].as_f64().unwrap_or(f64::MAX);
+            let gap = top1 - top[1][1].as_f64().unwrap_or(0.0);
+            // A near-tie within this model's documented logit tolerance (the f16 weight path
+            // sums in our own order, ~5e-4 relative: docs/parity.md) may break either way;
+            // on quantized models the tolerance is 1e-6, so only exact ties pass.
+            if gap < 2.0 * logit_tol(&stem) * top1.abs().max(1.0) {
+                near_ties += 1;
+                println!("{stem}: {prompt:?}: near-tie at token {first} (llama.cpp top-2 gap {gap:.4} within the f16 tolerance): got {:?} want {want:?}", g.tokens);
+                continue;
+            }
             failures.push(format!(
                 "{stem}: {prompt:?}: first difference at token {first} (llama.cpp top-2 gap {gap:.4}): got {:?} want {:?}",
                 g.tokens, want
@@ -122,7 +131,7 @@ fn greedy_continuations_match_llama_cpp_token_for_token() {
         // matmuls, RoPE, GELU and attention round like llama.cpp's x86 CPU backend, so on
         // quantized models the logits are equal, not just close (docs/parity.md).
         let worst = teacher_forced_logit_error(&model, items, &stem, &mut failures);
-        println!("greedy parity: {stem}: {ok}/{total} continuations identical to llama.cpp; teacher-forced max |logit - llama.cpp| over top-5 = {worst:.2e}");
+        println!("greedy parity: {stem}: {ok}/{total} continuations identical to llama.cpp ({near_ties} near-ties within tolerance); teacher-forced max |logit - llama.cpp| over top-5 = {worst:.2e}");
         checked += 1;
     }
     assert!(failures.is_empty(), "{}", failures.join("\n"));

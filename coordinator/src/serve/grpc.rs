@@ -97,7 +97,11 @@ impl Service {
                     .messages
                     .into_iter()
                     .map(|m| Message {
-                        role: m.role,
+                        role: if m.role == "developer" {
+                            "system".into()
+                        } else {
+                            m.role
+                        },
                         content: m.content,
                     })
                     .collect();

@@ -225,40 +225,45 @@ struct TokenizeReq {
     with_pieces: bool,
 }
 
+/// A small JSON endpoint: auth, the loaded engine, the parsed body, then `f`; the answered
+/// status is counted under `name`.
+fn json_endpoint<T: serde::de::DeserializeOwned>(
+    s: &AppState,
+    headers: &HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+    name: &str,
+    f: impl FnOnce(&Engine, T) -> Result<Value, ApiError>,
+) -> Result<Json<Value>, ApiError> {
+    let r = authorize(s, headers)
+        .and_then(|()| engine(s))
+        .and_then(|e| f(e, body_json(body)?))
+        .map(Json);
+    s.metrics.request(name, status_of(&r));
+    r
+}
+
 async fn tokenize(
     State(s): State<Arc<AppState>>,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let r = tokenize_inner(&s, &headers, body);
-    s.metrics.request("tokenize", status_of(&r));
-    r
-}
-
-fn tokenize_inner(
-    s: &AppState,
-    headers: &HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Json<Value>, ApiError> {
-    authorize(s, headers)?;
-    let e = engine(s)?;
-    let r: TokenizeReq = body_json(body)?;
-    let tok = &e.model.tokenizer;
-    let ids = tok.encode(&r.content, r.add_special, true);
-    if r.with_pieces {
+    json_endpoint(&s, &headers, body, "tokenize", |e, r: TokenizeReq| {
+        let tok = &e.model.tokenizer;
+        let ids = tok.encode(&r.content, r.add_special, true);
+        if !r.with_pieces {
+            return Ok(json!({ "tokens": ids }));
+        }
         let pieces: Vec<Value> = ids
             .iter()
-            .map(|&id| {
-                let b = tok.token_to_piece(id, true);
-                match String::from_utf8(b) {
+            .map(
+                |&id| match String::from_utf8(tok.token_to_piece(id, true)) {
                     Ok(t) => json!({"id": id, "piece": t}),
                     Err(e) => json!({"id": id, "piece": e.into_bytes()}),
-                }
-            })
+                },
+            )
             .collect();
-        return Ok(Json(json!({ "tokens": pieces })));
-    }
-    Ok(Json(json!({ "tokens": ids })))
+        Ok(json!({ "tokens": pieces }))
+    })
 }
 
 #[derive(serde::Deserialize)]
@@ -271,22 +276,11 @@ async fn detokenize(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let r = (|| {
-        authorize(&s, &headers)?;
-        let e = engine(&s)?;
-        let r: DetokenizeReq = body_json(body)?;
-        let n = e.model.tokenizer.n_vocab();
-        if let Some(bad) = r.tokens.iter().find(|&&t| t as usize >= n) {
-            return Err(ApiError::bad(
-                "tokens",
-                format!("token id {bad} is out of range: the vocabulary has {n} tokens"),
-            ));
-        }
+    json_endpoint(&s, &headers, body, "detokenize", |e, r: DetokenizeReq| {
+        check_ids(e.model.tokenizer.n_vocab(), &r.tokens, "tokens")?;
         let text = e.model.tokenizer.detokenize(&r.tokens, false, true);
-        Ok(Json(json!({ "content": String::from_utf8_lossy(&text) })))
-    })();
-    s.metrics.request("detokenize", status_of(&r));
-    r
+        Ok(json!({ "content": String::from_utf8_lossy(&text) }))
+    })
 }
 
 /// llama-server's `POST /apply-template`: the prompt a chat request's messages render to.
@@ -295,19 +289,14 @@ async fn apply_template(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    let r = (|| {
-        authorize(&s, &headers)?;
-        let e = engine(&s)?;
-        let r: ChatRequest = body_json(body)?;
+    json_endpoint(&s, &headers, body, "apply-template", |e, r: ChatRequest| {
         let msgs = openai::chat_messages(&r, &s.limits)?;
         let prompt = e
             .chat
             .render(&msgs)
             .map_err(|err| ApiError::bad("messages", err.to_string()))?;
-        Ok(Json(json!({ "prompt": prompt })))
-    })();
-    s.metrics.request("apply-template", status_of(&r));
-    r
+        Ok(json!({ "prompt": prompt }))
+    })
 }
 
 fn status_of<T>(r: &Result<T, ApiError>) -> u16 {

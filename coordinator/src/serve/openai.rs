@@ -319,33 +319,13 @@ pub fn validate_common(
 
 /// A chat request's messages as template input.
 pub fn chat_messages(req: &ChatRequest, limits: &Limits) -> Result<Vec<Message>, ApiError> {
-    if req.messages.is_empty() {
-        return Err(ApiError::bad(
-            "messages",
-            "messages is empty: at least one message is needed",
-        ));
-    }
-    if req.messages.len() > limits.max_messages {
-        return Err(ApiError::bad(
-            "messages",
-            format!(
-                "{} messages: at most {} are allowed",
-                req.messages.len(),
-                limits.max_messages
-            ),
-        ));
-    }
-    let mut out = Vec::with_capacity(req.messages.len());
-    for (i, m) in req.messages.iter().enumerate() {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "developer" | "user" | "assistant" | "tool"
-        ) {
-            return Err(ApiError::bad(
-                "messages",
-                format!("messages[{i}].role = {:?}: expected system, developer, user, assistant or tool", m.role),
-            ));
-        }
+    let mut out = Vec::with_capacity(req.messages.len().min(limits.max_messages + 1));
+    for (i, m) in req
+        .messages
+        .iter()
+        .take(limits.max_messages + 1)
+        .enumerate()
+    {
         let content = match &m.content {
             None => String::new(),
             Some(Content::Text(t)) => t.clone(),
@@ -365,6 +345,7 @@ pub fn chat_messages(req: &ChatRequest, limits: &Limits) -> Result<Vec<Message>,
                 s
             }
         };
+        // OpenAI's newer name for the system role.
         let role = if m.role == "developer" {
             "system"
         } else {
@@ -375,6 +356,17 @@ pub fn chat_messages(req: &ChatRequest, limits: &Limits) -> Result<Vec<Message>,
             content,
         });
     }
+    if req.messages.len() > limits.max_messages {
+        return Err(ApiError::bad(
+            "messages",
+            format!(
+                "{} messages: at most {} are allowed",
+                req.messages.len(),
+                limits.max_messages
+            ),
+        ));
+    }
+    check_messages(&out, limits)?;
     Ok(out)
 }
 
