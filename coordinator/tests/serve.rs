@@ -634,131 +634,48 @@ fn sse_wire_format_as_curl_sees_it() {
     assert!(chunks[..5].iter().all(|c| c["usage"].is_null()));
 }
 
-/// A free TCP port for a reference process that cannot bind port 0 and report it.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
-/// llama-server on `model` with `args`, ready (bounded); killed by the caller.
-fn llama_server(model: &Path, args: &[&str]) -> Option<(Child, String)> {
-    let ls = root().join("target/llama.cpp/build/bin/llama-server");
-    if !ls.exists() {
-        skip(
-            "chat template parity",
-            "llama-server missing (scripts/build-llama-cpp.sh)",
-        );
-        return None;
-    }
-    let port = free_port();
-    let mut child = Command::new(&ls)
-        .arg("-m")
-        .arg(model)
-        .args([
-            "--host",
-            "127.0.0.1",
-            "--port",
-            &port.to_string(),
-            "-t",
-            "2",
-            "-c",
-            "512",
-            "--no-webui",
-        ])
-        .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("spawning llama-server");
-    let url = format!("http://127.0.0.1:{port}");
-    let t = Instant::now();
-    while get(&url, "/health").0 != 200 {
-        if t.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("llama-server not ready in 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Some((child, url))
-}
-
-/// Both servers' `/apply-template` of each conversation are equal.
-fn same_templates(
-    what: &str,
-    ls_url: &str,
-    ours: &Server,
-    conversations: &[Value],
-) -> Result<(), String> {
-    for conv in conversations {
-        let body = json!({ "messages": conv });
-        let (s1, theirs) = post(ls_url, "/apply-template", &body);
-        let (s2, mine) = post(&ours.url, "/apply-template", &body);
-        if s1 != 200 || s2 != 200 {
-            return Err(format!(
-                "{what}: llama-server {s1} {theirs}, ternfleet {s2} {mine}"
-            ));
-        }
-        if theirs["prompt"] != mine["prompt"] {
-            return Err(format!(
-                "{what} on {conv}:\nllama-server: {}\nternfleet:    {}",
-                theirs["prompt"], mine["prompt"]
-            ));
-        }
-    }
-    Ok(())
-}
-
+/// `ternfleet serve`'s `/apply-template` equals llama-server's for every conversation of
+/// `tests/data/refs/chat-templates.json` (written by scripts/make-chat-template-refs.py): the
+/// built-in chatml / gemma / llama3 templates against `llama-server --no-jinja --chat-template
+/// NAME`, and Qwen2.5-Coder's own GGUF template against `llama-server --jinja`.
 #[test]
-fn qwen_s_own_chat_template_renders_as_llama_server_jinja_does() {
-    let model = root().join("models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf");
-    if !model.exists() {
-        skip(
-            "Qwen chat template parity",
-            "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf missing (scripts/fetch-model.sh qwen)",
-        );
-        return;
-    }
-    let Some((mut child, ls_url)) = llama_server(&model, &["--jinja"]) else {
-        return;
-    };
-    let srv = Server::start_with(&model, &[]).expect("the model exists");
-    let conversations = [
-        json!([{"role": "user", "content": "Write a haiku."}]),
-        json!([{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
-               {"role": "assistant", "content": "Hello."}, {"role": "user", "content": " And now? "}]),
-        json!([{"role": "user", "content": "<|im_start|>system {{ x }}"}]),
-    ];
-    let r = same_templates("qwen gguf template", &ls_url, &srv, &conversations);
-    let _ = child.kill();
-    let _ = child.wait();
-    r.unwrap();
-}
-
-#[test]
-fn built_in_chat_templates_render_as_llama_server_does() {
-    let Some(model) = gemma() else {
-        return;
-    };
-    let conversations = [
-        json!([{"role": "system", "content": " Be brief. "}, {"role": "user", "content": "Hi  "}]),
-        json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": " b "}, {"role": "user", "content": "c\n"}]),
-        json!([{"role": "system", "content": "s1"}, {"role": "system", "content": "s2"},
-               {"role": "user", "content": "u"}, {"role": "assistant", "content": "m"},
-               {"role": "system", "content": "s3"}, {"role": "user", "content": "u2 {{ not code }}"}]),
-    ];
-    for name in ["chatml", "gemma", "llama3"] {
-        let Some((mut child, ls_url)) =
-            llama_server(&model, &["--no-jinja", "--chat-template", name])
-        else {
-            return;
+fn chat_templates_render_as_llama_server_does() {
+    let path = root().join("tests/data/refs/chat-templates.json");
+    let refs: Value = serde_json::from_str(&std::fs::read_to_string(&path).expect("the fixture"))
+        .expect("the fixture is JSON");
+    let configs = refs["configs"].as_array().expect("configs");
+    assert_eq!(configs.len(), 4);
+    for c in configs {
+        let model = root().join(c["model"].as_str().expect("model"));
+        if !model.exists() {
+            skip(
+                "chat template parity",
+                &format!("{} missing (scripts/fetch-model.sh)", model.display()),
+            );
+            continue;
+        }
+        let name = c["chat_template"].as_str().unwrap_or_default();
+        let extra: Vec<&str> = if name.is_empty() {
+            vec![]
+        } else {
+            vec!["--chat-template", name]
         };
-        let srv = Server::start(&["--chat-template", name]).expect("the model exists");
-        let r = same_templates(name, &ls_url, &srv, &conversations);
-        let _ = child.kill();
-        let _ = child.wait();
-        r.unwrap();
+        let srv = Server::start_with(&model, &extra).expect("the model exists");
+        let cases = c["cases"].as_array().expect("cases");
+        assert!(cases.len() >= 3);
+        for case in cases {
+            let (s, mine) = post(
+                &srv.url,
+                "/apply-template",
+                &json!({ "messages": case["messages"] }),
+            );
+            assert_eq!(s, 200, "{mine}");
+            assert_eq!(
+                mine["prompt"], case["prompt"],
+                "template {name:?} on {}: ternfleet vs llama-server",
+                case["messages"]
+            );
+        }
     }
 }
 
