@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the tests need (Python gguf/numpy for the gguf-py
-# interop tests, the openai package for the serve end-to-end test, the real model for the llama.cpp parity tests), then runs format, lint and
-# every test of the workspace. .ci/run calls exactly this.
+# interop tests, the openai package and curl for the serve end-to-end tests, the models), then
+# runs format, lint and every test of the workspace. .ci/run calls exactly this.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python3 -c "import gguf, numpy, openai" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check numpy gguf openai
+# curl drives the SSE wire-format test of `ternfleet serve`.
+command -v curl >/dev/null || { apt-get update -qq && apt-get install -y -qq curl >/dev/null; }
 ./scripts/fetch-model.sh
 # Gemma dequantized to f16: MoEfied with every expert selected it must equal the dense model.
 [ -f models/gemma-3-270m-f16.gguf ] || python3 scripts/dequantize-model.py \
