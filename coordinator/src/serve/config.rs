@@ -220,7 +220,7 @@ impl ServeConfig {
         }
     }
 
-    /// KV pool bytes: as configured, or `parallel` requests of `ctx` positions.
+    /// KV pool bytes: as configured, or room for `parallel` requests of `ctx` positions.
     pub fn kv_budget_for(&self, model: &Model, ctx: usize) -> Result<u64> {
         if !self.kv_budget.is_empty() {
             return parse_size(&self.kv_budget).map_err(|e| anyhow::anyhow!("kv_budget: {e}"));
@@ -230,7 +230,8 @@ impl ServeConfig {
             model.cfg.k_dim(),
             model.cfg.v_dim(),
         );
-        let blocks = (ctx.div_ceil(crate::kv_pool::BLOCK) + 1) * self.parallel;
+        // Exactly what the scheduler reserves for `parallel` requests of `ctx` positions.
+        let blocks = super::scheduler::blocks_for(ctx) * self.parallel;
         Ok(per_block * blocks as u64)
     }
 

@@ -193,8 +193,9 @@ pub struct Scheduler {
     reserved_blocks: usize,
 }
 
-fn blocks_for(positions: usize) -> usize {
-    // One more than the positions need: a sequence starting on a shared block may copy it.
+/// Blocks reserved for a request of `positions` positions (prompt + `max_tokens`): one more
+/// than the positions need, since a sequence starting on a shared block may copy it.
+pub fn blocks_for(positions: usize) -> usize {
     positions.div_ceil(BLOCK) + 1
 }
 
