@@ -58,6 +58,11 @@ pub(crate) struct Kernels {
     pub fa_scores: fn(&[f32], &[f32], usize, &mut [f32]),
     pub fa_pv: fn(&mut [f32], &[f32], &[f32], usize),
     pub softmax_exp: fn(&mut [f32], f32) -> f64,
+    /// Activation quantization, bit-identical to `scalar::quantize` (false: a type it cannot
+    /// produce).
+    pub quantize: fn(GgmlType, &[f32], &mut [u8]) -> bool,
+    /// `g[i] = silu(g[i]) · u[i]` (see `scalar::swiglu`; equal lengths).
+    pub swiglu: fn(&mut [f32], &[f32]),
 }
 
 /// A matmul over a validated problem; `out.len() == g.ntok * g.nrows`.
@@ -84,6 +89,8 @@ const SCALAR: Kernels = Kernels {
     fa_scores: crate::scalar::fa_scores,
     fa_pv: crate::scalar::fa_pv,
     softmax_exp: crate::scalar::softmax_exp,
+    quantize: crate::scalar::quantize,
+    swiglu: crate::scalar::swiglu,
 };
 
 /// The kernels of `isa`, or `None` when this CPU lacks its features.

@@ -342,11 +342,11 @@ pub fn softmax_exp(x: &mut [f32], max: f32) -> f64 {
 }
 
 /// `g[i] = silu(g[i]) * u[i]` as llama.cpp's `ggml_vec_swiglu_f32` rounds it (AVX-512 build):
-/// 16 lanes at a time `x / (1 + ggml_v_expf(-x)) * u`, the tail with libm `expf`. Scalar on
-/// every ISA (the FFN's matmuls dwarf it). Panics when the lengths differ.
+/// 16 lanes at a time `x / (1 + ggml_v_expf(-x)) * u`, the tail with libm `expf`; the same
+/// bits on every ISA. Panics when the lengths differ.
 pub fn swiglu(g: &mut [f32], u: &[f32]) {
     assert_eq!(g.len(), u.len(), "swiglu of slices of different lengths");
-    scalar::swiglu(g, u)
+    (dispatch::selected().swiglu)(g, u)
 }
 
 /// `y[i] = f16(y[i] * v)`: llama.cpp's `ggml_vec_scale_f16`.

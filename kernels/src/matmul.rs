@@ -175,6 +175,7 @@ impl Activations {
             .ok_or(KernelError::TooLarge { ty, rows: n, cols })?;
         self.data.resize(total, 0);
         if n > 0 && cols > 0 {
+            let simd = crate::dispatch::selected().quantize;
             let quantize = |xr: &[f32], yr: &mut [u8]| {
                 assert!(
                     xr.len().is_multiple_of(cols) && yr.len() == xr.len() / cols * rb,
@@ -182,7 +183,7 @@ impl Activations {
                 );
                 // Row by row: Q8_TF's scale is per row.
                 for (x1, y1) in xr.chunks_exact(cols).zip(yr.chunks_exact_mut(rb)) {
-                    let ok = scalar::quantize(ty, x1, y1);
+                    let ok = simd(ty, x1, y1);
                     debug_assert!(ok, "vec_dot_type only returns quantizable types");
                 }
             };

@@ -880,11 +880,14 @@ pub(crate) fn ggml_v_expf(x: f32) -> f32 {
         .mul_add(u, p(2).mul_add(b, p(3)))
         .mul_add(u, p(4).mul_add(b, 1.0));
     // scalef: j·2^floor(n), one rounding (subnormal results included) via the exact f64 product.
-    (j as f64 * (n.floor() as f64).exp2()) as f32
+    // `n` is a whole number in [-192, 192], so 2^n is built from its exponent bits (no libm).
+    let pow2 = f64::from_bits(((n as i64 + 1023) as u64) << 52);
+    (j as f64 * pow2) as f32
 }
 
 /// `ggml_vec_swiglu_f32` (AVX-512 build): `ggml_v_silu(x) * u` for whole 16-lane chunks
 /// (`x / (1 + ggml_v_expf(0 - x))`, a true division), `x / (1 + expf(-x)) * u` for the tail.
+#[inline(always)]
 pub(crate) fn swiglu(g: &mut [f32], u: &[f32]) {
     let whole = g.len() - g.len() % 16;
     let (gv, gt) = g.split_at_mut(whole);

@@ -816,3 +816,86 @@ fn softmax_exp_follows_ggml_v_expf_on_every_isa() {
 mod batched;
 mod invariant;
 mod ternary;
+
+#[test]
+fn every_isa_quantizes_activations_bit_identically_to_the_scalar_reference() {
+    // Per 256-value block (a q8_K block, eight q8_0 blocks): random values, exact ties after
+    // scaling, zeros, negative zero, a value of largest magnitude appearing with both signs
+    // (q8_K keeps the first), an infinity, a NaN, denormals and huge finite values.
+    let mut rng = Rng(91);
+    let mut x: Vec<f32> = Vec::new();
+    let block = |f: &mut dyn FnMut(usize) -> f32| (0..QK_K).map(f).collect::<Vec<f32>>();
+    x.extend(block(&mut |_| rng.normalish() * 4.0));
+    x.extend(block(&mut |i| (i % 255) as f32 - 127.0 + 0.5));
+    x.extend(block(&mut |_| 0.0));
+    x.extend(block(&mut |i| if i % 3 == 0 { -0.0 } else { 0.0 }));
+    x.extend(block(&mut |i| match i {
+        5 => -3.0,
+        9 => 3.0,
+        _ => (i as f32 * 0.01).sin(),
+    }));
+    x.extend(block(&mut |i| match i {
+        5 => 3.0,
+        9 => -3.0,
+        _ => (i as f32 * 0.01).cos(),
+    }));
+    x.extend(block(&mut |i| if i == 77 { f32::INFINITY } else { 1.0 }));
+    x.extend(block(&mut |i| if i == 200 { f32::NAN } else { -1.0 }));
+    x.extend(block(&mut |i| f32::from_bits(1 + i as u32)));
+    x.extend(block(&mut |i| (i as f32 - 128.0) * 1e36));
+    for ty in [GgmlType::Q8_0, GgmlType::Q8_K] {
+        let rb = ty.row_size(x.len() as u64).unwrap() as usize;
+        let mut want = vec![0u8; rb];
+        assert!(crate::scalar::quantize(ty, &x, &mut want));
+        for isa in Isa::ALL {
+            let Some(k) = kernels_for(isa) else { continue };
+            let mut got = vec![0xA5u8; rb];
+            assert!((k.quantize)(ty, &x, &mut got));
+            let bs = ty.type_size();
+            for (b, (g, w)) in got.chunks(bs).zip(want.chunks(bs)).enumerate() {
+                assert_eq!(g, w, "{ty:?} {}: block {b} differs", isa.name());
+            }
+        }
+    }
+}
+
+#[test]
+fn swiglu_is_the_same_on_every_isa_and_close_to_silu() {
+    let mut rng = Rng(41);
+    // Gate values across the polynomial's range, the clamps (|x| large: exp over/underflows),
+    // zeros, NaN and infinities; lengths with and without a tail.
+    let mut g: Vec<f32> = (0..300).map(|_| rng.normalish() * 6.0).collect();
+    g.extend([
+        0.0, -0.0, 88.0, -88.0, 104.0, -104.0, 150.0, -150.0, 300.0, -300.0,
+    ]);
+    g.extend([f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e-40, -1e-40]);
+    let u: Vec<f32> = (0..g.len()).map(|_| rng.normalish()).collect();
+    for n in [0usize, 7, 16, 33, g.len()] {
+        let mut want = g[..n].to_vec();
+        crate::scalar::swiglu(&mut want, &u[..n]);
+        for (i, (&w, (&x, &ui))) in want.iter().zip(g.iter().zip(&u)).enumerate() {
+            if !x.is_finite() || x.abs() > 80.0 {
+                continue;
+            }
+            let e = x as f64 / (1.0 + (-(x as f64)).exp()) * ui as f64;
+            assert!(
+                (w as f64 - e).abs() <= 1e-6 * e.abs() + 1e-30,
+                "x[{i}] = {x}: {w} vs {e}"
+            );
+        }
+        for isa in Isa::ALL {
+            let Some(k) = kernels_for(isa) else { continue };
+            let mut got = g[..n].to_vec();
+            (k.swiglu)(&mut got, &u[..n]);
+            for (i, (a, b)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    a.to_bits(),
+                    b.to_bits(),
+                    "{} n={n} x[{i}] = {}",
+                    isa.name(),
+                    g[i]
+                );
+            }
+        }
+    }
+}

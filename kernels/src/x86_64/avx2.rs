@@ -46,6 +46,8 @@ impl Avx2 {
             fa_pv,
             // ggml's AVX2 build has its own `ggml_v_expf`; we follow the AVX-512 one everywhere.
             softmax_exp,
+            quantize,
+            swiglu,
         }
     }
 }
@@ -53,6 +55,11 @@ impl Avx2 {
 // The safe entry points below are private to this module and only handed out through
 // `Avx2::kernels`, which needs a token, which exists only if `Avx2::new` saw the features:
 // that is the SAFETY argument of every `unsafe` call in them.
+
+fn quantize(ty: GgmlType, x: &[f32], y: &mut [u8]) -> bool {
+    // SAFETY: see above (this module's features include AVX2, FMA and F16C).
+    unsafe { super::quant_avx2::quantize(ty, x, y) }
+}
 
 fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
     Some(match ty {
@@ -863,6 +870,20 @@ unsafe fn fa_pv_raw<const R: usize>(acc: &mut [f32], p: &[f32], v: *const f32, n
             i0 += 16;
         }
     }
+}
+
+fn swiglu(g: &mut [f32], u: &[f32]) {
+    // SAFETY: token-gated.
+    unsafe { swiglu_fma(g, u) }
+}
+
+/// The reference itself, compiled with FMA (as [`softmax_exp_fma`]).
+///
+/// # Safety
+/// Features as the module.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn swiglu_fma(g: &mut [f32], u: &[f32]) {
+    crate::scalar::swiglu(g, u)
 }
 
 fn softmax_exp(x: &mut [f32], max: f32) -> f64 {

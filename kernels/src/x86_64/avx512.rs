@@ -46,6 +46,8 @@ impl Avx512 {
             fa_scores,
             fa_pv,
             softmax_exp,
+            quantize,
+            swiglu,
         }
     }
 }
@@ -53,6 +55,11 @@ impl Avx512 {
 // The safe entry points below are private to this module and only handed out through
 // `Avx512::kernels`, which needs a token, which exists only if `Avx512::new` saw the features:
 // that is the SAFETY argument of every `unsafe` call in them.
+
+fn quantize(ty: GgmlType, x: &[f32], y: &mut [u8]) -> bool {
+    // SAFETY: see above (this module's features include AVX2, FMA and F16C).
+    unsafe { super::quant_avx2::quantize(ty, x, y) }
+}
 
 fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
     Some(match ty {
@@ -496,6 +503,61 @@ unsafe fn fa_pv_raw<const R: usize>(acc: &mut [f32], p: &[f32], v: *const f32, n
     }
 }
 
+/// 16 lanes of `ggml_v_expf` (see `scalar::ggml_v_expf`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn v_expf(xv: __m512) -> __m512 {
+    let f = |b: u32| _mm512_set1_ps(f32::from_bits(b));
+    let r = f(0x4b40_0000);
+    let z = _mm512_fmadd_ps(xv, f(0x3fb8_aa3b), r);
+    let n = _mm512_sub_ps(z, r);
+    let b = _mm512_fnmadd_ps(n, f(0x35bf_be8e), _mm512_fnmadd_ps(n, f(0x3f31_7200), xv));
+    let d = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
+    let u = _mm512_mul_ps(b, b);
+    let j = _mm512_fmadd_ps(
+        _mm512_fmadd_ps(
+            _mm512_fmadd_ps(f(0x3c07_2010), b, f(0x3d2b_9f17)),
+            u,
+            _mm512_fmadd_ps(f(0x3e2a_af33), b, f(0x3eff_fedb)),
+        ),
+        u,
+        _mm512_fmadd_ps(f(0x3f7f_fff6), b, _mm512_set1_ps(1.0)),
+    );
+    let mut res = _mm512_scalef_ps(j, n);
+    if d != 0 {
+        let le0 = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
+        let alt = _mm512_mask_blend_ps(le0, _mm512_set1_ps(f32::INFINITY), _mm512_setzero_ps());
+        res = _mm512_mask_blend_ps(d, res, alt);
+    }
+    res
+}
+
+fn swiglu(g: &mut [f32], u: &[f32]) {
+    // SAFETY: token-gated.
+    unsafe { swiglu_raw(g, u) }
+}
+
+/// `ggml_vec_swiglu_f32`'s 16-lane body (`x / (1 + v_expf(0 - x)) * u`), the tail as the
+/// scalar reference.
+///
+/// # Safety
+/// Features as the module; equal lengths.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn swiglu_raw(g: &mut [f32], u: &[f32]) {
+    let n16 = g.len().min(u.len()) / 16 * 16;
+    // SAFETY (whole body): 16-element groups below `n16` of both slices.
+    unsafe {
+        for i in (0..n16).step_by(16) {
+            let p = g.as_mut_ptr().add(i);
+            let x = _mm512_loadu_ps(p);
+            let e = v_expf(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            let s = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0), e));
+            _mm512_storeu_ps(p, _mm512_mul_ps(s, _mm512_loadu_ps(u.as_ptr().add(i))));
+        }
+    }
+    crate::scalar::swiglu(&mut g[n16..], &u[n16..]);
+}
+
 fn softmax_exp(x: &mut [f32], max: f32) -> f64 {
     // SAFETY: token-gated.
     unsafe { softmax_exp_raw(x, max) }
@@ -505,7 +567,6 @@ fn softmax_exp(x: &mut [f32], max: f32) -> f64 {
 /// Features as the module.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn softmax_exp_raw(x: &mut [f32], max: f32) -> f64 {
-    let f = |b: u32| _mm512_set1_ps(f32::from_bits(b));
     let mut sum = 0f64;
     let n16 = x.len() / 16 * 16;
     let mv = _mm512_set1_ps(max);
@@ -514,28 +575,7 @@ unsafe fn softmax_exp_raw(x: &mut [f32], max: f32) -> f64 {
         for i in (0..n16).step_by(16) {
             let p = x.as_mut_ptr().add(i);
             let xv = _mm512_sub_ps(_mm512_loadu_ps(p), mv);
-            let r = f(0x4b40_0000);
-            let z = _mm512_fmadd_ps(xv, f(0x3fb8_aa3b), r);
-            let n = _mm512_sub_ps(z, r);
-            let b = _mm512_fnmadd_ps(n, f(0x35bf_be8e), _mm512_fnmadd_ps(n, f(0x3f31_7200), xv));
-            let d = _mm512_cmp_ps_mask::<_CMP_GT_OQ>(_mm512_abs_ps(n), _mm512_set1_ps(192.0));
-            let u = _mm512_mul_ps(b, b);
-            let j = _mm512_fmadd_ps(
-                _mm512_fmadd_ps(
-                    _mm512_fmadd_ps(f(0x3c07_2010), b, f(0x3d2b_9f17)),
-                    u,
-                    _mm512_fmadd_ps(f(0x3e2a_af33), b, f(0x3eff_fedb)),
-                ),
-                u,
-                _mm512_fmadd_ps(f(0x3f7f_fff6), b, _mm512_set1_ps(1.0)),
-            );
-            let mut res = _mm512_scalef_ps(j, n);
-            if d != 0 {
-                let le0 = _mm512_cmp_ps_mask::<_CMP_LE_OQ>(n, _mm512_setzero_ps());
-                let alt =
-                    _mm512_mask_blend_ps(le0, _mm512_set1_ps(f32::INFINITY), _mm512_setzero_ps());
-                res = _mm512_mask_blend_ps(d, res, alt);
-            }
+            let res = v_expf(xv);
             _mm512_storeu_ps(p, res);
             // `_mm512_reduce_add_ps` as GCC expands it: halves +8, +4, +2, +1.
             let h = _mm256_add_ps(

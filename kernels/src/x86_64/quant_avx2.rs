@@ -1,0 +1,161 @@
+//! Activation quantization (f32 → q8_0 / q8_K) with AVX2, bit-identical to `scalar::quantize_q8_0`
+//! and `scalar::quantize_q8_k`. Both the AVX2 and the AVX-512 tables use it: it is bound by the
+//! loads and the per-block scalar scale, so wider registers buy nothing.
+//!
+//! A block holding an infinity or a NaN, or whose scale factor overflows, takes the scalar reference (the SIMD max and
+//! round-to-int treat them differently from the reference's folds and saturating casts).
+
+use crate::quant::{GgmlType, QK, QK_K};
+use crate::scalar;
+use core::arch::x86_64::*;
+
+/// # Safety
+/// Needs AVX2 + FMA + F16C (the callers' tokens prove it).
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn quantize(ty: GgmlType, x: &[f32], y: &mut [u8]) -> bool {
+    match ty {
+        // SAFETY: as this function's contract.
+        GgmlType::Q8_0 => unsafe { quantize_q8_0(x, y) },
+        // SAFETY: as above.
+        GgmlType::Q8_K => unsafe { quantize_q8_k(x, y) },
+        _ => return scalar::quantize(ty, x, y),
+    }
+    true
+}
+
+/// `|v|` of eight lanes, and whether any of them is an infinity or a NaN.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn abs_and_odd(v: __m256) -> (__m256, i32) {
+    let a = _mm256_andnot_ps(_mm256_set1_ps(-0.0), v);
+    // Not-less-than infinity, unordered true: +inf and NaN.
+    let odd = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_NLT_UQ>(
+        a,
+        _mm256_set1_ps(f32::INFINITY),
+    ));
+    (a, odd)
+}
+
+/// Horizontal max of eight non-NaN lanes.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn hmax(v: __m256) -> f32 {
+    let m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+    let m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    let m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    _mm_cvtss_f32(m)
+}
+
+/// 32 i32 (four vectors, value order) to 32 i8 with signed saturation, in order.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn pack32(q: [__m256i; 4]) -> __m256i {
+    // packs work per 128-bit lane: [q0.lo q1.lo | q0.hi q1.hi] → restore order at the end.
+    let w01 = _mm256_packs_epi32(q[0], q[1]);
+    let w23 = _mm256_packs_epi32(q[2], q[3]);
+    let b = _mm256_packs_epi16(w01, w23);
+    _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
+}
+
+/// # Safety
+/// As [`quantize`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_q8_0(x: &[f32], y: &mut [u8]) {
+    let bs = GgmlType::Q8_0.type_size();
+    for (xb, yb) in x.chunks_exact(QK).zip(y.chunks_exact_mut(bs)) {
+        // SAFETY: `xb` holds 32 floats.
+        let v = unsafe { [0, 8, 16, 24].map(|i| _mm256_loadu_ps(xb.as_ptr().add(i))) };
+        let mut odd = 0;
+        let mut m = _mm256_setzero_ps();
+        for vi in v {
+            let (a, o) = abs_and_odd(vi);
+            odd |= o;
+            m = _mm256_max_ps(m, a);
+        }
+        if odd != 0 {
+            scalar::quantize_q8_0(xb, yb);
+            continue;
+        }
+        let amax = hmax(m);
+        let d = amax / 127.0;
+        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        if !id.is_finite() {
+            // Denormal amax: the factor overflows, and the reference saturates where the
+            // conversion would not.
+            scalar::quantize_q8_0(xb, yb);
+            continue;
+        }
+        yb[0..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
+        let idv = _mm256_set1_ps(id);
+        // |v · id| <= 127: the conversion rounds half to even (MXCSR default), as `nearest_int`.
+        let q = v.map(|vi| _mm256_cvtps_epi32(_mm256_mul_ps(vi, idv)));
+        // SAFETY: `yb` holds 2 + 32 bytes.
+        unsafe { _mm256_storeu_si256(yb.as_mut_ptr().add(2).cast(), pack32(q)) };
+    }
+}
+
+/// # Safety
+/// As [`quantize`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_q8_k(x: &[f32], y: &mut [u8]) {
+    let bs = GgmlType::Q8_K.type_size();
+    for (xb, yb) in x.chunks_exact(QK_K).zip(y.chunks_exact_mut(bs)) {
+        // SAFETY: `xb` holds 256 floats.
+        let v: [__m256; 32] =
+            core::array::from_fn(|i| unsafe { _mm256_loadu_ps(xb.as_ptr().add(8 * i)) });
+        let mut odd = 0;
+        let mut m = _mm256_setzero_ps();
+        for vi in v {
+            let (a, o) = abs_and_odd(vi);
+            odd |= o;
+            m = _mm256_max_ps(m, a);
+        }
+        if odd != 0 {
+            scalar::quantize_q8_k(xb, yb);
+            continue;
+        }
+        let amax = hmax(m);
+        if amax == 0.0 {
+            yb.fill(0);
+            continue;
+        }
+        // The reference keeps the first value of largest magnitude (with its sign).
+        let av = _mm256_set1_ps(amax);
+        let mut max = amax;
+        for (i, vi) in v.iter().enumerate() {
+            let (a, _) = abs_and_odd(*vi);
+            let hit = _mm256_movemask_ps(_mm256_cmp_ps::<_CMP_EQ_OQ>(a, av));
+            if hit != 0 {
+                max = xb[8 * i + hit.trailing_zeros() as usize];
+                break;
+            }
+        }
+        let iscale = -127.0 / max;
+        if !iscale.is_finite() {
+            // Denormal max: as in `quantize_q8_0`.
+            scalar::quantize_q8_k(xb, yb);
+            continue;
+        }
+        let sv = _mm256_set1_ps(iscale);
+        let lim = _mm256_set1_epi32(127);
+        let q: [__m256i; 32] = core::array::from_fn(|i| {
+            _mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], sv)), lim)
+        });
+        for c in 0..8 {
+            let p = pack32([q[4 * c], q[4 * c + 1], q[4 * c + 2], q[4 * c + 3]]);
+            // SAFETY: `yb` holds 4 + 256 + 32 bytes.
+            unsafe { _mm256_storeu_si256(yb.as_mut_ptr().add(4 + 32 * c).cast(), p) };
+        }
+        // bsums: group j = q[2j] + q[2j + 1], summed across lanes; four groups per hadd tree.
+        for j4 in 0..4 {
+            let s = |j: usize| _mm256_add_epi32(q[2 * j], q[2 * j + 1]);
+            let (a, b, c, d) = (s(4 * j4), s(4 * j4 + 1), s(4 * j4 + 2), s(4 * j4 + 3));
+            let h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+            let sums = _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
+            let s16 = _mm_packs_epi32(sums, sums);
+            // SAFETY: bsums 4j4..4j4+4 lie at 4 + 256 + 8·j4 (8 bytes).
+            unsafe { _mm_storel_epi64(yb.as_mut_ptr().add(4 + QK_K + 8 * j4).cast(), s16) };
+        }
+        yb[0..4].copy_from_slice(&(1.0 / iscale).to_le_bytes());
+    }
+}
