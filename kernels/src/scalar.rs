@@ -577,13 +577,19 @@ pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
 }
 
 /// The order token `t` of the matmul `g` sums in. Parity: [`k_order`] of the whole batch.
-/// Invariant: the single-token order whatever the batch holds and wherever the token sits
-/// (`k_order(ty, 0, 1)`: q4_K/q5_K `Sb256`, the repacked GEMV; q6_K `Lanes8`, its `vec_dot`),
-/// so a token's row equals its 1-token matmul bit for bit. Every other weight type sums in one
-/// order for any batch (`vec_dot_legacy`, the float dots, `crate::ternary`), on every ISA.
+/// Invariant: one order per weight type whatever the batch holds and wherever the token sits,
+/// so a token's row equals its 1-token matmul bit for bit: q4_K/q5_K `Sb256` (the repacked
+/// GEMV's, one f32 step per super-block) and q6_K `Tiled` (also one f32 step per super-block,
+/// which a GEMM with tokens in the register lanes does as cheaply as the GEMV; its `vec_dot`
+/// order `Lanes8` would need eight f32 chains per token there). Every other weight type sums
+/// in one order for any batch (`vec_dot_legacy`, the float dots, `crate::ternary`), on every
+/// ISA.
 pub(crate) fn token_order(g: &crate::matmul::Gemm<'_>, t: usize) -> KOrder {
     if g.invariant {
-        k_order(g.wty, 0, 1)
+        match g.wty {
+            GgmlType::Q6_K => KOrder::Tiled,
+            _ => KOrder::Sb256,
+        }
     } else {
         k_order(g.wty, t, g.ntok)
     }

@@ -8,8 +8,9 @@ use super::{abs_dot, random_weights, Rng, MATMUL_TYPES};
 use crate::dispatch::Isa;
 use crate::*;
 
-/// Token counts: each small tile width, the small/large kernel switches, and past them.
-const NS: [usize; 15] = [2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 24, 37, 45];
+/// Token counts: each small tile width, the small/large kernel switches, and past them (133:
+/// more than one band of the k-quant lanes GEMM, a ragged last group, `ntok % 4 == 1`).
+const NS: [usize; 17] = [2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 24, 37, 45, 64, 133];
 
 fn cols_for(ty: GgmlType) -> &'static [usize] {
     match ty.block_size() {

@@ -600,10 +600,10 @@ unsafe fn legacy_tile<const R: usize, const P: usize>(
 /// q6_K, whose codes carry an offset of 32).
 #[derive(Clone, Copy)]
 pub(super) struct KBlock {
-    u: [__m512i; 4],
+    pub(super) u: [__m512i; 4],
     sc: [__m512i; 4],
-    d: f32,
-    dmin: f32,
+    pub(super) d: f32,
+    pub(super) dmin: f32,
     bsum_w: __m256i,
     /// q4_K/q5_K: the 8 mins (i16), once each.
     m8: __m128i,
@@ -613,7 +613,7 @@ pub(super) struct KBlock {
 /// Features as the module; `p` readable for one `KIND` super-block.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn unpack_k<const KIND: u8>(p: *const u8) -> KBlock {
+pub(super) unsafe fn unpack_k<const KIND: u8>(p: *const u8) -> KBlock {
     // SAFETY (whole body): reads within the super-block at `p` (layouts in scalar.rs).
     unsafe {
         let low4 = _mm512_set1_epi8(0x0F);
@@ -794,6 +794,20 @@ unsafe fn sb256_step(acc: (f32, f32), b: &KBlock, a: &KAct) -> (f32, f32) {
     )
 }
 
+/// One super-block of [`KOrder::Tiled`] for q6_K: the exact sum less the offset 32 via
+/// `bsums`, then `acc = fma(isum · d, da, acc)`.
+///
+/// # Safety
+/// As [`chunk_dot`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn tiled_step(acc: f32, b: &KBlock, a: &KAct) -> f32 {
+    // SAFETY: as this function's contract.
+    let raw = _mm512_reduce_add_epi32(unsafe { block_dot(b, a) });
+    let corr = hsum_i32(_mm256_madd_epi16(a.bsums, b.bsum_w));
+    ((raw - 32 * corr) as f32 * b.d).mul_add(a.d, acc)
+}
+
 /// # Safety
 /// As [`run_legacy`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -805,6 +819,27 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     }
     if g.ntok == 0 || g.nrows == 0 {
         return;
+    }
+    if g.ntok >= LANES_MIN_TOKENS {
+        // Runs of tokens with one order (at most two: q4_K's parity GEMM order, then the
+        // GEMV's for the last `ntok % 4`).
+        let (first, last) = (token_order(g, 0), token_order(g, g.ntok - 1));
+        if super::kq_lanes::handles(first) && super::kq_lanes::handles(last) {
+            let split = if first == last {
+                g.ntok
+            } else {
+                g.ntok / 4 * 4
+            };
+            for (t0, t1) in [(0, split), (split, g.ntok)] {
+                if t0 < t1 {
+                    // SAFETY: as this function's contract; every token of t0..t1 sums in
+                    // token_order(g, t0) (`token_order` changes at most once, at a multiple of
+                    // four).
+                    unsafe { super::kq_lanes::gemm::<KIND>(g, t0, t1, token_order(g, t0), out) };
+                }
+            }
+            return;
+        }
     }
     let nsb = g.cols / QK_K;
     let ngroups = g.ntok.div_ceil(4);
@@ -818,6 +853,10 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         })
     })
 }
+
+/// From this many tokens on, the k-quant GEMM puts tokens in the register lanes
+/// (`kq_lanes`).
+const LANES_MIN_TOKENS: usize = 16;
 
 /// Bytes of activations one token block of [`gemm_k`] spans (L2-resident).
 const KBLOCK_BYTES: usize = 512 * 1024;
@@ -1070,7 +1109,7 @@ unsafe fn k_tile<const KIND: u8, const T: usize>(
 /// orders).
 ///
 /// # Safety
-/// As [`run_legacy`], with `g.ntok > 1`; `groups` holds `g.ntok.div_ceil(4) · nsb` entries,
+/// As [`run_legacy`], with `g.ntok >= 1`; `groups` holds `g.ntok.div_ceil(4) · nsb` entries,
 /// `accs` at least one.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemm_k<const KIND: u8>(
@@ -1186,10 +1225,11 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let nsb = g.cols / QK_K;
     let wbs = k_block_bytes(KIND);
     // SAFETY (whole body): rows below `g.nrows`, super-blocks below `nsb`.
+    let tiled = token_order(g, 0) == KOrder::Tiled;
     unsafe {
         let act = |sb: usize| k_act(g.a.as_ptr().add(sb * 292));
         let mut r = 0;
-        if KIND != Q6_K {
+        if KIND != Q6_K || tiled {
             while r + 4 <= g.nrows {
                 let w = g.w.as_ptr().add(r * g.w_stride);
                 let mut acc = _mm_setzero_ps();
@@ -1212,7 +1252,6 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                         d[i] = kb.d;
                         dm[i] = kb.dmin;
                     }
-                    let isum = _mm_cvtepi32_ps(reduce4(v));
                     let h = _mm256_hadd_epi32(
                         _mm256_hadd_epi32(m[0], m[1]),
                         _mm256_hadd_epi32(m[2], m[3]),
@@ -1220,6 +1259,15 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                     let imin =
                         _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
                     let da = _mm_set1_ps(a.d);
+                    if KIND == Q6_K {
+                        // Tiled: the offset 32 out of the exact sum, then
+                        // fma(isum · d, da, acc).
+                        let isum = _mm_sub_epi32(reduce4(v), _mm_slli_epi32::<5>(imin));
+                        let res = _mm_mul_ps(_mm_cvtepi32_ps(isum), _mm_loadu_ps(d.as_ptr()));
+                        acc = _mm_fmadd_ps(res, da, acc);
+                        continue;
+                    }
+                    let isum = _mm_cvtepi32_ps(reduce4(v));
                     let sv = _mm_mul_ps(_mm_loadu_ps(d.as_ptr()), da);
                     let mv = _mm_mul_ps(_mm_loadu_ps(dm.as_ptr()), da);
                     acc = _mm_fmadd_ps(isum, sv, acc);
@@ -1231,7 +1279,13 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         }
         while r < g.nrows {
             let w = g.w.as_ptr().add(r * g.w_stride);
-            *out.get_unchecked_mut(r) = if KIND == Q6_K {
+            *out.get_unchecked_mut(r) = if KIND == Q6_K && tiled {
+                let mut acc = 0f32;
+                for sb in 0..nsb {
+                    acc = tiled_step(acc, &unpack_k::<KIND>(w.add(sb * wbs)), &act(sb));
+                }
+                acc
+            } else if KIND == Q6_K {
                 let mut acc = _mm256_setzero_ps();
                 for sb in 0..nsb {
                     let p = w.add(sb * wbs);

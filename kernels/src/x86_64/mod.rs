@@ -5,6 +5,7 @@
 pub(crate) mod avx2;
 pub(crate) mod avx512;
 mod avx512q;
+mod kq_lanes;
 mod quant_avx2;
 mod tern_avx2;
 mod tern_avx512;

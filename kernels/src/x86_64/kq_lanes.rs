@@ -1,0 +1,382 @@
+//! The prefill GEMM of the k-quants (q4_K, q5_K, q6_K) with tokens in the register lanes, as
+//! llama.cpp's `ggml-cpu/tiled` VNNI kernel shapes it: one `vpdpbusd` per 64 multiply-adds,
+//! each weight super-block unpacked once per panel and token band, no horizontal reductions.
+//!
+//! - Activations (q8_K) are rearranged once per token band: for each group of 16 tokens and
+//!   each super-block, quad `q` (values `4q..4q+4`) of the 16 tokens fills one 64-byte line,
+//!   so a register holds the same four values of 16 tokens. The per-sub-block sums the
+//!   k-quants need (q4_K/q5_K: `bsums[2j] + bsums[2j+1]`; q6_K: `bsums[j]`) sit beside them
+//!   as i16 pairs, and the 16 scales as f32.
+//! - Weights: four codes of one row, broadcast to all lanes, are the unsigned operand. A
+//!   sub-block's 16 raw sums are scaled by one `vpmulld`; the mins (q4_K/q5_K) and q6_K's
+//!   offset of 32 come from the i16 pairs by `vpdpwssd`.
+//! - The float steps are the scalar reference's, per (row, token): [`KOrder::Sb256`],
+//!   [`KOrder::Sb64`] (one step per two sub-blocks) or [`KOrder::Tiled`]. All integer sums are
+//!   exact, so every output equals `scalar::matmul`'s bit for bit.
+//!
+//! Used from 16 tokens on, for the runs of tokens whose order is one of those three
+//! ([`KOrder::Lanes8`], q6_K's `vec_dot` order, is not: that token range keeps `gemm_k`).
+
+#![allow(clippy::needless_range_loop)]
+
+use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod, Q6_K};
+use crate::matmul::Gemm;
+use crate::quant::QK_K;
+use crate::scalar::KOrder;
+use core::arch::x86_64::*;
+
+/// Tokens per register.
+const LANES: usize = 16;
+/// Token groups per band: the band's rearranged activations are reused by every row panel.
+const BAND_GROUPS: usize = 8;
+/// Weight rows per panel: one super-block of them is unpacked at a time and stays in L1 while
+/// every group of the band passes over it.
+const PANEL: usize = 16 * R;
+/// Rows × token groups of the register tile.
+const R: usize = 6;
+const G: usize = 2;
+
+/// One group of 16 tokens at one super-block, rearranged.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct ActBlock {
+    /// Quad `q`: bytes `4t..4t+4` = token `t`'s values `4q..4q+4`.
+    codes: [__m512i; 64],
+    /// Pair `p`: lane `t` = token `t`'s sub-block sums `2p` and `2p + 1` as two i16 (q4_K /
+    /// q5_K: 4 pairs over 32-value sub-blocks; q6_K: 8 pairs over 16-value sub-blocks).
+    pairs: [__m512i; 8],
+    /// Lane `t` = token `t`'s q8_K scale.
+    d: __m512,
+}
+
+// SAFETY: vectors only; alignment 64.
+unsafe impl Pod for ActBlock {}
+
+/// One weight row's super-block, unpacked: codes in value order and the row's scales.
+#[derive(Clone, Copy)]
+#[repr(C, align(64))]
+struct WRow {
+    codes: [u8; QK_K],
+    /// Sub-block scales (q4_K/q5_K: 8, 6-bit; q6_K: 16, signed).
+    sc: [i32; 16],
+    /// i16 pairs for `vpdpwssd`: q4_K/q5_K the mins `(m[2p], m[2p+1])`; q6_K the scales
+    /// `(sc[2p], sc[2p+1])`.
+    pairs: [i32; 8],
+    d: f32,
+    dmin: f32,
+}
+
+// SAFETY: plain integers and floats; alignment 64.
+unsafe impl Pod for WRow {}
+
+/// Whether [`gemm`] computes this order.
+pub(super) fn handles(order: KOrder) -> bool {
+    matches!(order, KOrder::Sb256 | KOrder::Sb64 | KOrder::Tiled)
+}
+
+/// Tokens `t0..t1` of `g`, which all sum in `order` (one [`handles`] accepts), for every row.
+///
+/// # Safety
+/// AVX-512 F/BW/VL/DQ + VNNI; `g` a validated k-quant problem of kind `KIND`, `t0 < t1 <=
+/// g.ntok`, `out.len() == g.ntok * g.nrows`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn gemm<const KIND: u8>(
+    g: &Gemm<'_>,
+    t0: usize,
+    t1: usize,
+    order: KOrder,
+    out: &mut [f32],
+) {
+    let nsb = g.cols / QK_K;
+    let ngroups = (t1 - t0).div_ceil(LANES);
+    let band = BAND_GROUPS.min(ngroups);
+    let panel = PANEL.min(g.nrows.div_ceil(R) * R);
+    with_scratch(0, band * nsb, |acts: &mut [ActBlock]| {
+        with_scratch(1, panel, |wrows: &mut [WRow]| {
+            let mut accs = vec![_mm512_setzero_ps(); 2 * panel * band];
+            let mut b0 = 0;
+            while b0 < ngroups {
+                let b1 = (b0 + band).min(ngroups);
+                // SAFETY: as this function's contract; `acts` holds `band · nsb` blocks.
+                unsafe { prep_band(g, t0, t1, b0, b1, acts) };
+                let mut r0 = 0;
+                while r0 < g.nrows {
+                    let np = panel.min(g.nrows - r0);
+                    accs.fill(_mm512_setzero_ps());
+                    for sb in 0..nsb {
+                        // SAFETY: rows r0..r0+np and super-block sb lie in `g.w`.
+                        unsafe { unpack_panel::<KIND>(g, r0, np, sb, wrows) };
+                        let mut gi = b0;
+                        while gi < b1 {
+                            let ng = (b1 - gi).min(G);
+                            let mut r = 0;
+                            while r < np.div_ceil(R) * R {
+                                let ab = |k: usize| &acts[(gi - b0 + k.min(ng - 1)) * nsb + sb];
+                                let a = [ab(0), ab(1)];
+                                let w: [&WRow; R] =
+                                    core::array::from_fn(|i| &wrows[(r + i).min(np - 1)]);
+                                let base = (r * band + (gi - b0)) * 2;
+                                // SAFETY: the tile's accumulators lie in `accs` (rows r..r+R of
+                                // the panel, groups gi..gi+G of the band).
+                                unsafe {
+                                    micro::<KIND>(&w, &a, ng, order, accs.as_mut_ptr(), band, base)
+                                };
+                                r += R;
+                            }
+                            gi += ng;
+                        }
+                    }
+                    // Out: token-major, one token's `np` rows at a time.
+                    let mut lanes = [[0f32; LANES]; PANEL];
+                    for gi in b0..b1 {
+                        for i in 0..np {
+                            let k = (i * band + (gi - b0)) * 2;
+                            let v = if order == KOrder::Tiled {
+                                accs[k]
+                            } else {
+                                _mm512_sub_ps(accs[k], accs[k + 1])
+                            };
+                            // SAFETY: 16 floats.
+                            unsafe { _mm512_storeu_ps(lanes[i].as_mut_ptr(), v) };
+                        }
+                        let ts = t0 + gi * LANES;
+                        for l in 0..(t1 - ts).min(LANES) {
+                            let o = &mut out[(ts + l) * g.nrows + r0..][..np];
+                            for (i, x) in o.iter_mut().enumerate() {
+                                *x = lanes[i][l];
+                            }
+                        }
+                    }
+                    r0 += np;
+                }
+                b0 = b1;
+            }
+        })
+    });
+}
+
+/// Rearranges groups `b0..b1` (of tokens from `t0`, up to `t1`) into `acts[(gi - b0) · nsb +
+/// sb]`; lanes past `t1` are zero.
+///
+/// # Safety
+/// As [`gemm`]; `acts.len() >= (b1 - b0) · nsb`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn prep_band(
+    g: &Gemm<'_>,
+    t0: usize,
+    t1: usize,
+    b0: usize,
+    b1: usize,
+    acts: &mut [ActBlock],
+) {
+    let nsb = g.cols / QK_K;
+    let q6 = g.wty == crate::quant::GgmlType::Q6_K;
+    for gi in b0..b1 {
+        let ts = t0 + gi * LANES;
+        let n = (t1 - ts).min(LANES);
+        for sb in 0..nsb {
+            let blk = &mut acts[(gi - b0) * nsb + sb];
+            let mut codes = [[0u32; LANES]; 64];
+            let mut pairs = [[0u32; LANES]; 8];
+            let mut d = [0f32; LANES];
+            for t in 0..n {
+                // SAFETY: token ts + t < t1 <= ntok, super-block sb < nsb: 292 bytes.
+                let p = unsafe { g.a.as_ptr().add((ts + t) * g.a_stride + sb * 292) };
+                // SAFETY: q8_K: f32 d at 0, 256 codes at 4, 16 i16 bsums at 260.
+                let (dt, q, bs) = unsafe {
+                    (
+                        p.cast::<f32>().read_unaligned(),
+                        p.add(4).cast::<[u32; 64]>().read_unaligned(),
+                        p.add(4 + QK_K).cast::<[i16; 16]>().read_unaligned(),
+                    )
+                };
+                d[t] = dt;
+                for (c, v) in codes.iter_mut().zip(q) {
+                    c[t] = v;
+                }
+                let pair = |a: i16, b: i16| (a as u16 as u32) | ((b as u16 as u32) << 16);
+                if q6 {
+                    for p in 0..8 {
+                        pairs[p][t] = pair(bs[2 * p], bs[2 * p + 1]);
+                    }
+                } else {
+                    // |bsums| <= 16 · 127, so a 32-value sum fits in i16.
+                    let s = |j: usize| bs[2 * j] + bs[2 * j + 1];
+                    for p in 0..4 {
+                        pairs[p][t] = pair(s(2 * p), s(2 * p + 1));
+                    }
+                }
+            }
+            // SAFETY: each array is 64 bytes.
+            unsafe {
+                for (o, c) in blk.codes.iter_mut().zip(&codes) {
+                    *o = _mm512_loadu_si512(c.as_ptr().cast());
+                }
+                for (o, c) in blk.pairs.iter_mut().zip(&pairs) {
+                    *o = _mm512_loadu_si512(c.as_ptr().cast());
+                }
+                blk.d = _mm512_loadu_ps(d.as_ptr());
+            }
+        }
+    }
+}
+
+/// Unpacks super-block `sb` of rows `r0..r0 + np` into `wrows[0..np]`.
+///
+/// # Safety
+/// As [`gemm`]; `r0 + np <= g.nrows`, `sb < nsb`, `wrows.len() >= np`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn unpack_panel<const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    np: usize,
+    sb: usize,
+    wrows: &mut [WRow],
+) {
+    let wbs = k_block_bytes(KIND);
+    for i in 0..np {
+        // SAFETY: row r0 + i < nrows, super-block sb: `wbs` bytes.
+        let p = unsafe { g.w.as_ptr().add((r0 + i) * g.w_stride + sb * wbs) };
+        let wr = &mut wrows[i];
+        // SAFETY: as above.
+        let kb = unsafe { super::avx512q::unpack_k::<KIND>(p) };
+        for c in 0..4 {
+            // SAFETY: 64 bytes of `codes` at 64c.
+            unsafe { _mm512_storeu_si512(wr.codes.as_mut_ptr().add(64 * c).cast(), kb.u[c]) };
+        }
+        wr.d = kb.d;
+        wr.dmin = kb.dmin;
+        let pair = |a: i32, b: i32| (a as i16 as u16 as i32) | ((b as i16 as u16 as i32) << 16);
+        if KIND == Q6_K {
+            // SAFETY: the 16 i8 scales at 192.
+            let s = unsafe { p.add(192).cast::<[i8; 16]>().read() };
+            for j in 0..16 {
+                wr.sc[j] = s[j] as i32;
+            }
+            for q in 0..8 {
+                wr.pairs[q] = pair(s[2 * q] as i32, s[2 * q + 1] as i32);
+            }
+        } else {
+            // SAFETY: the 12 packed scale bytes at 4.
+            let (sc, m) = k4_scales_mins(unsafe { &*p.add(4).cast::<[u8; 12]>() });
+            let sc = sc.to_le_bytes();
+            let m = m.to_le_bytes();
+            for j in 0..8 {
+                wr.sc[j] = sc[j] as i32;
+            }
+            for q in 0..4 {
+                wr.pairs[q] = pair(m[2 * q] as i32, m[2 * q + 1] as i32);
+            }
+        }
+    }
+}
+
+/// R rows × (up to) G groups at one super-block: the exact integer sums, then each (row,
+/// token)'s float step(s) of `order` into `accs[base + 2(i·band + k)]` (and `+ 1`, the mins'
+/// chain).
+///
+/// # Safety
+/// Features as the module; the accumulators of rows `0..R` and groups `0..G` from `base` lie in
+/// `accs` (group `k >= ng` repeats group `ng - 1`, its results discarded: it writes nothing).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn micro<const KIND: u8>(
+    w: &[&WRow; R],
+    a: &[&ActBlock; G],
+    ng: usize,
+    order: KOrder,
+    accs: *mut __m512,
+    band: usize,
+    base: usize,
+) {
+    let q6 = KIND == Q6_K;
+    // Sub-blocks, quads per sub-block, and sub-blocks per float step.
+    let (nsub, nq) = if q6 { (16, 4) } else { (8, 8) };
+    let per = if order == KOrder::Sb64 { 2 } else { nsub };
+    let acc = |i: usize, k: usize| 2 * (i * band + k);
+    // SAFETY (whole body): the pointers come from the live `WRow`/`ActBlock` references;
+    // accumulator indices as this function's contract.
+    unsafe {
+        let mut s1 = [[_mm512_setzero_si512(); G]; R];
+        for j0 in (0..nsub).step_by(per) {
+            for j in j0..j0 + per {
+                let mut raw = [[_mm512_setzero_si512(); G]; R];
+                for q in j * nq..j * nq + nq {
+                    let c = [a[0].codes[q], a[1].codes[q]];
+                    for i in 0..R {
+                        let wv = _mm512_set1_epi32(
+                            w[i].codes
+                                .as_ptr()
+                                .add(4 * q)
+                                .cast::<i32>()
+                                .read_unaligned(),
+                        );
+                        for k in 0..G {
+                            raw[i][k] = _mm512_dpbusd_epi32(raw[i][k], wv, c[k]);
+                        }
+                    }
+                }
+                for i in 0..R {
+                    let sc = _mm512_set1_epi32(w[i].sc[j]);
+                    for k in 0..G {
+                        s1[i][k] = _mm512_add_epi32(s1[i][k], _mm512_mullo_epi32(raw[i][k], sc));
+                    }
+                }
+            }
+            if order == KOrder::Sb64 {
+                // One step per 64 values: this pair of sub-blocks' sums and mins.
+                let p = j0 / 2;
+                for i in 0..R {
+                    let m = _mm512_set1_epi32(w[i].pairs[p]);
+                    for k in 0..ng {
+                        let sv = _mm512_mul_ps(_mm512_set1_ps(w[i].d), a[k].d);
+                        let mv = _mm512_mul_ps(_mm512_set1_ps(w[i].dmin), a[k].d);
+                        let imin = _mm512_dpwssd_epi32(_mm512_setzero_si512(), m, a[k].pairs[p]);
+                        let x = accs.add(base + acc(i, k));
+                        *x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i][k]), sv, *x);
+                        let y = x.add(1);
+                        *y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), mv, *y);
+                        s1[i][k] = _mm512_setzero_si512();
+                    }
+                }
+            }
+        }
+        match order {
+            KOrder::Sb64 => {}
+            KOrder::Tiled => {
+                // q6_K: codes carry +32; remove 32 · Σ_j sc_j · bsums_j.
+                for i in 0..R {
+                    for k in 0..ng {
+                        let mut corr = _mm512_setzero_si512();
+                        for p in 0..8 {
+                            let sp = _mm512_set1_epi32(w[i].pairs[p]);
+                            corr = _mm512_dpwssd_epi32(corr, sp, a[k].pairs[p]);
+                        }
+                        let isum = _mm512_sub_epi32(s1[i][k], _mm512_slli_epi32::<5>(corr));
+                        let res = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w[i].d));
+                        let x = accs.add(base + acc(i, k));
+                        *x = _mm512_fmadd_ps(res, a[k].d, *x);
+                    }
+                }
+            }
+            _ => {
+                // Sb256: the super-block's sums and mins, one FMA each.
+                for i in 0..R {
+                    for k in 0..ng {
+                        let mut imin = _mm512_setzero_si512();
+                        for p in 0..4 {
+                            let m = _mm512_set1_epi32(w[i].pairs[p]);
+                            imin = _mm512_dpwssd_epi32(imin, m, a[k].pairs[p]);
+                        }
+                        let sv = _mm512_mul_ps(_mm512_set1_ps(w[i].d), a[k].d);
+                        let mv = _mm512_mul_ps(_mm512_set1_ps(w[i].dmin), a[k].d);
+                        let x = accs.add(base + acc(i, k));
+                        *x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i][k]), sv, *x);
+                        let y = x.add(1);
+                        *y = _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), mv, *y);
+                    }
+                }
+            }
+        }
+    }
+}
