@@ -138,8 +138,8 @@ fn attend_single(
     }
 }
 
-/// Queries per tiled task: with the query heads of one KV head they share each tile's
-/// conversion from the f16 pool.
+/// Queries per tiled task (at most): with the query heads of one KV head they share each
+/// tile's conversion from the f16 pool.
 const QUERIES_PER_TASK: usize = 16;
 /// Rows per kernel call: the kernels share each K and V tile load among them (every row keeps
 /// its own max, sum and FMA chains).
@@ -158,32 +158,39 @@ fn attend_tiled(
     let (k_dim, v_dim) = pool.dims();
     let group = cfg.n_head / cfg.n_head_kv;
     let width = cfg.n_head * hv;
-    // (segment, KV head, first query, queries).
+    // (segment, KV head, first row, rows); rows are (query, head of the group), query-major:
+    // row r is query r / group with head g·group + r % group. Each row's arithmetic is its own
+    // (the kernels only share loads among rows), so any split gives the same bits: chunks of
+    // QUERIES_PER_TASK queries, smaller when that leaves threads idle (a decode step of one
+    // sequence with one KV head would otherwise run on one thread).
+    let total_rows: usize = segs.iter().map(|s| s.n * group).sum::<usize>() * cfg.n_head_kv;
+    let threads = rayon::current_num_threads().max(1);
+    let chunk = (QUERIES_PER_TASK * group)
+        .min(total_rows.div_ceil(threads))
+        .max(1);
     let mut tasks = Vec::new();
     for (si, s) in segs.iter().enumerate() {
         for g in 0..cfg.n_head_kv {
-            for t0 in (0..s.n).step_by(QUERIES_PER_TASK) {
-                tasks.push((si, g, t0, (s.n - t0).min(QUERIES_PER_TASK)));
+            let rows = s.n * group;
+            for r0 in (0..rows).step_by(chunk) {
+                tasks.push((si, g, r0, (rows - r0).min(chunk)));
             }
         }
     }
     let results: Vec<Vec<f32>> = tasks
         .par_iter()
-        .map(|&(si, g, t0, nq)| {
+        .map(|&(si, g, row0, nr)| {
             let s = &segs[si];
             let blocks = pool
                 .blocks(s.seq)
                 .expect("a step's sequences are in the pool");
-            // Rows: (query, head) for the group's heads, query-major.
-            let heads = g * group..(g + 1) * group;
-            let nr = nq * group;
-            let pos = |r: usize| s.p0 + t0 + r / group;
+            let pos = |r: usize| s.p0 + (row0 + r) / group;
             let lo = |r: usize| window.map_or(0, |w| (pos(r) + 1).saturating_sub(w));
             let mut qb = Vec::with_capacity(nr * hk);
-            for t in t0..t0 + nq {
-                let row = s.row0 + t;
+            for r in row0..row0 + nr {
+                let (row, head) = (s.row0 + r / group, g * group + r % group);
                 qb.extend_from_slice(
-                    &q[row * cfg.q_dim() + heads.start * hk..row * cfg.q_dim() + heads.end * hk],
+                    &q[row * cfg.q_dim() + head * hk..row * cfg.q_dim() + (head + 1) * hk],
                 );
             }
             let hi = pos(nr - 1);
@@ -260,10 +267,10 @@ fn attend_tiled(
             vkq
         })
         .collect();
-    for (&(si, g, t0, _), res) in tasks.iter().zip(&results) {
+    for (&(si, g, row0, _), res) in tasks.iter().zip(&results) {
         let s = &segs[si];
         for (r, rowv) in res.chunks_exact(hv).enumerate() {
-            let (t, head) = (t0 + r / group, g * group + r % group);
+            let (t, head) = ((row0 + r) / group, g * group + (row0 + r) % group);
             let row = s.row0 + t;
             out[row * width + head * hv..row * width + (head + 1) * hv].copy_from_slice(rowv);
         }

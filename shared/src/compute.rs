@@ -185,6 +185,18 @@ fn rows_per_task(rows: usize, threads: usize) -> usize {
     rows.div_ceil(tasks).next_multiple_of(16).max(16)
 }
 
+/// Runs `f` on a thread of the current rayon pool (the global one when called from outside any
+/// pool) and returns its result. A pass of many parallel loops run this way wakes the pool
+/// once: called from outside, every loop would inject its work and put the caller to sleep
+/// until done, two context switches per loop (a fifth of a small model's decode time).
+pub fn on_pool<R: Send>(f: impl FnOnce() -> R + Send) -> R {
+    if rayon::current_thread_index().is_some() {
+        f()
+    } else {
+        rayon::scope(|_| f())
+    }
+}
+
 /// Runs `matmul` over all rows of `w`, split across the current rayon pool. For one token the
 /// output chunks are written in place; for several, each task writes a token-major tile that is
 /// scattered into `out` (the tile costs far less than the GEMM that fills it).

@@ -56,8 +56,8 @@ pub enum ForwardError {
 }
 
 /// Sees inside a forward pass (see [`Model::forward_observed`]). Both methods default to
-/// doing nothing.
-pub trait Observer {
+/// doing nothing. `Send`: the pass runs on a compute-pool thread.
+pub trait Observer: Send {
     /// The normalised FFN input of layer `layer`: `n_tokens × n_embd`.
     fn ffn_input(&mut self, _layer: usize, _x: &[f32]) {}
     /// The routes of an MoE layer (per token, best first; a shared expert last) and the
@@ -401,11 +401,14 @@ impl Model {
         }
         let adds: Vec<(SeqId, usize)> = inputs.iter().map(|i| (i.seq, i.tokens.len())).collect();
         let tx = pool.begin(&adds)?;
-        match self.layers(pool, inputs, &segs, opts, obs) {
+        // The whole pass on one pool thread: its parallel loops then hand work to the other
+        // workers directly instead of waking the pool and sleeping once per loop.
+        let x = ternfleet_shared::compute::on_pool(|| self.layers(pool, inputs, &segs, opts, obs));
+        match x {
             Ok(x) => {
                 let toks: Vec<&[u32]> = inputs.iter().map(|i| i.tokens).collect();
                 pool.commit(tx, &toks);
-                self.head(&x, inputs, &segs, opts.numerics)
+                ternfleet_shared::compute::on_pool(|| self.head(&x, inputs, &segs, opts.numerics))
             }
             Err(e) => {
                 pool.rollback(tx);
