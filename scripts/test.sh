@@ -29,7 +29,9 @@ status=0
 cargo test --no-fail-fast --workspace --exclude ternfleet-coordinator 2>&1 | tee target/test.log || status=1
 cargo test --no-fail-fast -p ternfleet-coordinator -- --test-threads=1 2>&1 | tee -a target/test.log || status=1
 # Benches must keep compiling and running (criterion --test mode runs each once).
-cargo bench --workspace --quiet -- --test >/dev/null || status=1
+# Every bench target runs once as a test, built with the test profile (not a second,
+# LTO-optimised build of the whole workspace).
+cargo test --benches --workspace --quiet >/dev/null || status=1
 skipped=$(wc -l <"$TERNFLEET_SKIP_LOG")
 grep -E "^test result:" target/test.log | awk -v s="$skipped" -v st="$status" \
   '{p+=$4; f+=$6; i+=$8} END {if (st != 0 && f == 0) f = 1; printf "tests: %d passed, %d failed, %d skipped\n", p - s, f, i + s}'

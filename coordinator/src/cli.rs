@@ -46,8 +46,9 @@ pub enum Command {
     Perplexity(PerplexityArgs),
     /// Prefill and decode throughput, shaped like llama-bench's pp/tg tests.
     Bench(BenchArgs),
-    /// Print a model's configuration and tensor summary.
-    Info(ModelArgs),
+    /// Print a model's summary: architecture, sizes, context, experts, chat template and the
+    /// weight types it holds.
+    Info(InfoArgs),
     /// Convert a GGUF model into a bundle (the directory nodes serve): a manifest, a
     /// coordinator part and one checksummed GGUF per routed expert.
     ///
@@ -88,9 +89,17 @@ pub struct ServeArgs {
     /// gRPC API address (default 127.0.0.1:50051; "" turns gRPC off; port 0 picks one).
     #[arg(long)]
     pub grpc: Option<String>,
-    /// Allow a non-loopback --http / --grpc address (the API has no TLS yet).
+    /// Allow a non-loopback --http / --grpc address without TLS (containers behind their own
+    /// network set it; with --tls-cert/--tls-key it is not needed).
     #[arg(long)]
     pub listen_any: bool,
+    /// Serve HTTPS and gRPC over TLS with this PEM certificate chain (leaf first); needs
+    /// --tls-key.
+    #[arg(long, value_name = "PEM")]
+    pub tls_cert: Option<PathBuf>,
+    /// The PEM private key of --tls-cert.
+    #[arg(long, value_name = "PEM")]
+    pub tls_key: Option<PathBuf>,
     /// Compute threads (default: all cores).
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
@@ -167,6 +176,12 @@ impl ServeArgs {
              timeout => timeout_s, grace => grace_s, id => id);
         if self.listen_any {
             c.listen_any = true;
+        }
+        if self.tls_cert.is_some() {
+            c.tls_cert = self.tls_cert;
+        }
+        if self.tls_key.is_some() {
+            c.tls_key = self.tls_key;
         }
         if self.threads.is_some() {
             c.threads = self.threads;
@@ -372,6 +387,16 @@ pub struct PerplexityArgs {
     #[command(flatten)]
     pub text: TextArgs,
     /// Print {"ppl":..,"chunks":..,"tokens":..}.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `ternfleet info`.
+#[derive(Args, Debug)]
+pub struct InfoArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Print one JSON object instead of the table.
     #[arg(long)]
     pub json: bool,
 }
@@ -951,20 +976,117 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
     Ok(())
 }
 
-fn cmd_info(a: ModelArgs) -> Result<()> {
-    let (model, _) = init(&a)?;
-    println!("{:#?}", model.cfg);
+fn cmd_info(a: InfoArgs) -> Result<()> {
+    let (model, _) = init(&a.model)?;
+    let cfg = &model.cfg;
+    let file = model.file();
+    let str_key = |k: &str| file.get_str(k).ok().flatten().map(str::to_string);
+    // Weight types: tensors and bytes per type, largest first.
     let mut by_type = std::collections::BTreeMap::<&str, (usize, u64)>::new();
-    for t in model.file().tensors() {
+    let (mut params, mut bytes) = (0u64, 0u64);
+    for t in file.tensors() {
         let e = by_type.entry(t.ty.name()).or_default();
         e.0 += 1;
         e.1 += t.size;
+        params += t.n_elements();
+        bytes += t.size;
     }
-    for (ty, (n, bytes)) in by_type {
-        println!(
-            "{ty:>6}: {n:>4} tensors, {:.1} MiB",
-            bytes as f64 / (1 << 20) as f64
-        );
+    let mut types: Vec<_> = by_type.into_iter().collect();
+    types.sort_by(|x, y| y.1 .1.cmp(&x.1 .1));
+    let n_swa = cfg.is_swa.iter().filter(|s| **s).count();
+    let template = str_key("tokenizer.chat_template");
+    let file_bytes = std::fs::metadata(&a.model.model).map_or(bytes, |m| m.len());
+    let info = serde_json::json!({
+        "model": a.model.model.display().to_string(),
+        "name": str_key("general.name"),
+        "arch": cfg.arch.name(),
+        "params": params,
+        "file_bytes": file_bytes,
+        "layers": cfg.n_layer,
+        "sliding_window": cfg.sliding_window,
+        "sliding_window_layers": n_swa,
+        "n_embd": cfg.n_embd,
+        "n_head": cfg.n_head,
+        "n_head_kv": cfg.n_head_kv,
+        "head_dim": [cfg.head_dim_k, cfg.head_dim_v],
+        "n_ff": cfg.n_ff,
+        "n_vocab": cfg.n_vocab,
+        "tokenizer": str_key("tokenizer.ggml.model"),
+        "n_ctx_train": cfg.n_ctx_train,
+        "rope_base": cfg.rope_base,
+        "rope_scale": cfg.rope_scale,
+        "experts": cfg.moe.as_ref().map(|m| serde_json::json!({
+            "count": m.n_expert,
+            "used": m.n_expert_used,
+            "n_ff": m.n_ff_exp,
+            "shared_n_ff": m.n_ff_shexp,
+        })),
+        "chat_template": template.is_some(),
+        "weights": types.iter().map(|(ty, (n, b))| serde_json::json!({
+            "type": ty, "tensors": n, "bytes": b,
+        })).collect::<Vec<_>>(),
+        "kernels": ternfleet_kernels::isa_name(),
+    });
+    if a.json {
+        println!("{info}");
+        return Ok(());
     }
+    let mib = |b: u64| b as f64 / (1u64 << 20) as f64;
+    let name = str_key("general.name").unwrap_or_else(|| "(no general.name)".into());
+    println!(
+        "model       {} ({:.1} MiB)",
+        a.model.model.display(),
+        mib(file_bytes)
+    );
+    println!("name        {name}");
+    println!(
+        "arch        {}, {:.1} M parameters",
+        cfg.arch.name(),
+        params as f64 / 1e6
+    );
+    match cfg.sliding_window {
+        Some(w) => println!(
+            "layers      {} ({n_swa} with a {w}-token sliding window)",
+            cfg.n_layer
+        ),
+        None => println!("layers      {}", cfg.n_layer),
+    }
+    println!(
+        "width       embedding {}, FFN {}, heads {} (KV {}), head dim {}",
+        cfg.n_embd, cfg.n_ff, cfg.n_head, cfg.n_head_kv, cfg.head_dim_k
+    );
+    println!(
+        "vocabulary  {} ({})",
+        cfg.n_vocab,
+        str_key("tokenizer.ggml.model").unwrap_or_else(|| "unknown tokenizer".into())
+    );
+    println!(
+        "context     {} tokens trained, RoPE base {}",
+        cfg.n_ctx_train, cfg.rope_base
+    );
+    match &cfg.moe {
+        Some(m) => println!(
+            "experts     {} per layer, {} used per token, FFN {} each{}",
+            m.n_expert,
+            m.n_expert_used,
+            m.n_ff_exp,
+            m.n_ff_shexp
+                .map_or(String::new(), |s| format!(", shared expert FFN {s}"))
+        ),
+        None => println!("experts     none (dense)"),
+    }
+    println!(
+        "chat        {}",
+        if template.is_some() {
+            "template in the file (tokenizer.chat_template)"
+        } else {
+            "no template in the file (serve --chat-template NAME|FILE)"
+        }
+    );
+    for (i, (ty, (n, b))) in types.iter().enumerate() {
+        let head = if i == 0 { "weights" } else { "" };
+        println!("{head:<11} {ty:<6} {n:>4} tensors {:>9.1} MiB", mib(*b));
+    }
+    println!("kernels     {}", ternfleet_kernels::isa_name());
     Ok(())
 }

@@ -133,7 +133,16 @@ fn every_subcommand_runs_on_a_tiny_model() {
     let v: serde_json::Value =
         serde_json::from_str(&run(&["tokenize", "-m", &m, "-p", "hello", "--json"], 0)).unwrap();
     assert!(v["ids"].as_array().is_some_and(|a| !a.is_empty()));
-    assert!(run(&["info", "-m", &m], 0).contains("n_embd"));
+    let text = run(&["info", "-m", &m], 0);
+    assert!(text.contains("arch") && text.contains("weights"), "{text}");
+    let v: serde_json::Value =
+        serde_json::from_str(&run(&["info", "-m", &m, "--json"], 0)).unwrap();
+    let file_bytes = std::fs::metadata(&m).unwrap().len();
+    assert_eq!(v["file_bytes"].as_u64(), Some(file_bytes));
+    let weights = v["weights"].as_array().expect("weights");
+    let tensor_bytes: u64 = weights.iter().filter_map(|w| w["bytes"].as_u64()).sum();
+    assert!(tensor_bytes > 0 && tensor_bytes <= file_bytes, "{v}");
+    assert!(v["n_embd"].as_u64().is_some_and(|n| n > 0) && v["layers"].as_u64() > Some(0));
     let v: serde_json::Value = serde_json::from_str(&run(
         &[
             "perplexity",

@@ -44,6 +44,19 @@ impl Server {
 
     /// Starts `ternfleet serve` on `model`.
     fn start_with(model: &Path, extra: &[&str]) -> Option<Server> {
+        let server = Self::spawn(model, extra);
+        // /health answers at once; /ready once loaded.
+        assert_eq!(get(&server.url, "/health").0, 200);
+        let t = Instant::now();
+        while get(&server.url, "/ready").0 != 200 {
+            assert!(t.elapsed() < Duration::from_secs(120), "not ready in 120 s");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(server)
+    }
+
+    /// Starts `ternfleet serve` on `model` and reads its start-up line (no readiness wait).
+    fn spawn(model: &Path, extra: &[&str]) -> Server {
         let log = root().join("target/serve-test.log");
         let mut child = Command::new(env!("CARGO_BIN_EXE_ternfleet"))
             .arg("serve")
@@ -76,14 +89,7 @@ impl Server {
         assert_eq!(v["role"], "coordinator");
         server.url = format!("http://{}", v["http"].as_str().expect("http address"));
         server.grpc = v["grpc"].as_str().map(String::from);
-        // /health answers at once; /ready once loaded.
-        assert_eq!(get(&server.url, "/health").0, 200);
-        let t = Instant::now();
-        while get(&server.url, "/ready").0 != 200 {
-            assert!(t.elapsed() < Duration::from_secs(120), "not ready in 120 s");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        Some(server)
+        server
     }
 
     fn pid(&self) -> u32 {
@@ -825,4 +831,193 @@ fn grpc_api_keys_are_required_like_http() {
         );
         c.list_models(req).await.expect("with the key");
     });
+}
+
+/// (status, body) of `curl` over HTTPS to `localhost:port` trusting `ca` (0 when curl fails:
+/// no connection, a refused handshake).
+fn curl_https(port: u16, ca: &Path, path: &str, body: Option<&Value>) -> (u16, String) {
+    let url = format!("https://localhost:{port}{path}");
+    let mut cmd = Command::new("curl");
+    cmd.args(["-sS", "-m", "60", "-w", "\n%{http_code}", "--cacert"])
+        .arg(ca)
+        .args(["--resolve", &format!("localhost:{port}:127.0.0.1")]);
+    if let Some(b) = body {
+        cmd.args(["-H", "Content-Type: application/json", "-d", &b.to_string()]);
+    }
+    let out = cmd.arg(&url).output().expect("curl runs");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_string())
+}
+
+#[test]
+fn tls_serves_https_and_grpc_and_a_plaintext_client_does_not_break_it() {
+    use ternfleet_shared::proto::v1::inference_client::InferenceClient;
+    use ternfleet_shared::proto::v1::TokenizeRequest;
+    let Some(model) = gemma() else {
+        return;
+    };
+    if Command::new("curl").arg("--version").output().is_err() {
+        skip("tls test", "curl missing (scripts/test.sh installs it)");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("a temp dir");
+    let ck = rcgen::generate_simple_self_signed(vec!["localhost".to_string()])
+        .expect("a self-signed certificate");
+    let (cert, key) = (dir.path().join("api.pem"), dir.path().join("api.key"));
+    std::fs::write(&cert, ck.cert.pem()).expect("writing the certificate");
+    std::fs::write(&key, ck.key_pair.serialize_pem()).expect("writing the key");
+
+    // A key that does not match, or only one of the two files: a clear error before binding.
+    let other = rcgen::generate_simple_self_signed(vec!["localhost".to_string()]).unwrap();
+    let bad_key = dir.path().join("other.key");
+    std::fs::write(&bad_key, other.key_pair.serialize_pem()).unwrap();
+    for (args, want) in [
+        (vec!["--tls-cert", cert.to_str().unwrap()], "go together"),
+        (
+            vec![
+                "--tls-cert",
+                cert.to_str().unwrap(),
+                "--tls-key",
+                bad_key.to_str().unwrap(),
+            ],
+            "does not match",
+        ),
+        (
+            vec![
+                "--tls-cert",
+                key.to_str().unwrap(),
+                "--tls-key",
+                key.to_str().unwrap(),
+            ],
+            "no certificate",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ternfleet"))
+            .arg("serve")
+            .arg("-m")
+            .arg(&model)
+            .args(["--http", "127.0.0.1:0", "--grpc", "127.0.0.1:0"])
+            .args(&args)
+            .output()
+            .expect("running ternfleet serve");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(out.stdout.is_empty(), "no start-up line before a TLS error");
+    }
+
+    let srv = Server::spawn(
+        &model,
+        &[
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+        ],
+    );
+    let port: u16 = srv.url.rsplit(':').next().unwrap().parse().unwrap();
+    let t = Instant::now();
+    while curl_https(port, &cert, "/ready", None).0 != 200 {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "not ready over HTTPS in 120 s"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // Plain HTTP to the TLS port gets no answer; the server keeps serving HTTPS.
+    assert_eq!(
+        get(&srv.url, "/health").0,
+        0,
+        "plain HTTP must not be served"
+    );
+    let (code, body) = curl_https(
+        port,
+        &cert,
+        "/v1/completions",
+        Some(&json!({"prompt": "The capital of France is", "max_tokens": 4, "temperature": 0})),
+    );
+    assert_eq!(code, 200, "{body}");
+    let v: Value = serde_json::from_str(&body).expect("JSON over HTTPS");
+    assert_eq!(v["usage"]["completion_tokens"], 4, "{v}");
+    // A client that does not trust the certificate is refused at the handshake.
+    let out = Command::new("curl")
+        .args([
+            "-sS",
+            "-m",
+            "30",
+            "--resolve",
+            &format!("localhost:{port}:127.0.0.1"),
+        ])
+        .arg(format!("https://localhost:{port}/health"))
+        .output()
+        .expect("curl runs");
+    assert!(
+        !out.status.success(),
+        "an untrusted certificate must fail verification"
+    );
+    assert_eq!(curl_https(port, &cert, "/health", None).0, 200);
+
+    // gRPC over TLS with the same certificate; a plaintext gRPC client fails.
+    let grpc_port: u16 = srv
+        .grpc
+        .as_deref()
+        .and_then(|a| a.rsplit(':').next())
+        .and_then(|p| p.parse().ok())
+        .expect("a gRPC address");
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .expect("a tokio runtime");
+    rt.block_on(async {
+        let limit = Duration::from_secs(60);
+        let tls = tonic::transport::ClientTlsConfig::new()
+            .ca_certificate(tonic::transport::Certificate::from_pem(ck.cert.pem()))
+            .domain_name("localhost");
+        let channel =
+            tonic::transport::Endpoint::from_shared(format!("https://127.0.0.1:{grpc_port}"))
+                .expect("an endpoint")
+                .tls_config(tls)
+                .expect("client TLS settings")
+                .connect_timeout(limit);
+        let channel = tokio::time::timeout(limit, channel.connect())
+            .await
+            .expect("connect within 60 s")
+            .expect("gRPC over TLS connects");
+        let mut c = InferenceClient::new(channel);
+        let ids = c
+            .tokenize(TokenizeRequest {
+                content: "hello world".into(),
+                ..Default::default()
+            })
+            .await
+            .expect("Tokenize over TLS")
+            .into_inner();
+        assert!(!ids.tokens.is_empty());
+        let plain = tokio::time::timeout(
+            limit,
+            InferenceClient::connect(format!("http://127.0.0.1:{grpc_port}")),
+        )
+        .await
+        .expect("a plaintext connect attempt ends within 60 s");
+        match plain {
+            Err(_) => {}
+            Ok(mut c) => {
+                let r = tokio::time::timeout(
+                    limit,
+                    c.tokenize(TokenizeRequest {
+                        content: "hello".into(),
+                        ..Default::default()
+                    }),
+                )
+                .await
+                .expect("a plaintext call ends within 60 s");
+                assert!(
+                    r.is_err(),
+                    "plaintext gRPC must not be served on the TLS port"
+                );
+            }
+        }
+    });
+    drop(srv);
 }

@@ -27,8 +27,12 @@ pub struct ServeConfig {
     pub http: String,
     /// gRPC API address; empty = no gRPC.
     pub grpc: String,
-    /// Allow binding a non-loopback address (no TLS on the API yet).
+    /// Allow binding a non-loopback address without TLS.
     pub listen_any: bool,
+    /// PEM certificate chain for HTTPS and gRPC over TLS (with `tls_key`).
+    pub tls_cert: Option<PathBuf>,
+    /// PEM private key of `tls_cert`.
+    pub tls_key: Option<PathBuf>,
     /// Compute threads (default: all cores).
     pub threads: Option<usize>,
     /// `invariant` (a request's tokens do not depend on what shares its steps) or `parity`.
@@ -78,6 +82,8 @@ impl Default for ServeConfig {
             http: "127.0.0.1:8080".into(),
             grpc: "127.0.0.1:50051".into(),
             listen_any: false,
+            tls_cert: None,
+            tls_key: None,
             threads: None,
             numerics: "invariant".into(),
             top_experts: None,
@@ -131,6 +137,9 @@ impl ServeConfig {
                 bail!("{name} = {v}: expected a positive number of seconds");
             }
         }
+        if self.tls_cert.is_some() != self.tls_key.is_some() {
+            bail!("--tls-cert and --tls-key go together: give both or neither");
+        }
         self.numerics()?;
         self.grpc_addr()?;
         self.max_body_bytes()?;
@@ -149,10 +158,21 @@ impl ServeConfig {
             .grpc
             .parse()
             .with_context(|| format!("--grpc {:?}: expected HOST:PORT", self.grpc))?;
-        if !a.ip().is_loopback() && !self.listen_any {
-            bail!("--grpc {a}: binding a non-loopback address serves the API to the network without TLS; pass --listen-any to do it anyway");
-        }
+        self.check_exposure("--grpc", a)?;
         Ok(Some(a))
+    }
+
+    /// Whether the APIs use TLS.
+    pub fn tls(&self) -> bool {
+        self.tls_cert.is_some()
+    }
+
+    /// A non-loopback address needs TLS or `listen_any`.
+    pub fn check_exposure(&self, flag: &str, a: std::net::SocketAddr) -> Result<()> {
+        if !a.ip().is_loopback() && !self.listen_any && !self.tls() {
+            bail!("{flag} {a}: binding a non-loopback address serves the API to the network without TLS; give --tls-cert/--tls-key, or pass --listen-any to do it anyway");
+        }
+        Ok(())
     }
 
     pub fn numerics(&self) -> Result<Numerics> {

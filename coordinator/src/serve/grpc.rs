@@ -249,6 +249,7 @@ impl Inference for Service {
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
+    tls: Option<tonic::transport::ServerTlsConfig>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> Result<(), tonic::transport::Error> {
     let (reporter, health) = tonic_health::server::health_reporter();
@@ -279,7 +280,11 @@ pub async fn serve(
         .build_v1()
         .expect("the descriptor sets are built into the binary");
     let svc = InferenceServer::new(Service { state });
-    tonic::transport::Server::builder()
+    let mut builder = tonic::transport::Server::builder();
+    if let Some(t) = tls {
+        builder = builder.tls_config(t)?;
+    }
+    builder
         .add_service(health)
         .add_service(reflection)
         .add_service(svc)

@@ -19,7 +19,9 @@ pub mod metrics;
 pub mod openai;
 pub mod scheduler;
 pub mod text;
+pub mod tls;
 
+use std::future::{Future, IntoFuture};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -36,21 +38,25 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         .http
         .parse()
         .with_context(|| format!("--http {:?}: expected HOST:PORT", cfg.http))?;
-    if !addr.ip().is_loopback() && !cfg.listen_any {
-        bail!(
-            "--http {addr}: binding a non-loopback address serves the API to the network without TLS; pass --listen-any to do it anyway"
-        );
-    }
+    cfg.check_exposure("--http", addr)?;
+    let tls = match (&cfg.tls_cert, &cfg.tls_key) {
+        (Some(c), Some(k)) => Some(tls::TlsFiles::load(c, k)?),
+        _ => None,
+    };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("ternfleet-http")
         .enable_all()
         .build()
         .context("starting the async runtime")?;
-    rt.block_on(run(cfg, addr))
+    rt.block_on(run(cfg, addr, tls))
 }
 
-async fn run(cfg: ServeConfig, addr: std::net::SocketAddr) -> Result<()> {
+async fn run(
+    cfg: ServeConfig,
+    addr: std::net::SocketAddr,
+    tls: Option<tls::TlsFiles>,
+) -> Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("binding the HTTP API to {addr}"))?;
@@ -102,13 +108,15 @@ async fn run(cfg: ServeConfig, addr: std::net::SocketAddr) -> Result<()> {
         default_max_tokens: cfg.default_max_tokens,
         timeout: Duration::from_secs_f64(cfg.timeout_s),
     });
+    let scheme = if tls.is_some() { "https" } else { "http" };
     match grpc_bound {
         Some(g) => tracing::info!(
-            "HTTP API on http://{bound}, gRPC on {g}; loading {}",
+            "HTTP API on {scheme}://{bound}, gRPC{} on {g}; loading {}",
+            if tls.is_some() { " (TLS)" } else { "" },
             cfg.model.display()
         ),
         None => tracing::info!(
-            "HTTP API on http://{bound}; loading {}",
+            "HTTP API on {scheme}://{bound}; loading {}",
             cfg.model.display()
         ),
     }
@@ -146,10 +154,23 @@ async fn run(cfg: ServeConfig, addr: std::net::SocketAddr) -> Result<()> {
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|v| *v).await;
     };
-    let http_server = axum::serve(listener, app).with_graceful_shutdown(stopped(stop_rx.clone()));
+    let http_server: std::pin::Pin<Box<dyn Future<Output = std::io::Result<()>> + Send>> =
+        match &tls {
+            Some(t) => Box::pin(
+                axum::serve(t.listener(listener)?, app)
+                    .with_graceful_shutdown(stopped(stop_rx.clone()))
+                    .into_future(),
+            ),
+            None => Box::pin(
+                axum::serve(listener, app)
+                    .with_graceful_shutdown(stopped(stop_rx.clone()))
+                    .into_future(),
+            ),
+        };
+    let grpc_tls = tls.as_ref().map(tls::TlsFiles::grpc);
     let grpc_server = async {
         match grpc_listener {
-            Some(l) => grpc::serve(l, state.clone(), stopped(stop_rx.clone()))
+            Some(l) => grpc::serve(l, state.clone(), grpc_tls, stopped(stop_rx.clone()))
                 .await
                 .context("serving gRPC"),
             None => Ok(()),
