@@ -992,7 +992,7 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
         bytes += t.size;
     }
     let mut types: Vec<_> = by_type.into_iter().collect();
-    types.sort_by(|x, y| y.1 .1.cmp(&x.1 .1));
+    types.sort_by_key(|t| std::cmp::Reverse(t.1 .1));
     let n_swa = cfg.is_swa.iter().filter(|s| **s).count();
     let template = str_key("tokenizer.chat_template");
     let file_bytes = std::fs::metadata(&a.model.model).map_or(bytes, |m| m.len());

@@ -73,7 +73,53 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/apply-template", post(apply_template))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body))
+        .layer(axum::middleware::from_fn(move |req, next| {
+            refuse_oversized(max_body, req, next)
+        }))
         .with_state(state)
+}
+
+/// How much of an oversized body is read (and dropped) before answering, and for how long.
+const DRAIN_BYTES: u64 = 64 << 20;
+const DRAIN_TIME: Duration = Duration::from_secs(5);
+
+/// A body whose `Content-Length` is over the limit gets the 400 at once, but only after the
+/// server has read what the client sends (up to [`DRAIN_BYTES`] / [`DRAIN_TIME`]): closing a
+/// socket with unread data resets the connection, and a client still writing its body would
+/// see "broken pipe" instead of the answer. The connection is closed afterwards.
+async fn refuse_oversized(
+    max: usize,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> Response {
+    use futures_util::StreamExt;
+    let len = req
+        .headers()
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok());
+    let Some(n) = len.filter(|n| *n > max as u64) else {
+        return next.run(req).await;
+    };
+    let mut body = req.into_body().into_data_stream();
+    let deadline = tokio::time::Instant::now() + DRAIN_TIME;
+    let mut read = 0u64;
+    while read < n.min(DRAIN_BYTES) {
+        match tokio::time::timeout_at(deadline, body.next()).await {
+            Ok(Some(Ok(chunk))) => read += chunk.len() as u64,
+            _ => break,
+        }
+    }
+    let mut r = ApiError::new(
+        ErrorClass::BadRequest,
+        format!("request body of {n} bytes is over the limit of {max} bytes (set by --max-body)"),
+    )
+    .into_response();
+    r.headers_mut().insert(
+        header::CONNECTION,
+        header::HeaderValue::from_static("close"),
+    );
+    r
 }
 
 impl IntoResponse for ApiError {
