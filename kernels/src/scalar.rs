@@ -554,8 +554,9 @@ pub(crate) enum KOrder {
     Sb256,
     /// Repacked `ggml_gemm_q4_K_8x8_q8_K`: the same per 64 values (two sub-blocks).
     Sb64,
-    /// The tiled K-quant matmul (ggml-cpu/tiled): per super-block `acc = fma(isum * dw, da, acc)`
-    /// (its `acc + result * d1` intrinsics, contracted to an FMA by GCC).
+    /// The tiled K-quant matmul (ggml-cpu/tiled): per super-block `acc = fma(res, da, acc)`
+    /// (its `acc + result * d1` intrinsics, contracted to an FMA by GCC) with
+    /// `res = isum * dw` (q6_K) or `res = fnmadd(dmin, imin, isum * dw)` (q4_K / q5_K).
     Tiled,
 }
 
@@ -565,11 +566,12 @@ pub(crate) enum KOrder {
 ///   start go through the GEMM, the remaining `ntok % 4` through the GEMV. (ggml repacks only
 ///   matrices whose row count is a multiple of 8; we use these orders for every q4_K matrix.)
 /// - q6_K runs the tiled matmul from 8 tokens on and `ggml_vec_dot_q6_K_q8_K` below.
-/// - q5_K (not repacked on x86, so vec_dot / tiled in ggml) follows the q4_K orders here: no
-///   model we test against llama.cpp token for token has q5_K weights.
+/// - q5_K is not repacked on x86: ggml runs it through the tiled matmul from 8 tokens on, as
+///   q6_K. Below 8 tokens (`ggml_vec_dot_q5_K_q8_K`) we keep the q4_K GEMV order: no model we
+///   test against llama.cpp token for token has q5_K weights.
 pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
     match ty {
-        GgmlType::Q6_K if ntok >= 8 => KOrder::Tiled,
+        GgmlType::Q6_K | GgmlType::Q5_K if ntok >= 8 => KOrder::Tiled,
         GgmlType::Q6_K => KOrder::Lanes8,
         _ if t < ntok - ntok % 4 => KOrder::Sb64,
         _ => KOrder::Sb256,
@@ -603,7 +605,7 @@ fn q8k_parts(y: &[u8]) -> (f32, &[u8], [i16; 16]) {
     (f32_at(y, 0), &y[4..4 + QK_K], bsums)
 }
 
-/// q4_K / q5_K against q8_K in [`KOrder::Sb256`] or [`KOrder::Sb64`] order.
+/// q4_K / q5_K against q8_K in [`KOrder::Sb256`], [`KOrder::Sb64`] or [`KOrder::Tiled`] order.
 fn vec_dot_qk45(n: usize, w: &[u8], a: &[u8], q5: bool, order: KOrder) -> f32 {
     let ts = if q5 { 176 } else { 144 };
     let per = if order == KOrder::Sb64 { 2 } else { 8 };
@@ -625,6 +627,17 @@ fn vec_dot_qk45(n: usize, w: &[u8], a: &[u8], q5: bool, order: KOrder) -> f32 {
                 raw[j] += c * (q8[32 * j + l] as i8) as i32;
             }
         }
+        if order == KOrder::Tiled {
+            let (mut isum, mut imin) = (0i32, 0i32);
+            for j in 0..8 {
+                let (sc, m) = scale_min_k4(j, scales);
+                isum += sc as i32 * raw[j];
+                imin += m as i32 * (bsums[2 * j] as i32 + bsums[2 * j + 1] as i32);
+            }
+            let res = (-f16_at(x, 2)).mul_add(imin as f32, isum as f32 * f16_at(x, 0));
+            acc = res.mul_add(yd, acc);
+            continue;
+        }
         let dw = f16_at(x, 0) * yd;
         let dm = f16_at(x, 2) * yd;
         for g in (0..8).step_by(per) {
@@ -638,7 +651,11 @@ fn vec_dot_qk45(n: usize, w: &[u8], a: &[u8], q5: bool, order: KOrder) -> f32 {
             acc_min = (imin as f32).mul_add(dm, acc_min);
         }
     }
-    acc - acc_min
+    if order == KOrder::Tiled {
+        acc
+    } else {
+        acc - acc_min
+    }
 }
 
 /// The 256 q6_K codes of a super-block, unsigned (value + 32), in value order.

@@ -538,9 +538,17 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
                     if order[t] == KOrder::Sb64 {
                         continue;
                     }
-                    if order[t] == KOrder::Tiled {
+                    if order[t] == KOrder::Tiled && KIND == Q6_K {
                         let i = _mm256_sub_epi32(isum[t], _mm256_slli_epi32(corr, 5));
                         acc_s[r][t] = (hsum_i32(i) as f32 * dw).mul_add(ads, acc_s[r][t]);
+                        continue;
+                    }
+                    if order[t] == KOrder::Tiled {
+                        // q4_K / q5_K: fnmadd(dmin, imin, isum · d), then one FMA with da.
+                        let dm = _mm_cvtss_f32(_mm256_castps256_ps128(dmin));
+                        let res =
+                            (-dm).mul_add(hsum_i32(corr) as f32, hsum_i32(isum[t]) as f32 * dw);
+                        acc_s[r][t] = res.mul_add(ads, acc_s[r][t]);
                         continue;
                     }
                     if order[t] == KOrder::Sb256 {

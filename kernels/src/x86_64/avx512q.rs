@@ -1076,6 +1076,14 @@ unsafe fn k_tile<const KIND: u8, const T: usize>(
                     }
                 }
             }
+            KOrder::Tiled if KIND != Q6_K => {
+                // q4_K / q5_K: fnmadd(dmin, imin, isum · d), then one FMA with da.
+                let x = rows.m.map(|m| _mm512_madd_epi16(grp.s, m));
+                let imin = reduce_lanes(x[0], x[1], x[2], x[3]);
+                let res = _mm512_mul_ps(_mm512_cvtepi32_ps(reduce16::<T>(&v)), rows.dw);
+                let res = _mm512_fnmadd_ps(rows.dm, _mm512_cvtepi32_ps(imin), res);
+                acc[0] = _mm512_fmadd_ps(res, grp.da4, acc[0]);
+            }
             KOrder::Tiled => {
                 for t in 0..T {
                     let bs = _mm256_loadu_si256(a[t].add(QK_K).cast());

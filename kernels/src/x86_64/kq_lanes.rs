@@ -343,6 +343,27 @@ unsafe fn micro<const KIND: u8>(
         }
         match order {
             KOrder::Sb64 => {}
+            KOrder::Tiled if !q6 => {
+                // q4_K / q5_K: fnmadd(dmin, imin, isum · d), then one FMA with da.
+                for i in 0..R {
+                    for k in 0..ng {
+                        let mut imin = _mm512_setzero_si512();
+                        for p in 0..4 {
+                            let m = _mm512_set1_epi32(w[i].pairs[p]);
+                            imin = _mm512_dpwssd_epi32(imin, m, a[k].pairs[p]);
+                        }
+                        let res =
+                            _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i][k]), _mm512_set1_ps(w[i].d));
+                        let res = _mm512_fnmadd_ps(
+                            _mm512_set1_ps(w[i].dmin),
+                            _mm512_cvtepi32_ps(imin),
+                            res,
+                        );
+                        let x = accs.add(base + acc(i, k));
+                        *x = _mm512_fmadd_ps(res, a[k].d, *x);
+                    }
+                }
+            }
             KOrder::Tiled => {
                 // q6_K: codes carry +32; remove 32 · Σ_j sc_j · bsums_j.
                 for i in 0..R {
