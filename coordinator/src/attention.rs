@@ -199,34 +199,25 @@ fn attend_tiled(
             let mut max = vec![f32::NEG_INFINITY; nr];
             let mut kq = vec![0f32; R * W];
             let mut kt = vec![0f32; hk * W];
-            let mut krows = vec![0f32; W * hk];
             let mut vt = vec![0f32; W * hv];
             for (tile, &block) in blocks.iter().enumerate().take(hi / W + 1).skip(lo(0) / W) {
                 let k0 = tile * W;
                 let kb = pool.key_block(il, block);
                 let vb = pool.value_block(il, block);
-                // The tile transposed (hk rows of W keys) and its values, widened to f32; zero
-                // past the last position any row sees (the pool holds stale data there).
-                // Rows are widened with the slice conversion (F16C when the CPU has it), then
-                // the keys transposed in f32.
+                // The tile's keys widened and transposed (hk rows of W keys) and its values
+                // widened, up to the last position any row sees (the pool holds stale data
+                // past it). Keys past it keep whatever finite values an earlier tile left:
+                // every row masks those scores to -inf. Values past it are zero, so their
+                // zero weights add nothing.
                 let valid = (hi + 1 - k0).min(W);
+                ternfleet_kernels::widen_transpose_f16(&kb[g * hk..], k_dim, valid, hk, &mut kt, W);
                 for c in 0..valid {
-                    half::slice::HalfFloatSliceExt::convert_to_f32_slice(
-                        &kb[c * k_dim + g * hk..c * k_dim + (g + 1) * hk],
-                        &mut krows[c * hk..(c + 1) * hk],
-                    );
                     half::slice::HalfFloatSliceExt::convert_to_f32_slice(
                         &vb[c * v_dim + g * hv..c * v_dim + (g + 1) * hv],
                         &mut vt[c * hv..(c + 1) * hv],
                     );
                 }
-                krows[valid * hk..].fill(0.0);
                 vt[valid * hv..].fill(0.0);
-                for (c, krow) in krows.chunks_exact(hk).enumerate() {
-                    for (d, &kv) in krow.iter().enumerate() {
-                        kt[d * W + c] = kv;
-                    }
-                }
                 for r0 in (0..nr).step_by(R) {
                     let rows = (nr - r0).min(R);
                     let kq = &mut kq[..rows * W];

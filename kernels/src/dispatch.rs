@@ -63,6 +63,8 @@ pub(crate) struct Kernels {
     pub quantize: fn(GgmlType, &[f32], &mut [u8]) -> bool,
     /// `g[i] = silu(g[i]) · u[i]` (see `scalar::swiglu`; equal lengths).
     pub swiglu: fn(&mut [f32], &[f32]),
+    /// See [`crate::widen_transpose_f16`] (sizes checked by the caller).
+    pub widen_transpose_f16: fn(&[f16], usize, usize, usize, &mut [f32], usize),
 }
 
 /// A matmul over a validated problem; `out.len() == g.ntok * g.nrows`.
@@ -91,6 +93,7 @@ const SCALAR: Kernels = Kernels {
     softmax_exp: crate::scalar::softmax_exp,
     quantize: crate::scalar::quantize,
     swiglu: crate::scalar::swiglu,
+    widen_transpose_f16: crate::scalar::widen_transpose_f16,
 };
 
 /// The kernels of `isa`, or `None` when this CPU lacks its features.

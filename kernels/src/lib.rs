@@ -321,6 +321,31 @@ pub fn fa_scores(q: &[f32], kt: &[f32], w: usize, out: &mut [f32]) {
     (dispatch::selected().fa_scores)(q, kt, w, out)
 }
 
+/// `dst[c·dst_stride + r] = f32(src[r·src_stride + c])` for `r < rows`, `c < cols`: a tile of
+/// f16 rows (keys) widened and transposed for [`fa_scores`]. Exact (a copy) on every ISA.
+/// Panics when the slices are too short.
+pub fn widen_transpose_f16(
+    src: &[half::f16],
+    src_stride: usize,
+    rows: usize,
+    cols: usize,
+    dst: &mut [f32],
+    dst_stride: usize,
+) {
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    assert!(
+        src_stride >= cols && src.len() >= (rows - 1) * src_stride + cols,
+        "widen_transpose_f16: src holds fewer than {rows} rows of {cols}"
+    );
+    assert!(
+        dst_stride >= rows && dst.len() >= (cols - 1) * dst_stride + rows,
+        "widen_transpose_f16: dst holds fewer than {cols} rows of {rows}"
+    );
+    (dispatch::selected().widen_transpose_f16)(src, src_stride, rows, cols, dst, dst_stride)
+}
+
 /// `acc[r·n + i] += Σ_j p[r·w + j]·v[j·n + i]` for each row `r`, one FMA per `j` in order (the
 /// P·V product of llama.cpp's tiled flash attention; `v` is `w` rows of `n`). Bit-identical on
 /// every ISA. Panics when the lengths do not fit.

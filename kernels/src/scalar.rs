@@ -908,6 +908,22 @@ pub(crate) fn ggml_v_expf(x: f32) -> f32 {
     (j as f64 * pow2) as f32
 }
 
+/// See [`crate::widen_transpose_f16`].
+pub(crate) fn widen_transpose_f16(
+    src: &[f16],
+    src_stride: usize,
+    rows: usize,
+    cols: usize,
+    dst: &mut [f32],
+    dst_stride: usize,
+) {
+    for r in 0..rows {
+        for c in 0..cols {
+            dst[c * dst_stride + r] = src[r * src_stride + c].to_f32();
+        }
+    }
+}
+
 /// `ggml_vec_swiglu_f32` (AVX-512 build): `ggml_v_silu(x) * u` for whole 16-lane chunks
 /// (`x / (1 + ggml_v_expf(0 - x))`, a true division), `x / (1 + expf(-x)) * u` for the tail.
 #[inline(always)]

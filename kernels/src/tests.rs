@@ -899,3 +899,42 @@ fn swiglu_is_the_same_on_every_isa_and_close_to_silu() {
         }
     }
 }
+
+#[test]
+fn widen_transpose_is_a_transposed_copy_on_every_isa() {
+    let mut rng = Rng(61);
+    for (rows, cols) in [
+        (1, 1),
+        (16, 16),
+        (64, 256),
+        (17, 33),
+        (63, 64),
+        (5, 100),
+        (64, 80),
+    ] {
+        let ss = cols + 3;
+        let src: Vec<f16> = (0..rows * ss)
+            .map(|_| f16::from_f32(rng.normalish()))
+            .collect();
+        let ds = rows + 5;
+        let mut want = vec![f32::NAN; cols * ds];
+        for r in 0..rows {
+            for c in 0..cols {
+                want[c * ds + r] = src[r * ss + c].to_f32();
+            }
+        }
+        for isa in Isa::ALL {
+            let Some(k) = kernels_for(isa) else { continue };
+            let mut got = vec![f32::NAN; cols * ds];
+            (k.widen_transpose_f16)(&src, ss, rows, cols, &mut got, ds);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert_eq!(
+                    g.to_bits(),
+                    w.to_bits(),
+                    "{} {rows}x{cols} at {i}",
+                    isa.name()
+                );
+            }
+        }
+    }
+}

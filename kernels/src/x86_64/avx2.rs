@@ -48,6 +48,7 @@ impl Avx2 {
             softmax_exp,
             quantize,
             swiglu,
+            widen_transpose_f16: crate::scalar::widen_transpose_f16,
         }
     }
 }

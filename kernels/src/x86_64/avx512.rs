@@ -48,6 +48,7 @@ impl Avx512 {
             softmax_exp,
             quantize,
             swiglu,
+            widen_transpose_f16,
         }
     }
 }
@@ -530,6 +531,82 @@ fn v_expf(xv: __m512) -> __m512 {
         res = _mm512_mask_blend_ps(d, res, alt);
     }
     res
+}
+
+fn widen_transpose_f16(
+    src: &[f16],
+    src_stride: usize,
+    rows: usize,
+    cols: usize,
+    dst: &mut [f32],
+    dst_stride: usize,
+) {
+    let (r16, c16) = (rows / 16 * 16, cols / 16 * 16);
+    // SAFETY: token-gated; whole 16 × 16 blocks inside the sizes the caller checked.
+    unsafe {
+        for r0 in (0..r16).step_by(16) {
+            for c0 in (0..c16).step_by(16) {
+                transpose16_raw(
+                    src.as_ptr().add(r0 * src_stride + c0),
+                    src_stride,
+                    dst.as_mut_ptr().add(c0 * dst_stride + r0),
+                    dst_stride,
+                );
+            }
+        }
+    }
+    // Ragged edges: the reference.
+    for r in 0..rows {
+        let c_from = if r < r16 { c16 } else { 0 };
+        for c in c_from..cols {
+            dst[c * dst_stride + r] = src[r * src_stride + c].to_f32();
+        }
+    }
+}
+
+/// One 16 × 16 block: 16 f16 rows widened, transposed in registers, stored as 16 f32 rows.
+///
+/// # Safety
+/// Features as the module; 16 rows of 16 values readable at `src` (stride `ss`), writable at
+/// `dst` (stride `ds`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn transpose16_raw(src: *const f16, ss: usize, dst: *mut f32, ds: usize) {
+    // SAFETY (whole body): as the contract.
+    unsafe {
+        let r: [__m512; 16] =
+            core::array::from_fn(|i| _mm512_cvtph_ps(_mm256_loadu_si256(src.add(i * ss).cast())));
+        // Pairs of rows interleaved, then quads, then 128-bit lanes across quads.
+        let mut t = [_mm512_setzero_ps(); 16];
+        for i in 0..8 {
+            t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        let mut u = [_mm512_setzero_ps(); 16];
+        for i in 0..4 {
+            u[4 * i] = _mm512_shuffle_ps::<0x44>(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm512_shuffle_ps::<0xEE>(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm512_shuffle_ps::<0x44>(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm512_shuffle_ps::<0xEE>(t[4 * i + 1], t[4 * i + 3]);
+        }
+        // u[4i + k], 128-bit lane L: column 4L + k of rows 4i..4i+4.
+        let mut v = [_mm512_setzero_ps(); 16];
+        for k in 0..4 {
+            v[k] = _mm512_shuffle_f32x4::<0x88>(u[k], u[4 + k]);
+            v[4 + k] = _mm512_shuffle_f32x4::<0xDD>(u[k], u[4 + k]);
+            v[8 + k] = _mm512_shuffle_f32x4::<0x88>(u[8 + k], u[12 + k]);
+            v[12 + k] = _mm512_shuffle_f32x4::<0xDD>(u[8 + k], u[12 + k]);
+        }
+        let mut o = [_mm512_setzero_ps(); 16];
+        for k in 0..4 {
+            o[k] = _mm512_shuffle_f32x4::<0x88>(v[k], v[8 + k]);
+            o[8 + k] = _mm512_shuffle_f32x4::<0xDD>(v[k], v[8 + k]);
+            o[4 + k] = _mm512_shuffle_f32x4::<0x88>(v[4 + k], v[12 + k]);
+            o[12 + k] = _mm512_shuffle_f32x4::<0xDD>(v[4 + k], v[12 + k]);
+        }
+        for (c, x) in o.iter().enumerate() {
+            _mm512_storeu_ps(dst.add(c * ds), *x);
+        }
+    }
 }
 
 fn swiglu(g: &mut [f32], u: &[f32]) {
