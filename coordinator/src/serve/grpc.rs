@@ -61,8 +61,8 @@ impl Service {
         http::authorize_value(&self.state, v).map_err(|e| status(&e))
     }
 
-    fn prepare(&self, r: GenerateRequest) -> Result<http::Prepared, ApiError> {
-        let s = &self.state;
+    /// Validation, template rendering and tokenization (run off the async runtime).
+    fn prepare(s: &AppState, r: GenerateRequest) -> Result<http::Prepared, ApiError> {
         let e = http::engine(s)?;
         let common = Common {
             max_tokens: (r.max_tokens > 0).then_some(r.max_tokens as i64),
@@ -121,8 +121,10 @@ impl Inference for Service {
         let arrived = Instant::now();
         self.check(req.metadata())?;
         let s = &self.state;
-        let started = self
-            .prepare(req.into_inner())
+        let st = s.clone();
+        let r = req.into_inner();
+        let started = http::off_runtime(move || Self::prepare(&st, r))
+            .await
             .and_then(|p| http::submit(s, &p, arrived));
         let mut f = match started {
             Ok(f) => f,
@@ -199,9 +201,14 @@ impl Inference for Service {
         req: Request<TokenizeRequest>,
     ) -> Result<Response<TokenizeResponse>, Status> {
         self.check(req.metadata())?;
-        let e = http::engine(&self.state).map_err(|e| status(&e))?;
+        let st = self.state.clone();
         let r = req.into_inner();
-        let tokens = e.model.tokenizer.encode(&r.content, r.add_special, true);
+        let tokens = http::off_runtime(move || {
+            let e = http::engine(&st)?;
+            Ok(e.model.tokenizer.encode(&r.content, r.add_special, true))
+        })
+        .await
+        .map_err(|e| status(&e))?;
         Ok(Response::new(TokenizeResponse { tokens }))
     }
 

@@ -273,17 +273,39 @@ struct TokenizeReq {
 
 /// A small JSON endpoint: auth, the loaded engine, the parsed body, then `f`; the answered
 /// status is counted under `name`.
-fn json_endpoint<T: serde::de::DeserializeOwned>(
-    s: &AppState,
-    headers: &HeaderMap,
+/// Runs request preparation (JSON parsing, template rendering, tokenization) on tokio's
+/// blocking pool: a 1 MiB prompt takes tens of milliseconds to tokenize, which on a runtime
+/// thread would stall every connection that thread serves.
+pub(crate) async fn off_runtime<R: Send + 'static>(
+    f: impl FnOnce() -> Result<R, ApiError> + Send + 'static,
+) -> Result<R, ApiError> {
+    tokio::task::spawn_blocking(f).await.unwrap_or_else(|e| {
+        Err(ApiError::new(
+            ErrorClass::Internal,
+            format!("preparing the request failed: {e}"),
+        ))
+    })
+}
+
+async fn json_endpoint<T, F>(
+    s: Arc<AppState>,
+    headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
-    name: &str,
-    f: impl FnOnce(&Engine, T) -> Result<Value, ApiError>,
-) -> Result<Json<Value>, ApiError> {
-    let r = authorize(s, headers)
-        .and_then(|()| engine(s))
-        .and_then(|e| f(e, body_json(body)?))
-        .map(Json);
+    name: &'static str,
+    f: F,
+) -> Result<Json<Value>, ApiError>
+where
+    T: serde::de::DeserializeOwned,
+    F: FnOnce(&Engine, T) -> Result<Value, ApiError> + Send + 'static,
+{
+    let st = s.clone();
+    let r = off_runtime(move || {
+        authorize(&st, &headers)
+            .and_then(|()| engine(&st))
+            .and_then(|e| f(e, body_json(body)?))
+    })
+    .await
+    .map(Json);
     s.metrics.request(name, status_of(&r));
     r
 }
@@ -293,7 +315,7 @@ async fn tokenize(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    json_endpoint(&s, &headers, body, "tokenize", |e, r: TokenizeReq| {
+    json_endpoint(s, headers, body, "tokenize", |e, r: TokenizeReq| {
         let tok = &e.model.tokenizer;
         let ids = tok.encode(&r.content, r.add_special, true);
         if !r.with_pieces {
@@ -310,6 +332,7 @@ async fn tokenize(
             .collect();
         Ok(json!({ "tokens": pieces }))
     })
+    .await
 }
 
 #[derive(serde::Deserialize)]
@@ -322,11 +345,12 @@ async fn detokenize(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    json_endpoint(&s, &headers, body, "detokenize", |e, r: DetokenizeReq| {
+    json_endpoint(s, headers, body, "detokenize", |e, r: DetokenizeReq| {
         check_ids(e.model.tokenizer.n_vocab(), &r.tokens, "tokens")?;
         let text = e.model.tokenizer.detokenize(&r.tokens, false, true);
         Ok(json!({ "content": String::from_utf8_lossy(&text) }))
     })
+    .await
 }
 
 /// llama-server's `POST /apply-template`: the prompt a chat request's messages render to.
@@ -335,14 +359,22 @@ async fn apply_template(
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Result<Json<Value>, ApiError> {
-    json_endpoint(&s, &headers, body, "apply-template", |e, r: ChatRequest| {
-        let msgs = openai::chat_messages(&r, &s.limits)?;
-        let prompt = e
-            .chat
-            .render(&msgs)
-            .map_err(|err| ApiError::bad("messages", err.to_string()))?;
-        Ok(json!({ "prompt": prompt }))
-    })
+    let limits = s.limits.clone();
+    json_endpoint(
+        s,
+        headers,
+        body,
+        "apply-template",
+        move |e, r: ChatRequest| {
+            let msgs = openai::chat_messages(&r, &limits)?;
+            let prompt = e
+                .chat
+                .render(&msgs)
+                .map_err(|err| ApiError::bad("messages", err.to_string()))?;
+            Ok(json!({ "prompt": prompt }))
+        },
+    )
+    .await
 }
 
 fn status_of<T>(r: &Result<T, ApiError>) -> u16 {
@@ -704,9 +736,14 @@ async fn generate(
     kind: Kind,
 ) -> Response {
     let arrived = Instant::now();
-    let started = authorize(&s, &headers)
-        .and_then(|()| prepare(&s, kind, body))
-        .and_then(|p| submit(&s, &p, arrived).map(|f| (p, f)));
+    let prepared = match authorize(&s, &headers) {
+        Ok(()) => {
+            let st = s.clone();
+            off_runtime(move || prepare(&st, kind, body)).await
+        }
+        Err(e) => Err(e),
+    };
+    let started = prepared.and_then(|p| submit(&s, &p, arrived).map(|f| (p, f)));
     let (p, mut f) = match started {
         Ok(x) => x,
         Err(e) => {
