@@ -271,6 +271,18 @@ unsafe fn unpack_panel<const KIND: u8>(
     }
 }
 
+/// `Σ_{p < n} pairs_w[p] · pairs_a[p]` per token lane (i16 pairs, exact): a row's mins
+/// against the tokens' block sums (q4_K/q5_K, `n = 4`), or q6_K's scales against them (`n = 8`).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn pair_dot(w: &WRow, a: &ActBlock, n: usize) -> __m512i {
+    let mut s = _mm512_setzero_si512();
+    for p in 0..n {
+        s = _mm512_dpwssd_epi32(s, _mm512_set1_epi32(w.pairs[p]), a.pairs[p]);
+    }
+    s
+}
+
 /// R rows × (up to) G groups at one super-block: the exact integer sums, then each (row,
 /// token)'s float step(s) of `order` into `accs[base + 2(i·band + k)]` (and `+ 1`, the mins'
 /// chain).
@@ -347,11 +359,7 @@ unsafe fn micro<const KIND: u8>(
                 // q4_K / q5_K: fnmadd(dmin, imin, isum · d), then one FMA with da.
                 for i in 0..R {
                     for k in 0..ng {
-                        let mut imin = _mm512_setzero_si512();
-                        for p in 0..4 {
-                            let m = _mm512_set1_epi32(w[i].pairs[p]);
-                            imin = _mm512_dpwssd_epi32(imin, m, a[k].pairs[p]);
-                        }
+                        let imin = pair_dot(w[i], a[k], 4);
                         let res =
                             _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i][k]), _mm512_set1_ps(w[i].d));
                         let res = _mm512_fnmadd_ps(
@@ -368,11 +376,7 @@ unsafe fn micro<const KIND: u8>(
                 // q6_K: codes carry +32; remove 32 · Σ_j sc_j · bsums_j.
                 for i in 0..R {
                     for k in 0..ng {
-                        let mut corr = _mm512_setzero_si512();
-                        for p in 0..8 {
-                            let sp = _mm512_set1_epi32(w[i].pairs[p]);
-                            corr = _mm512_dpwssd_epi32(corr, sp, a[k].pairs[p]);
-                        }
+                        let corr = pair_dot(w[i], a[k], 8);
                         let isum = _mm512_sub_epi32(s1[i][k], _mm512_slli_epi32::<5>(corr));
                         let res = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w[i].d));
                         let x = accs.add(base + acc(i, k));
@@ -384,11 +388,7 @@ unsafe fn micro<const KIND: u8>(
                 // Sb256: the super-block's sums and mins, one FMA each.
                 for i in 0..R {
                     for k in 0..ng {
-                        let mut imin = _mm512_setzero_si512();
-                        for p in 0..4 {
-                            let m = _mm512_set1_epi32(w[i].pairs[p]);
-                            imin = _mm512_dpwssd_epi32(imin, m, a[k].pairs[p]);
-                        }
+                        let imin = pair_dot(w[i], a[k], 4);
                         let sv = _mm512_mul_ps(_mm512_set1_ps(w[i].d), a[k].d);
                         let mv = _mm512_mul_ps(_mm512_set1_ps(w[i].dmin), a[k].d);
                         let x = accs.add(base + acc(i, k));

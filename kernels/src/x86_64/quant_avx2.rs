@@ -36,6 +36,20 @@ fn abs_and_odd(v: __m256) -> (__m256, i32) {
     (a, odd)
 }
 
+/// The largest `|v|` of a block, or `None` when it holds an infinity or a NaN.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn block_amax(v: &[__m256]) -> Option<f32> {
+    let mut odd = 0;
+    let mut m = _mm256_setzero_ps();
+    for vi in v {
+        let (a, o) = abs_and_odd(*vi);
+        odd |= o;
+        m = _mm256_max_ps(m, a);
+    }
+    (odd == 0).then(|| hmax(m))
+}
+
 /// Horizontal max of eight non-NaN lanes.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
@@ -65,18 +79,10 @@ unsafe fn quantize_q8_0(x: &[f32], y: &mut [u8]) {
     for (xb, yb) in x.chunks_exact(QK).zip(y.chunks_exact_mut(bs)) {
         // SAFETY: `xb` holds 32 floats.
         let v = unsafe { [0, 8, 16, 24].map(|i| _mm256_loadu_ps(xb.as_ptr().add(i))) };
-        let mut odd = 0;
-        let mut m = _mm256_setzero_ps();
-        for vi in v {
-            let (a, o) = abs_and_odd(vi);
-            odd |= o;
-            m = _mm256_max_ps(m, a);
-        }
-        if odd != 0 {
+        let Some(amax) = block_amax(&v) else {
             scalar::quantize_q8_0(xb, yb);
             continue;
-        }
-        let amax = hmax(m);
+        };
         let d = amax / 127.0;
         let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
         if !id.is_finite() {
@@ -103,18 +109,10 @@ unsafe fn quantize_q8_k(x: &[f32], y: &mut [u8]) {
         // SAFETY: `xb` holds 256 floats.
         let v: [__m256; 32] =
             core::array::from_fn(|i| unsafe { _mm256_loadu_ps(xb.as_ptr().add(8 * i)) });
-        let mut odd = 0;
-        let mut m = _mm256_setzero_ps();
-        for vi in v {
-            let (a, o) = abs_and_odd(vi);
-            odd |= o;
-            m = _mm256_max_ps(m, a);
-        }
-        if odd != 0 {
+        let Some(amax) = block_amax(&v) else {
             scalar::quantize_q8_k(xb, yb);
             continue;
-        }
-        let amax = hmax(m);
+        };
         if amax == 0.0 {
             yb.fill(0);
             continue;
