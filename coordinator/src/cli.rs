@@ -995,7 +995,16 @@ fn cmd_info(a: InfoArgs) -> Result<()> {
     types.sort_by_key(|t| std::cmp::Reverse(t.1 .1));
     let n_swa = cfg.is_swa.iter().filter(|s| **s).count();
     let template = str_key("tokenizer.chat_template");
-    let file_bytes = std::fs::metadata(&a.model.model).map_or(bytes, |m| m.len());
+    // A bundle is a directory: the sizes of its top-level files (the tensor figures below count
+    // its coordinator part only).
+    let file_bytes = match std::fs::read_dir(&a.model.model) {
+        Ok(dir) => dir
+            .filter_map(|e| e.ok()?.metadata().ok())
+            .filter(|m| m.is_file())
+            .map(|m| m.len())
+            .sum(),
+        Err(_) => std::fs::metadata(&a.model.model).map_or(bytes, |m| m.len()),
+    };
     let info = serde_json::json!({
         "model": a.model.model.display().to_string(),
         "name": str_key("general.name"),

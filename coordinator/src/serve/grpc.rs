@@ -123,9 +123,12 @@ impl Inference for Service {
         let s = &self.state;
         let st = s.clone();
         let r = req.into_inner();
-        let started = http::off_runtime(move || Self::prepare(&st, r))
-            .await
-            .and_then(|p| http::submit(s, &p, arrived));
+        let started = match http::take_permit(s) {
+            Ok(permit) => http::off_runtime(move || Self::prepare(&st, r))
+                .await
+                .and_then(|p| http::submit(s, &p, arrived, permit)),
+            Err(e) => Err(e),
+        };
         let mut f = match started {
             Ok(f) => f,
             Err(e) => {

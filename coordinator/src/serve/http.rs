@@ -86,7 +86,8 @@ const DRAIN_TIME: Duration = Duration::from_secs(5);
 /// A body whose `Content-Length` is over the limit gets the 400 at once, but only after the
 /// server has read what the client sends (up to [`DRAIN_BYTES`] / [`DRAIN_TIME`]): closing a
 /// socket with unread data resets the connection, and a client still writing its body would
-/// see "broken pipe" instead of the answer. The connection is closed afterwards.
+/// see "broken pipe" instead of the answer. A client that sent `Expect: 100-continue` has sent
+/// no body yet and gets the 400 at once. The connection is closed afterwards.
 async fn refuse_oversized(
     max: usize,
     req: axum::extract::Request,
@@ -101,10 +102,15 @@ async fn refuse_oversized(
     let Some(n) = len.filter(|n| *n > max as u64) else {
         return next.run(req).await;
     };
+    // A client that waits for `100 Continue` has sent nothing yet: answer at once, unread.
+    let waits = req
+        .headers()
+        .get(header::EXPECT)
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
     let mut body = req.into_body().into_data_stream();
     let deadline = tokio::time::Instant::now() + DRAIN_TIME;
     let mut read = 0u64;
-    while read < n.min(DRAIN_BYTES) {
+    while !waits && read < n.min(DRAIN_BYTES) {
         match tokio::time::timeout_at(deadline, body.next()).await {
             Ok(Some(Ok(chunk))) => read += chunk.len() as u64,
             _ => break,
@@ -271,8 +277,6 @@ struct TokenizeReq {
     with_pieces: bool,
 }
 
-/// A small JSON endpoint: auth, the loaded engine, the parsed body, then `f`; the answered
-/// status is counted under `name`.
 /// Runs request preparation (JSON parsing, template rendering, tokenization) on tokio's
 /// blocking pool: a 1 MiB prompt takes tens of milliseconds to tokenize, which on a runtime
 /// thread would stall every connection that thread serves.
@@ -287,6 +291,8 @@ pub(crate) async fn off_runtime<R: Send + 'static>(
     })
 }
 
+/// A small JSON endpoint: auth, the loaded engine, the parsed body, then `f` (off the runtime);
+/// the answered status is counted under `name`.
 async fn json_endpoint<T, F>(
     s: Arc<AppState>,
     headers: HeaderMap,
@@ -558,9 +564,10 @@ pub(crate) struct Flight {
     tok: Arc<Model>,
 }
 
-pub(crate) fn submit(s: &AppState, p: &Prepared, arrived: Instant) -> Result<Flight, ApiError> {
-    let e = engine(s)?;
-    let permit = s.permits.clone().try_acquire_owned().map_err(|_| {
+/// A request slot, or 429 at once: taken before any parsing or tokenization, so an overloaded
+/// server spends nothing on the requests it refuses and preparation work is bounded by the slots.
+pub(crate) fn take_permit(s: &AppState) -> Result<OwnedSemaphorePermit, ApiError> {
+    s.permits.clone().try_acquire_owned().map_err(|_| {
         ApiError::new(
             ErrorClass::Overloaded,
             format!(
@@ -568,7 +575,16 @@ pub(crate) fn submit(s: &AppState, p: &Prepared, arrived: Instant) -> Result<Fli
                 s.slots
             ),
         )
-    })?;
+    })
+}
+
+pub(crate) fn submit(
+    s: &AppState,
+    p: &Prepared,
+    arrived: Instant,
+    permit: OwnedSemaphorePermit,
+) -> Result<Flight, ApiError> {
+    let e = engine(s)?;
     let n = s.next_id.fetch_add(1, Ordering::Relaxed);
     let (tx, rx) = mpsc::channel(p.max_tokens + 2);
     let req = Submit {
@@ -736,14 +752,16 @@ async fn generate(
     kind: Kind,
 ) -> Response {
     let arrived = Instant::now();
-    let prepared = match authorize(&s, &headers) {
-        Ok(()) => {
+    let prepared = match authorize(&s, &headers).and_then(|()| take_permit(&s)) {
+        Ok(permit) => {
             let st = s.clone();
-            off_runtime(move || prepare(&st, kind, body)).await
+            off_runtime(move || prepare(&st, kind, body))
+                .await
+                .map(|p| (p, permit))
         }
         Err(e) => Err(e),
     };
-    let started = prepared.and_then(|p| submit(&s, &p, arrived).map(|f| (p, f)));
+    let started = prepared.and_then(|(p, permit)| submit(&s, &p, arrived, permit).map(|f| (p, f)));
     let (p, mut f) = match started {
         Ok(x) => x,
         Err(e) => {

@@ -821,25 +821,32 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         return;
     }
     if g.ntok >= LANES_MIN_TOKENS {
-        // Runs of tokens with one order (at most two: q4_K's parity GEMM order, then the
-        // GEMV's for the last `ntok % 4`).
-        let (first, last) = (token_order(g, 0), token_order(g, g.ntok - 1));
-        if super::kq_lanes::handles(first) && super::kq_lanes::handles(last) {
-            let split = if first == last {
-                g.ntok
-            } else {
-                g.ntok / 4 * 4
+        // From 16 tokens every token sums in Sb64, Sb256 or Tiled (`token_order`). The order
+        // changes at most once, for q4_K's parity order: the last `ntok % 4` tokens take the
+        // GEMV's; those 1–3 tokens go through the 4 × 4 tiles below as a problem of their own
+        // (the lanes GEMM would spend a 16-token group on them).
+        let split = if token_order(g, 0) == token_order(g, g.ntok - 1) {
+            g.ntok
+        } else {
+            g.ntok / 4 * 4
+        };
+        debug_assert!(super::kq_lanes::handles(token_order(g, 0)));
+        // SAFETY: as this function's contract; every token of 0..split sums in
+        // token_order(g, 0).
+        unsafe { super::kq_lanes::gemm::<KIND>(g, 0, split, token_order(g, 0), out) };
+        if split < g.ntok {
+            let tail = Gemm {
+                a: &g.a[split * g.a_stride..],
+                ntok: g.ntok - split,
+                a_scales: &[],
+                ..*g
             };
-            for (t0, t1) in [(0, split), (split, g.ntok)] {
-                if t0 < t1 {
-                    // SAFETY: as this function's contract; every token of t0..t1 sums in
-                    // token_order(g, t0) (`token_order` changes at most once, at a multiple of
-                    // four).
-                    unsafe { super::kq_lanes::gemm::<KIND>(g, t0, t1, token_order(g, t0), out) };
-                }
-            }
-            return;
+            // The tail alone has fewer than 4 tokens: `k_order` gives each of them the GEMV's
+            // order, as in the whole batch.
+            // SAFETY: as this function's contract, for the tail's tokens and output rows.
+            unsafe { run_k::<KIND>(&tail, &mut out[split * g.nrows..]) };
         }
+        return;
     }
     let nsb = g.cols / QK_K;
     let ngroups = g.ntok.div_ceil(4);
@@ -1222,9 +1229,10 @@ unsafe fn gemm_k<const KIND: u8>(
 }
 
 /// GEMV (one token) of a k-quant: super-blocks unpacked as they stream past. q4_K/q5_K
-/// ([`KOrder::Sb256`]) take four rows at a time, so one transposing reduction serves their
-/// four integer sums and the f32 chains run in the lanes of one register; q6_K
-/// ([`KOrder::Lanes8`]) keeps its eight lanes per row.
+/// ([`KOrder::Sb256`]) and q6_K under invariant numerics ([`KOrder::Tiled`]) take four rows at a
+/// time, so one transposing reduction serves their four integer sums and the f32 chains run in
+/// the lanes of one register; q6_K's `vec_dot` order ([`KOrder::Lanes8`]) keeps its eight lanes
+/// per row.
 ///
 /// # Safety
 /// As [`run_k`], with `g.ntok == 1`.

@@ -14,8 +14,8 @@
 //!   [`KOrder::Sb64`] (one step per two sub-blocks) or [`KOrder::Tiled`]. All integer sums are
 //!   exact, so every output equals `scalar::matmul`'s bit for bit.
 //!
-//! Used from 16 tokens on, for the runs of tokens whose order is one of those three
-//! ([`KOrder::Lanes8`], q6_K's `vec_dot` order, is not: that token range keeps `gemm_k`).
+//! Used from 16 tokens on, where every token's order is one of those three (q6_K's `vec_dot`
+//! order [`KOrder::Lanes8`] applies only below 8 tokens).
 
 #![allow(clippy::needless_range_loop)]
 
