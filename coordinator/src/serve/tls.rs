@@ -1,7 +1,7 @@
 //! Optional TLS for the HTTP and gRPC APIs (`--tls-cert`, `--tls-key`): rustls on the ring
 //! provider. The certificate chain and key are read once at start-up (a bad file stops the
-//! server before it binds). HTTP: handshakes run in their own tasks with a deadline, so a slow
-//! or broken client never holds up the others, and a failed handshake (plain HTTP sent to the
+//! server before it binds). HTTP: handshakes run in their own tasks with a deadline (at most
+//! 256 at once), so a slow or broken client never holds up the others, and a failed handshake (plain HTTP sent to the
 //! TLS port, a client that does not trust the certificate) only closes that connection. gRPC:
 //! tonic's own TLS with the same files.
 
@@ -19,6 +19,8 @@ use tokio_rustls::TlsAcceptor;
 
 /// How long a client has to finish its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// Handshakes in progress at once; further connections wait in the listen backlog.
+const MAX_HANDSHAKES: usize = 256;
 
 /// The PEM files of the API's identity, checked.
 #[derive(Clone)]
@@ -83,8 +85,12 @@ impl TlsFiles {
         let local = listener.local_addr()?;
         let acceptor = TlsAcceptor::from(self.config.clone());
         let (tx, rx) = tokio::sync::mpsc::channel(64);
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
         let task = tokio::spawn(async move {
             loop {
+                let Ok(slot) = slots.clone().acquire_owned().await else {
+                    return;
+                };
                 let (tcp, peer) = match listener.accept().await {
                     Ok(c) => c,
                     Err(e) => {
@@ -96,7 +102,10 @@ impl TlsFiles {
                 };
                 let (acceptor, tx) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    let handshake =
+                        tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await;
+                    drop(slot);
+                    match handshake {
                         Ok(Ok(stream)) => {
                             let _ = tx.send((stream, peer)).await;
                         }
