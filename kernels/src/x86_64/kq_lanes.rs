@@ -111,15 +111,20 @@ pub(super) unsafe fn gemm<const KIND: u8>(
                             let ng = (b1 - gi).min(G);
                             let mut r = 0;
                             while r < np.div_ceil(R) * R {
-                                let ab = |k: usize| &acts[(gi - b0 + k.min(ng - 1)) * nsb + sb];
-                                let a = [ab(0), ab(1)];
+                                let ab = |k: usize| &acts[(gi - b0 + k) * nsb + sb];
                                 let w: [&WRow; R] =
                                     core::array::from_fn(|i| &wrows[(r + i).min(np - 1)]);
                                 let base = (r * band + (gi - b0)) * 2;
+                                let p = accs.as_mut_ptr();
                                 // SAFETY: the tile's accumulators lie in `accs` (rows r..r+R of
-                                // the panel, groups gi..gi+G of the band).
+                                // the panel, groups gi..gi+ng of the band).
                                 unsafe {
-                                    micro::<KIND>(&w, &a, ng, order, accs.as_mut_ptr(), band, base)
+                                    if ng == G {
+                                        let a: [&ActBlock; G] = core::array::from_fn(ab);
+                                        micro::<KIND, G>(&w, &a, order, p, band, base)
+                                    } else {
+                                        micro::<KIND, 1>(&w, &[ab(0)], order, p, band, base)
+                                    }
                                 };
                                 r += R;
                             }
@@ -283,19 +288,18 @@ fn pair_dot(w: &WRow, a: &ActBlock, n: usize) -> __m512i {
     s
 }
 
-/// R rows × (up to) G groups at one super-block: the exact integer sums, then each (row,
-/// token)'s float step(s) of `order` into `accs[base + 2(i·band + k)]` (and `+ 1`, the mins'
-/// chain).
+/// R rows × NG groups (NG = G, or 1 for a band's odd last group) at one super-block: the exact
+/// integer sums, then each (row, token)'s float step(s) of `order` into
+/// `accs[base + 2(i·band + k)]` (and `+ 1`, the mins' chain).
 ///
 /// # Safety
-/// Features as the module; the accumulators of rows `0..R` and groups `0..G` from `base` lie in
-/// `accs` (group `k >= ng` repeats group `ng - 1`, its results discarded: it writes nothing).
+/// Features as the module; the accumulators of rows `0..R` and groups `0..NG` from `base` lie
+/// in `accs`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn micro<const KIND: u8>(
+unsafe fn micro<const KIND: u8, const NG: usize>(
     w: &[&WRow; R],
-    a: &[&ActBlock; G],
-    ng: usize,
+    a: &[&ActBlock; NG],
     order: KOrder,
     accs: *mut __m512,
     band: usize,
@@ -309,12 +313,12 @@ unsafe fn micro<const KIND: u8>(
     // SAFETY (whole body): the pointers come from the live `WRow`/`ActBlock` references;
     // accumulator indices as this function's contract.
     unsafe {
-        let mut s1 = [[_mm512_setzero_si512(); G]; R];
+        let mut s1 = [[_mm512_setzero_si512(); NG]; R];
         for j0 in (0..nsub).step_by(per) {
             for j in j0..j0 + per {
-                let mut raw = [[_mm512_setzero_si512(); G]; R];
+                let mut raw = [[_mm512_setzero_si512(); NG]; R];
                 for q in j * nq..j * nq + nq {
-                    let c = [a[0].codes[q], a[1].codes[q]];
+                    let c: [__m512i; NG] = core::array::from_fn(|k| a[k].codes[q]);
                     for i in 0..R {
                         let wv = _mm512_set1_epi32(
                             w[i].codes
@@ -323,14 +327,14 @@ unsafe fn micro<const KIND: u8>(
                                 .cast::<i32>()
                                 .read_unaligned(),
                         );
-                        for k in 0..G {
+                        for k in 0..NG {
                             raw[i][k] = _mm512_dpbusd_epi32(raw[i][k], wv, c[k]);
                         }
                     }
                 }
                 for i in 0..R {
                     let sc = _mm512_set1_epi32(w[i].sc[j]);
-                    for k in 0..G {
+                    for k in 0..NG {
                         s1[i][k] = _mm512_add_epi32(s1[i][k], _mm512_mullo_epi32(raw[i][k], sc));
                     }
                 }
@@ -340,7 +344,7 @@ unsafe fn micro<const KIND: u8>(
                 let p = j0 / 2;
                 for i in 0..R {
                     let m = _mm512_set1_epi32(w[i].pairs[p]);
-                    for k in 0..ng {
+                    for k in 0..NG {
                         let sv = _mm512_mul_ps(_mm512_set1_ps(w[i].d), a[k].d);
                         let mv = _mm512_mul_ps(_mm512_set1_ps(w[i].dmin), a[k].d);
                         let imin = _mm512_dpwssd_epi32(_mm512_setzero_si512(), m, a[k].pairs[p]);
@@ -358,7 +362,7 @@ unsafe fn micro<const KIND: u8>(
             KOrder::Tiled if !q6 => {
                 // q4_K / q5_K: fnmadd(dmin, imin, isum · d), then one FMA with da.
                 for i in 0..R {
-                    for k in 0..ng {
+                    for k in 0..NG {
                         let imin = pair_dot(w[i], a[k], 4);
                         let res =
                             _mm512_mul_ps(_mm512_cvtepi32_ps(s1[i][k]), _mm512_set1_ps(w[i].d));
@@ -375,7 +379,7 @@ unsafe fn micro<const KIND: u8>(
             KOrder::Tiled => {
                 // q6_K: codes carry +32; remove 32 · Σ_j sc_j · bsums_j.
                 for i in 0..R {
-                    for k in 0..ng {
+                    for k in 0..NG {
                         let corr = pair_dot(w[i], a[k], 8);
                         let isum = _mm512_sub_epi32(s1[i][k], _mm512_slli_epi32::<5>(corr));
                         let res = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w[i].d));
@@ -387,7 +391,7 @@ unsafe fn micro<const KIND: u8>(
             _ => {
                 // Sb256: the super-block's sums and mins, one FMA each.
                 for i in 0..R {
-                    for k in 0..ng {
+                    for k in 0..NG {
                         let imin = pair_dot(w[i], a[k], 4);
                         let sv = _mm512_mul_ps(_mm512_set1_ps(w[i].d), a[k].d);
                         let mv = _mm512_mul_ps(_mm512_set1_ps(w[i].dmin), a[k].d);
