@@ -332,18 +332,33 @@ pub fn widen_transpose_f16(
     dst: &mut [f32],
     dst_stride: usize,
 ) {
+    if widen_transpose_fits(src.len(), src_stride, rows, cols, dst.len(), dst_stride) {
+        (dispatch::selected().widen_transpose_f16)(src, src_stride, rows, cols, dst, dst_stride)
+    }
+}
+
+/// The bounds of [`widen_transpose_f16`]: false when there is nothing to copy, a panic when a
+/// slice is too short. Every implementation checks through here.
+pub(crate) fn widen_transpose_fits(
+    src_len: usize,
+    src_stride: usize,
+    rows: usize,
+    cols: usize,
+    dst_len: usize,
+    dst_stride: usize,
+) -> bool {
     if rows == 0 || cols == 0 {
-        return;
+        return false;
     }
     assert!(
-        src_stride >= cols && src.len() >= (rows - 1) * src_stride + cols,
+        src_stride >= cols && src_len >= (rows - 1) * src_stride + cols,
         "widen_transpose_f16: src holds fewer than {rows} rows of {cols}"
     );
     assert!(
-        dst_stride >= rows && dst.len() >= (cols - 1) * dst_stride + rows,
+        dst_stride >= rows && dst_len >= (cols - 1) * dst_stride + rows,
         "widen_transpose_f16: dst holds fewer than {cols} rows of {rows}"
     );
-    (dispatch::selected().widen_transpose_f16)(src, src_stride, rows, cols, dst, dst_stride)
+    true
 }
 
 /// `acc[r·n + i] += Σ_j p[r·w + j]·v[j·n + i]` for each row `r`, one FMA per `j` in order (the

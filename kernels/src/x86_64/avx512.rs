@@ -541,13 +541,11 @@ fn widen_transpose_f16(
     dst: &mut [f32],
     dst_stride: usize,
 ) {
-    if rows == 0 || cols == 0 {
+    // Checked again here (the public entry checks too): the blocks below read and write through
+    // raw pointers.
+    if !crate::widen_transpose_fits(src.len(), src_stride, rows, cols, dst.len(), dst_stride) {
         return;
     }
-    // The public entry checks these; checked again here, since the blocks below read and write
-    // through raw pointers.
-    assert!(src_stride >= cols && src.len() >= (rows - 1) * src_stride + cols);
-    assert!(dst_stride >= rows && dst.len() >= (cols - 1) * dst_stride + rows);
     let (r16, c16) = (rows / 16 * 16, cols / 16 * 16);
     // SAFETY: token-gated; whole 16 × 16 blocks inside the sizes checked above.
     unsafe {
