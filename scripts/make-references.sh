@@ -12,7 +12,8 @@
 # scripts/build-llama-cpp.sh (run first if missing), g++, python3 with numpy and gguf.
 # Takes about 10 minutes on 2 cores, most of it Gemma's perplexity runs.
 #
-# usage: scripts/make-references.sh [--models-only | --refs-only] [--skip-gemma] [--only NAME,NAME]
+# usage: scripts/make-references.sh [--models-only | --refs-only | --harness-only] [--skip-gemma] [--only NAME,NAME]
+#   --harness-only: just build benches/ref/ref-greedy (target/llama.cpp/ref/ref-greedy)
 #   --only: make the references of these test models only (e.g. tiny-qwen3moe-q8_0)
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -27,6 +28,7 @@ while [ $# -gt 0 ]; do
     --models-only) refs=0 ;;
     --refs-only) models=0 ;;
     --skip-gemma) gemma=0 ;;
+    --harness-only) models=0; refs=0 ;;
     --only) only="${2:-}"; gemma=0; shift ;;
     *) echo "usage: $0 [--models-only | --refs-only] [--skip-gemma] [--only NAME,NAME]" >&2; exit 2 ;;
   esac

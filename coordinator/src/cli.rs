@@ -46,6 +46,15 @@ pub enum Command {
     Perplexity(PerplexityArgs),
     /// Prefill and decode throughput, shaped like llama-bench's pp/tg tests.
     Bench(BenchArgs),
+    /// How an MoE model routes a text: distinct experts and routing entropy per layer, the
+    /// shadow predictor's recall of the true top-k 1 to 4 layers ahead, and the expert
+    /// store's hit rate with and without its hints at 25 % and 50 % of the experts resident.
+    ///
+    /// Quote the spread (distinct experts, entropy) next to any memory or prefetch figure
+    /// measured on a model: routing collapsed onto a few experts makes such figures
+    /// meaningless. The store figures replay the routing trace through the store's policy
+    /// with reads completing at once (an upper bound on what prefetch can achieve).
+    Routing(RoutingArgs),
     /// Print a model's summary: architecture, sizes, context, experts, chat template and the
     /// weight types it holds.
     Info(InfoArgs),
@@ -401,6 +410,25 @@ pub struct InfoArgs {
     pub json: bool,
 }
 
+/// `ternfleet routing`.
+#[derive(Args, Debug)]
+pub struct RoutingArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Text file routed (run as `ternfleet perplexity` runs it, in chunks of --ctx tokens).
+    #[arg(short = 'f', long, default_value = "tests/data/text/gpl-3.txt")]
+    pub file: PathBuf,
+    /// Tokens measured.
+    #[arg(long, default_value_t = 1000)]
+    pub tokens: usize,
+    /// Tokens per chunk.
+    #[arg(short = 'c', long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// `ternfleet bench`.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -519,6 +547,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Generate(a) => cmd_generate(a),
         Command::Tokenize(a) => cmd_tokenize(a),
         Command::Perplexity(a) => cmd_perplexity(a),
+        Command::Routing(a) => cmd_routing(a),
         Command::Bench(a) => cmd_bench(a),
         Command::Info(a) => cmd_info(a),
         Command::Convert(a) => cmd_convert(a),
@@ -934,6 +963,58 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
         println!(
             "perplexity: {:.4} ({} chunks of {} tokens, {} tokens in the text)",
             r.ppl, r.chunks, t.ctx, r.tokens
+        );
+    }
+    Ok(())
+}
+
+fn cmd_routing(a: RoutingArgs) -> Result<()> {
+    let (model, opts) = init(&a.model)?;
+    let text = std::fs::read_to_string(&a.file)
+        .with_context(|| format!("reading {}", a.file.display()))?;
+    if a.tokens == 0 {
+        bail!("--tokens must be at least 1");
+    }
+    let bar = progress_bar("routing {bar:40} {pos}/{len} chunks [{elapsed_precise}<{eta_precise}]");
+    let r = crate::routing::routing(&model, opts, &text, a.tokens, a.ctx, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    let r = r?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(());
+    }
+    println!(
+        "{} tokens, {} experts per layer, top-{}: distinct experts per layer min {} mean {:.1}; routing entropy mean {:.2} bits (max {:.2})",
+        r.tokens, r.n_expert, r.k, r.distinct_min, r.distinct_mean, r.entropy_mean_bits, r.entropy_max_bits
+    );
+    for l in &r.layers {
+        println!(
+            "  layer {:>3}: {:>4} distinct, entropy {:.2} bits",
+            l.layer, l.distinct, l.entropy_bits
+        );
+    }
+    let recall: Vec<String> = r
+        .recall
+        .iter()
+        .enumerate()
+        .map(|(j, v)| match v {
+            Some(v) => format!("{}: {:.1} %", j + 1, 100.0 * v),
+            None => format!("{}: n/a", j + 1),
+        })
+        .collect();
+    println!("router predictor recall of the top-{} by lookahead {}", r.k, recall.join(", "));
+    for s in &r.store {
+        println!(
+            "store {:>3.0} % resident, {}: hit rate {:.1} % (prefetches {}, used {}, wasted {})",
+            100.0 * s.resident,
+            if s.hints { "with hints   " } else { "without hints" },
+            100.0 * s.hit_rate,
+            s.prefetches,
+            s.prefetch_used,
+            s.prefetch_wasted
         );
     }
     Ok(())

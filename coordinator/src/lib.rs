@@ -27,6 +27,7 @@ pub mod kv_pool;
 pub mod model;
 pub mod ops;
 pub mod perplexity;
+pub mod routing;
 pub mod sampler;
 pub mod serve;
 pub mod tokenizer;

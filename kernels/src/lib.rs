@@ -45,6 +45,12 @@ pub enum Numerics {
     /// row's result never depends on the other rows (the server default). Multi-token calls
     /// stay GEMMs: each weight block is still unpacked once for several tokens.
     Invariant,
+    /// Every token row summed in llama.cpp's *one-token* order, whatever the batch holds:
+    /// what its `MUL_MAT_ID` does for routed experts (a `vec_dot` per token for plain types,
+    /// the repacked GEMV per token for q4_K), so the parity order of a routed expert's GEMM.
+    /// Differs from [`Numerics::Invariant`] only for q6_K (`vec_dot`'s eight lanes instead of
+    /// the tiled order). Internal: not a `--numerics` choice.
+    Gemv,
 }
 
 impl Numerics {
@@ -53,6 +59,7 @@ impl Numerics {
         match self {
             Numerics::Parity => "parity",
             Numerics::Invariant => "invariant",
+            Numerics::Gemv => "gemv",
         }
     }
 }

@@ -300,8 +300,8 @@ pub(crate) struct Gemm<'a> {
     pub ntok: usize,
     /// Q8_0 activations: per-block f32 scales (`ntok * cols / 32`).
     pub a_scales: &'a [f32],
-    /// [`crate::Numerics::Invariant`]: every token in the single-token order.
-    pub invariant: bool,
+    /// The float order of multi-token calls (`crate::scalar::token_order`).
+    pub numerics: crate::Numerics,
 }
 
 impl<'a> Gemm<'a> {
@@ -355,7 +355,7 @@ impl<'a> Gemm<'a> {
             a_stride: x.row_bytes,
             ntok: x.n,
             a_scales: &x.scales,
-            invariant: numerics == crate::Numerics::Invariant,
+            numerics,
         })
     }
 

@@ -28,8 +28,9 @@ pub struct FfnWeights {
     pub down: Linear,
     pub act: Activation,
     /// A routed expert of an MoE layer. llama.cpp runs those through `MUL_MAT_ID`, which
-    /// multiplies repacked q4_K weights one token at a time (its GEMV float order) however
-    /// many tokens the expert gets; dense FFNs and shared experts batch tokens as usual.
+    /// sums every token in its one-token float order (repacked q4_K: the GEMV; other types:
+    /// `vec_dot`) however many tokens the expert gets; dense FFNs and shared experts batch
+    /// tokens as usual.
     pub routed: bool,
 }
 
@@ -112,9 +113,9 @@ fn input_for<'a>(
     Ok(scratch)
 }
 
-/// `out = W x` for every row of `x`. In parity mode a routed q4_K/q5_K expert multiplies one
-/// token at a time (see [`FfnWeights::routed`]); in invariant mode every matmul already sums
-/// each row in its single-token order, so the batch stays one GEMM.
+/// `out = W x` for every row of `x`. In parity mode a routed expert sums every token in
+/// llama.cpp's one-token order (`MUL_MAT_ID` runs a `vec_dot` or the repacked GEMV per token,
+/// see [`FfnWeights::routed`]): [`Numerics::Gemv`], still one GEMM over the expert's rows.
 fn project(
     w: &Linear,
     x: &Activations,
@@ -122,18 +123,12 @@ fn project(
     numerics: Numerics,
     out: &mut [f32],
 ) -> Result<(), ComputeError> {
-    let gemv_only = per_token
-        && numerics == Numerics::Parity
-        && matches!(w.ty(), GgmlType::Q4_K | GgmlType::Q5_K);
-    if !gemv_only || x.n() <= 1 {
-        return w.forward(x, out, numerics);
-    }
-    let mut one = Activations::new();
-    for (t, or) in out.chunks_exact_mut(w.rows()).enumerate() {
-        one.gather(x, &[t]);
-        w.forward(&one, or, numerics)?;
-    }
-    Ok(())
+    let numerics = if per_token && numerics == Numerics::Parity {
+        Numerics::Gemv
+    } else {
+        numerics
+    };
+    w.forward(x, out, numerics)
 }
 
 /// Runs one FFN over the rows of `x` (quantized for the gate and up matrices, or f32),

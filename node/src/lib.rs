@@ -15,3 +15,4 @@
 //! roles use.
 pub mod expert;
 pub mod shard;
+pub mod store;

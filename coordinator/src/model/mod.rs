@@ -9,6 +9,7 @@
 
 pub mod config;
 pub mod moe;
+pub mod predict;
 pub mod weights;
 
 use std::path::Path;
@@ -58,6 +59,9 @@ pub enum ForwardError {
 /// Sees inside a forward pass (see [`Model::forward_observed`]). Both methods default to
 /// doing nothing. `Send`: the pass runs on a compute-pool thread.
 pub trait Observer: Send {
+    /// The residual stream entering layer `layer`'s FFN block (before its norm):
+    /// `n_tokens × n_embd`.
+    fn ffn_residual(&mut self, _layer: usize, _x: &[f32]) {}
     /// The normalised FFN input of layer `layer`: `n_tokens × n_embd`.
     fn ffn_input(&mut self, _layer: usize, _x: &[f32]) {}
     /// The routes of an MoE layer (per token, best first; a shared expert last) and the
@@ -568,6 +572,7 @@ impl Model {
             dump(&format!("ffn_inp-{il}"), &x, d);
 
             // FFN block, through the expert backend.
+            obs.ffn_residual(il, &x);
             h.copy_from_slice(&x);
             ops::rms_norm_rows(&mut h, &lw.ffn_norm, cfg.rms_eps);
             dump(&format!("ffn_norm-{il}"), &h, d);

@@ -67,6 +67,7 @@ fn invariant_rows_equal_their_one_token_matmuls_on_every_isa() {
                         // except q6_K: Parity keeps llama.cpp's `vec_dot` order for decode,
                         // Invariant the tiled order of its GEMM.
                         let mut alone = Vec::with_capacity(n * nr);
+                        let mut alone_parity = Vec::with_capacity(n * nr);
                         for t in 0..n {
                             let xt = &x[t * cols..(t + 1) * cols];
                             let p = run(isa, &m, xt, 1, rows.clone(), Numerics::Parity);
@@ -75,7 +76,16 @@ fn invariant_rows_equal_their_one_token_matmuls_on_every_isa() {
                                 assert_eq!(bits(&p), bits(&i), "{isa:?} {ty:?} cols={cols} n=1");
                             }
                             alone.extend(i);
+                            alone_parity.extend(p);
                         }
+                        // Gemv (a routed expert's parity order): every row equals its 1-token
+                        // parity matmul.
+                        let gemv = run(isa, &m, &x, n, rows.clone(), Numerics::Gemv);
+                        assert_eq!(
+                            bits(&gemv),
+                            bits(&alone_parity),
+                            "{isa:?} {ty:?} cols={cols} rows={rows:?} n={n}: gemv order"
+                        );
                         let got = run(isa, &m, &x, n, rows.clone(), Numerics::Invariant);
                         for t in 0..n {
                             for r in 0..nr {

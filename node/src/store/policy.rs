@@ -1,0 +1,554 @@
+//! The expert store's policy: which experts are resident, which to read, which to evict.
+//!
+//! Pure logic, no I/O and no clock: the caller passes the time in and performs the reads the
+//! policy asks for, then reports them done ([`Policy::read_done`]). That keeps every rule here
+//! testable without a disk, and lets `ternfleet routing` replay a routing trace through the
+//! same policy to estimate hit rates.
+//!
+//! Rules:
+//! - The bytes of resident and in-flight experts never exceed the budget. An expert that
+//!   compute holds ([`Policy::demand`] pins it until [`Policy::release`]) or that is being
+//!   read is never evicted; the least recently used of the others goes first (LRU, the
+//!   baseline the issue asks for).
+//! - A demand for an expert that is resident is a hit; for one being read (a prefetch still
+//!   in flight) the caller waits for that read, nothing is read twice; otherwise it is a miss
+//!   and the caller reads it.
+//! - A hint ([`Policy::hint`]) reads an expert ahead of time only if it is neither resident
+//!   nor being read and room can be made without touching pinned experts; a prefetched
+//!   expert that is evicted before any demand counts as wasted.
+//! - A failed read removes the entry: the demand that waited on it gets the error (for that
+//!   request only) and the next demand reads again.
+
+use std::collections::{BTreeSet, HashMap};
+use std::time::{Duration, Instant};
+
+/// One expert of one layer.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct ExpertId {
+    pub layer: u32,
+    pub expert: u32,
+}
+
+impl std::fmt::Display for ExpertId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "layer {} expert {}", self.layer, self.expert)
+    }
+}
+
+/// What the caller of [`Policy::demand`] must do.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Demand {
+    /// Resident: use it.
+    Hit,
+    /// Being read (a prefetch): wait for that read.
+    Wait,
+    /// Not resident: read it (after dropping `evict`).
+    Read { evict: Vec<ExpertId> },
+}
+
+/// Counters, as `bench --json` and `/metrics` report them.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct StoreStats {
+    /// Demands served from memory.
+    pub hits: u64,
+    /// Demands that found their expert's read in flight (a late prefetch).
+    pub waits: u64,
+    /// Demands that had to read.
+    pub misses: u64,
+    /// Reads started by hints.
+    pub prefetches: u64,
+    /// Prefetched experts demanded before eviction.
+    pub prefetch_used: u64,
+    /// Prefetched experts evicted (or failed) before any demand.
+    pub prefetch_wasted: u64,
+    /// Hints ignored: already resident or in flight, or no room without evicting pinned experts.
+    pub hints_skipped: u64,
+    pub evictions: u64,
+    pub bytes_read: u64,
+    pub read_errors: u64,
+    /// Completed reads and their summed latency (start of read to [`Policy::read_done`]).
+    pub reads: u64,
+    pub read_ns: u64,
+    /// Worst read latency.
+    pub read_ns_max: u64,
+}
+
+impl StoreStats {
+    /// Hits over demands (a wait on a prefetch counts as a hit: the read was already on its way).
+    pub fn hit_rate(&self) -> f64 {
+        let d = self.hits + self.waits + self.misses;
+        if d == 0 {
+            0.0
+        } else {
+            (self.hits + self.waits) as f64 / d as f64
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum State {
+    Resident,
+    Reading { since: Instant },
+}
+
+#[derive(Debug)]
+struct Entry {
+    bytes: u64,
+    state: State,
+    /// Logical time of the last demand or hint (LRU order).
+    last: u64,
+    pins: u32,
+    /// Read by a hint and not demanded since.
+    prefetched: bool,
+}
+
+/// Errors of the policy.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PolicyError {
+    #[error("{id} needs {bytes} bytes but the store's budget is {budget} bytes")]
+    TooBig { id: ExpertId, bytes: u64, budget: u64 },
+    #[error("{id}: no room within the budget ({budget} bytes): {pinned} bytes are held by compute and {reading} bytes are being read")]
+    Full {
+        id: ExpertId,
+        budget: u64,
+        pinned: u64,
+        reading: u64,
+    },
+}
+
+/// The residency policy of one store (LRU within a byte budget).
+#[derive(Debug)]
+pub struct Policy {
+    budget: u64,
+    used: u64,
+    tick: u64,
+    entries: HashMap<ExpertId, Entry>,
+    /// Evictable candidates: (last use, id) of resident, unpinned entries.
+    lru: BTreeSet<(u64, ExpertId)>,
+    stats: StoreStats,
+}
+
+impl Policy {
+    /// An empty store that may hold `budget` bytes of experts.
+    pub fn new(budget: u64) -> Policy {
+        Policy {
+            budget,
+            used: 0,
+            tick: 0,
+            entries: HashMap::new(),
+            lru: BTreeSet::new(),
+            stats: StoreStats::default(),
+        }
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    /// Bytes of resident and in-flight experts.
+    pub fn used(&self) -> u64 {
+        self.used
+    }
+
+    pub fn stats(&self) -> &StoreStats {
+        &self.stats
+    }
+
+    /// Whether `id` is resident (not merely being read).
+    pub fn is_resident(&self, id: ExpertId) -> bool {
+        matches!(self.entries.get(&id), Some(e) if e.state == State::Resident)
+    }
+
+    /// Resident experts.
+    pub fn resident(&self) -> usize {
+        self.entries
+            .values()
+            .filter(|e| e.state == State::Resident)
+            .count()
+    }
+
+    fn touch(&mut self, id: ExpertId) {
+        self.tick += 1;
+        let tick = self.tick;
+        if let Some(e) = self.entries.get_mut(&id) {
+            if e.state == State::Resident && e.pins == 0 {
+                self.lru.remove(&(e.last, id));
+                self.lru.insert((tick, id));
+            }
+            e.last = tick;
+        }
+    }
+
+    /// The least recently used evictable experts whose removal makes room for `bytes`, or
+    /// `None` when even evicting all of them would not.
+    fn victims(&self, bytes: u64) -> Option<Vec<ExpertId>> {
+        let mut free = self.budget - self.used;
+        let mut out = Vec::new();
+        for &(_, id) in &self.lru {
+            if free >= bytes {
+                break;
+            }
+            free += self.entries[&id].bytes;
+            out.push(id);
+        }
+        (free >= bytes).then_some(out)
+    }
+
+    fn evict(&mut self, victims: &[ExpertId]) {
+        for id in victims {
+            if let Some(e) = self.entries.remove(id) {
+                self.lru.remove(&(e.last, *id));
+                self.used -= e.bytes;
+                self.stats.evictions += 1;
+                if e.prefetched {
+                    self.stats.prefetch_wasted += 1;
+                }
+            }
+        }
+    }
+
+    fn full(&self, id: ExpertId) -> PolicyError {
+        let (mut pinned, mut reading) = (0, 0);
+        for e in self.entries.values() {
+            match e.state {
+                State::Reading { .. } => reading += e.bytes,
+                State::Resident if e.pins > 0 => pinned += e.bytes,
+                State::Resident => {}
+            }
+        }
+        PolicyError::Full {
+            id,
+            budget: self.budget,
+            pinned,
+            reading,
+        }
+    }
+
+    fn insert_reading(&mut self, id: ExpertId, bytes: u64, now: Instant, pins: u32) {
+        self.tick += 1;
+        self.used += bytes;
+        self.entries.insert(
+            id,
+            Entry {
+                bytes,
+                state: State::Reading { since: now },
+                last: self.tick,
+                pins,
+                prefetched: pins == 0,
+            },
+        );
+    }
+
+    /// Compute needs `id` (`bytes` long) now. Pins it until [`Policy::release`]; on
+    /// [`Demand::Read`] the caller evicts the listed experts, reads `id` and calls
+    /// [`Policy::read_done`].
+    pub fn demand(
+        &mut self,
+        id: ExpertId,
+        bytes: u64,
+        now: Instant,
+    ) -> Result<Demand, PolicyError> {
+        if let Some(e) = self.entries.get_mut(&id) {
+            let was_prefetch = std::mem::take(&mut e.prefetched);
+            if was_prefetch {
+                self.stats.prefetch_used += 1;
+            }
+            let out = match e.state {
+                State::Resident => {
+                    self.stats.hits += 1;
+                    Demand::Hit
+                }
+                State::Reading { .. } => {
+                    self.stats.waits += 1;
+                    Demand::Wait
+                }
+            };
+            if e.pins == 0 && e.state == State::Resident {
+                self.lru.remove(&(e.last, id));
+            }
+            e.pins += 1;
+            self.touch(id);
+            return Ok(out);
+        }
+        if bytes > self.budget {
+            return Err(PolicyError::TooBig {
+                id,
+                bytes,
+                budget: self.budget,
+            });
+        }
+        let evict = self.victims(bytes).ok_or_else(|| self.full(id))?;
+        self.evict(&evict);
+        self.stats.misses += 1;
+        self.insert_reading(id, bytes, now, 1);
+        Ok(Demand::Read { evict })
+    }
+
+    /// A hint that `id` will be needed soon. `Some(evict)`: read it ahead (after dropping
+    /// `evict`) and call [`Policy::read_done`]; `None`: nothing to do.
+    pub fn hint(&mut self, id: ExpertId, bytes: u64, now: Instant) -> Option<Vec<ExpertId>> {
+        if self.entries.contains_key(&id) {
+            // Resident or in flight: refresh its place in the LRU order, read nothing.
+            self.touch(id);
+            self.stats.hints_skipped += 1;
+            return None;
+        }
+        let Some(evict) = (bytes <= self.budget)
+            .then(|| self.victims(bytes))
+            .flatten()
+        else {
+            self.stats.hints_skipped += 1;
+            return None;
+        };
+        self.evict(&evict);
+        self.stats.prefetches += 1;
+        self.insert_reading(id, bytes, now, 0);
+        Some(evict)
+    }
+
+    /// The read of `id` finished at `now` (`ok`: its bytes are in memory). A failed read
+    /// forgets the entry (waiters get the error; the next demand reads again).
+    pub fn read_done(&mut self, id: ExpertId, ok: bool, now: Instant) {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return;
+        };
+        let State::Reading { since } = e.state else {
+            return;
+        };
+        if !ok {
+            self.stats.read_errors += 1;
+            if e.prefetched {
+                self.stats.prefetch_wasted += 1;
+            }
+            self.used -= e.bytes;
+            self.entries.remove(&id);
+            return;
+        }
+        let ns = now.saturating_duration_since(since).as_nanos() as u64;
+        self.stats.reads += 1;
+        self.stats.read_ns += ns;
+        self.stats.read_ns_max = self.stats.read_ns_max.max(ns);
+        self.stats.bytes_read += e.bytes;
+        e.state = State::Resident;
+        if e.pins == 0 {
+            self.lru.insert((e.last, id));
+        }
+    }
+
+    /// Compute is done with `id` (one [`Policy::demand`]); it becomes evictable when no
+    /// demand holds it.
+    pub fn release(&mut self, id: ExpertId) {
+        if let Some(e) = self.entries.get_mut(&id) {
+            e.pins = e.pins.saturating_sub(1);
+            if e.pins == 0 && e.state == State::Resident {
+                self.lru.insert((e.last, id));
+            }
+        }
+    }
+
+    /// Mean read latency.
+    pub fn mean_read(&self) -> Duration {
+        Duration::from_nanos(self.stats.read_ns / self.stats.reads.max(1))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn id(layer: u32, expert: u32) -> ExpertId {
+        ExpertId { layer, expert }
+    }
+
+    /// Demands and immediately completes the read (a synchronous miss), then releases.
+    fn use_now(p: &mut Policy, x: ExpertId, bytes: u64, t: Instant) -> Demand {
+        let d = p.demand(x, bytes, t).expect("room");
+        if matches!(d, Demand::Read { .. }) {
+            p.read_done(x, true, t);
+        }
+        p.release(x);
+        d
+    }
+
+    #[test]
+    fn evicts_least_recently_used_first_and_never_exceeds_the_budget() {
+        let t = Instant::now();
+        let mut p = Policy::new(300);
+        for e in 0..3 {
+            assert_eq!(
+                use_now(&mut p, id(0, e), 100, t),
+                Demand::Read { evict: vec![] }
+            );
+        }
+        // Touch expert 0: expert 1 is now the least recently used.
+        assert_eq!(use_now(&mut p, id(0, 0), 100, t), Demand::Hit);
+        assert_eq!(
+            use_now(&mut p, id(0, 3), 100, t),
+            Demand::Read {
+                evict: vec![id(0, 1)]
+            }
+        );
+        assert_eq!(
+            use_now(&mut p, id(0, 4), 150, t),
+            Demand::Read {
+                evict: vec![id(0, 2), id(0, 0)]
+            }
+        );
+        assert!(p.used() <= p.budget());
+        assert_eq!(p.used(), 250);
+        let s = p.stats();
+        assert_eq!((s.hits, s.misses, s.evictions), (1, 5, 3));
+        assert!(p.is_resident(id(0, 3)) && p.is_resident(id(0, 4)));
+        assert!(!p.is_resident(id(0, 1)));
+    }
+
+    #[test]
+    fn pinned_and_in_flight_experts_are_never_evicted() {
+        let t = Instant::now();
+        let mut p = Policy::new(200);
+        assert!(matches!(p.demand(id(1, 0), 100, t), Ok(Demand::Read { .. })));
+        p.read_done(id(1, 0), true, t);
+        // Expert 1 is being read by a hint.
+        assert_eq!(p.hint(id(1, 1), 100, t), Some(vec![]));
+        // Both held: no room for a third.
+        let err = p.demand(id(1, 2), 100, t).unwrap_err();
+        assert_eq!(
+            err,
+            PolicyError::Full {
+                id: id(1, 2),
+                budget: 200,
+                pinned: 100,
+                reading: 100
+            }
+        );
+        assert!(err.to_string().contains("held by compute"));
+        // A hint never evicts them either.
+        assert_eq!(p.hint(id(1, 3), 100, t), None);
+        // Released and read: now evictable, the pinned-longest first.
+        p.release(id(1, 0));
+        p.read_done(id(1, 1), true, t);
+        assert_eq!(
+            p.demand(id(1, 2), 100, t),
+            Ok(Demand::Read {
+                evict: vec![id(1, 0)]
+            })
+        );
+        assert_eq!(
+            p.demand(id(1, 9), 500, t),
+            Err(PolicyError::TooBig {
+                id: id(1, 9),
+                bytes: 500,
+                budget: 200
+            })
+        );
+    }
+
+    #[test]
+    fn a_prefetch_in_flight_is_not_issued_twice_and_a_demand_waits_for_it() {
+        let t0 = Instant::now();
+        let mut p = Policy::new(1000);
+        assert_eq!(p.hint(id(2, 5), 100, t0), Some(vec![]));
+        assert_eq!(p.hint(id(2, 5), 100, t0), None);
+        assert_eq!(p.stats().prefetches, 1);
+        assert_eq!(p.demand(id(2, 5), 100, t0), Ok(Demand::Wait));
+        p.read_done(id(2, 5), true, t0 + Duration::from_millis(3));
+        p.release(id(2, 5));
+        let s = p.stats();
+        assert_eq!((s.waits, s.prefetch_used, s.misses), (1, 1, 0));
+        assert_eq!(s.bytes_read, 100);
+        assert_eq!(p.mean_read(), Duration::from_millis(3));
+        assert_eq!(s.hit_rate(), 1.0);
+        // Resident now: a demand is a hit and a hint reads nothing.
+        assert_eq!(p.hint(id(2, 5), 100, t0), None);
+        assert_eq!(use_now(&mut p, id(2, 5), 100, t0), Demand::Hit);
+    }
+
+    #[test]
+    fn unused_prefetches_count_as_wasted_when_evicted() {
+        let t = Instant::now();
+        let mut p = Policy::new(200);
+        for e in 0..2 {
+            assert!(p.hint(id(0, e), 100, t).is_some());
+            p.read_done(id(0, e), true, t);
+        }
+        assert_eq!(use_now(&mut p, id(0, 0), 100, t), Demand::Hit);
+        // Expert 1 (never used) is the LRU one.
+        assert_eq!(
+            use_now(&mut p, id(0, 2), 100, t),
+            Demand::Read {
+                evict: vec![id(0, 1)]
+            }
+        );
+        let s = p.stats();
+        assert_eq!((s.prefetch_used, s.prefetch_wasted), (1, 1));
+    }
+
+    #[test]
+    fn a_failed_read_is_forgotten_and_read_again_on_the_next_demand() {
+        let t = Instant::now();
+        let mut p = Policy::new(200);
+        assert!(matches!(p.demand(id(3, 1), 100, t), Ok(Demand::Read { .. })));
+        p.read_done(id(3, 1), false, t);
+        assert_eq!(p.used(), 0);
+        assert!(!p.is_resident(id(3, 1)));
+        p.release(id(3, 1)); // the failed request lets go; harmless
+        assert!(matches!(p.demand(id(3, 1), 100, t), Ok(Demand::Read { .. })));
+        p.read_done(id(3, 1), true, t);
+        assert!(p.is_resident(id(3, 1)));
+        assert_eq!(p.stats().read_errors, 1);
+        // Other experts were never affected.
+        assert_eq!(use_now(&mut p, id(3, 2), 100, t), Demand::Read { evict: vec![] });
+    }
+
+    #[test]
+    fn random_traces_keep_every_invariant() {
+        // A seeded random mix of demands, hints, completions and releases.
+        let mut s = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = move |n: u64| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            s % n
+        };
+        let t = Instant::now();
+        let mut p = Policy::new(1000);
+        let mut held: Vec<ExpertId> = Vec::new();
+        let mut reading: Vec<ExpertId> = Vec::new();
+        for _ in 0..20_000 {
+            let x = id(rnd(4) as u32, rnd(16) as u32);
+            let bytes = 50 + 10 * (x.expert as u64 % 5);
+            match rnd(4) {
+                0 => {
+                    if let Ok(d) = p.demand(x, bytes, t) {
+                        if matches!(d, Demand::Read { .. }) {
+                            reading.push(x);
+                        }
+                        held.push(x);
+                    }
+                }
+                1 => {
+                    if p.hint(x, bytes, t).is_some() {
+                        reading.push(x);
+                    }
+                }
+                2 if !reading.is_empty() => {
+                    let i = rnd(reading.len() as u64) as usize;
+                    let x = reading.swap_remove(i);
+                    p.read_done(x, rnd(10) != 0, t);
+                }
+                _ if !held.is_empty() => {
+                    let i = rnd(held.len() as u64) as usize;
+                    p.release(held.swap_remove(i));
+                }
+                _ => {}
+            }
+            assert!(p.used() <= p.budget());
+            let sum: u64 = p.entries.values().map(|e| e.bytes).sum();
+            assert_eq!(sum, p.used());
+            for &(_, x) in &p.lru {
+                let e = &p.entries[&x];
+                assert!(e.pins == 0 && e.state == State::Resident);
+            }
+        }
+    }
+}
