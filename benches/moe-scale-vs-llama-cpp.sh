@@ -14,8 +14,9 @@
 #   greedy      token ids of 16 greedy tokens on three prompts: ternfleet generate --temp 0
 #               (parity numerics) against llama.cpp (benches/ref/ref-greedy.cpp).
 #
-# llama.cpp repacks Q4_K weights into anonymous memory at load (the model then needs twice its
-# size in RAM for a moment: page cache + repacked copy); run one engine at a time, as here.
+# All in RAM: llama.cpp repacks the Q4_K weights into anonymous memory at load (its warm-up run
+# follows); ternfleet maps the file, which is read into the page cache before each of its runs.
+# One engine runs at a time.
 #
 # usage: benches/moe-scale-vs-llama-cpp.sh [--layers N] [-m MODEL] [-t THREADS] [-r REPS]
 #                                          [-p PROMPT_TOKENS] [-n GEN_TOKENS] [--no-greedy]
@@ -58,11 +59,10 @@ if command -v sysbench >/dev/null || { apt-get install -y -qq sysbench >/dev/nul
 fi
 echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 for i in $(seq 1 "$reps"); do
-  sync; echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || true
   timeout 1800 "$bin/llama-bench" -m "$model" -p "$pp" -n "$tg" -t "$threads" -r 1 -o json \
     >"$work/llama.$i.json" 2>"$work/llama.$i.err" \
     || { echo "moe-scale: llama-bench failed:" >&2; tail -n 5 "$work/llama.$i.err" >&2; exit 1; }
-  sync; echo 3 >/proc/sys/vm/drop_caches 2>/dev/null || true
+  cat "$model" >/dev/null  # all in RAM: the page cache llama.cpp's repacked copy pushed out
   timeout 1800 "$tf" bench -m "$model" --prompt "$pp" --gen "$tg" --reps 1 --threads "$threads" --json \
     >"$work/tf.$i.json" 2>"$work/tf.$i.err" \
     || { echo "moe-scale: ternfleet bench failed:" >&2; tail -n 5 "$work/tf.$i.err" >&2; exit 1; }
@@ -127,8 +127,9 @@ if greedy:
     same = 0
     for i in range(1, 4):
         try:
-            a = json.loads(open(f"{work}/ref.{i}.json").read())["tokens"]
-            b = json.loads([l for l in open(f"{work}/gen.{i}.json").read().splitlines() if l.startswith("{")][-1])["tokens"]
+            a = json.loads(open(f"{work}/ref.{i}.json", errors="replace").read())["tokens"]
+            b = json.loads([l for l in open(f"{work}/gen.{i}.json", errors="replace").read().splitlines()
+                            if l.startswith("{")][-1])["tokens"]
         except (OSError, ValueError, IndexError, KeyError) as e:
             print(f"greedy prompt {i}: no result ({e})"); continue
         ok = a == b

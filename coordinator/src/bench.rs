@@ -22,6 +22,9 @@ pub struct BenchResult {
     /// `--parallel N`: aggregate decode tokens/s of N sequences.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agg_tg_tps: Option<f64>,
+    /// `--ram-budget`: the expert store's counters over the whole run (warm-up included).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub store: Option<ternfleet_shared::expert::StoreStats>,
 }
 
 /// Token ids below `n_vocab` from a xorshift64 stream seeded with `seed` (benchmark prompts:
@@ -96,6 +99,7 @@ pub fn bench(
         numerics: opts.numerics.name(),
         parallel: None,
         agg_tg_tps: None,
+        store: None,
     })
 }
 

@@ -304,6 +304,15 @@ pub struct ModelArgs {
     /// row's arithmetic fixed whatever shares its step).
     #[arg(long, default_value = "parity")]
     pub numerics: Numerics,
+    /// MoE GGUF models: keep at most this much of the routed experts in RAM (e.g. 8GiB,
+    /// 512MiB); the rest is read from disk (O_DIRECT) on demand or ahead of time on the
+    /// shadow predictor's hints. Default: every expert memory-mapped.
+    #[arg(long = "ram-budget", value_parser = parse_size)]
+    pub ram_budget: Option<u64>,
+    /// With --ram-budget: what hints the expert store. `router`: later layers' routers on the
+    /// current state, 4 layers ahead; `none`: demand reads only.
+    #[arg(long, default_value = "router", value_parser = ["router", "none"])]
+    pub prefetch: String,
 }
 
 /// `ternfleet generate`.
@@ -474,7 +483,14 @@ fn init(args: &ModelArgs) -> Result<(Model, SeqOptions)> {
         bail!("model file {} not found{hint}", args.model.display());
     }
     let t = std::time::Instant::now();
-    let model = Model::open(&args.model)?;
+    let mut model = Model::open_with(
+        &args.model,
+        &crate::model::OpenOptions {
+            ram_budget: args.ram_budget,
+            io_threads: None,
+        },
+    )?;
+    model.hints = args.prefetch != "none";
     let opts = SeqOptions {
         top_experts: args.top_experts,
         numerics: args.numerics,
@@ -1034,6 +1050,7 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         "--prompt/--gen/--parallel",
     )?;
     let mut r = crate::bench::bench(&model, opts, a.prompt, a.gen, a.batch, a.reps)?;
+    r.store = model.experts.store_stats();
     if let Some(n) = a.parallel {
         if n == 0 {
             bail!("--parallel must be at least 1");
@@ -1052,6 +1069,20 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
         );
         if let (Some(n), Some(agg)) = (r.parallel, r.agg_tg_tps) {
             println!("tg{} with {n} sequences: {agg:.1} t/s aggregate", a.gen);
+        }
+        if let Some(s) = &r.store {
+            println!(
+                "expert store: hit rate {:.1} % ({} hits, {} waits on prefetches, {} misses), prefetches {} ({} used, {} wasted), {:.2} GB read, mean read {:.2} ms",
+                100.0 * s.hit_rate(),
+                s.hits,
+                s.waits,
+                s.misses,
+                s.prefetches,
+                s.prefetch_used,
+                s.prefetch_wasted,
+                s.bytes_read as f64 / 1e9,
+                s.read_ns as f64 / s.reads.max(1) as f64 / 1e6
+            );
         }
     }
     Ok(())

@@ -47,6 +47,8 @@ pub(crate) struct Kernels {
     /// The matmul for a weight type (against its `vec_dot_type` activations).
     pub matmul_for: fn(GgmlType) -> Option<MatmulFn>,
     pub dot_f32: fn(&[f32], &[f32]) -> f32,
+    /// See `scalar::dot_f32_tinyblas` (equal lengths, multiples of 16).
+    pub dot_f32_tinyblas: fn(&[f32], &[f32]) -> f32,
     pub dot_f16: fn(&[f16], &[f16]) -> f32,
     /// `y[i] = f16(x[i] * v + y[i])`, one f32 FMA then round-to-nearest-even (equal lengths).
     pub mad_f16: fn(&mut [f16], &[f16], f32),
@@ -84,6 +86,7 @@ const SCALAR: Kernels = Kernels {
     isa: Isa::Scalar,
     matmul_for: scalar_matmul_for,
     dot_f32: crate::scalar::dot_f32,
+    dot_f32_tinyblas: crate::scalar::dot_f32_tinyblas,
     dot_f16: crate::scalar::dot_f16,
     mad_f16: crate::scalar::mad_f16,
     scale_f16: crate::scalar::scale_f16,

@@ -280,6 +280,19 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     (dispatch::selected().dot_f32)(a, b)
 }
 
+/// `Σ a[i]·b[i]` in the order of llamafile's `tinyBLAS<16, __m512>` (ggml's f32 `mul_mat` of
+/// two or more tokens): one 16-lane FMA accumulator, halved 16 → 8 → 4 → 2 → 1; bit-identical on
+/// every ISA. Panics when the lengths differ or are not a multiple of 16.
+pub fn dot_f32_tinyblas(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len(), "dot_f32_tinyblas of slices of different lengths");
+    assert!(
+        a.len().is_multiple_of(16),
+        "dot_f32_tinyblas of {} elements (not a multiple of 16)",
+        a.len()
+    );
+    (dispatch::selected().dot_f32_tinyblas)(a, b)
+}
+
 /// `ggml_vec_dot_f16`: products of f16 values accumulated in f32, bit-identical to llama.cpp's
 /// AVX-512 build on every ISA. Panics when the lengths differ.
 pub fn dot_f16(a: &[half::f16], b: &[half::f16]) -> f32 {

@@ -771,6 +771,26 @@ pub(crate) fn matmul(g: &crate::matmul::Gemm<'_>, out: &mut [f32]) {
     }
 }
 
+/// `Σ a[i]·b[i]` as llamafile's `tinyBLAS<16, __m512>` sums a row (ggml's f32 `mul_mat` for
+/// two or more tokens): one 16-lane FMA accumulator over 16-element steps, then halved
+/// 16 → 8 → 4 → 2 → 1 (`_mm512_reduce_add_ps`). Lengths are equal multiples of 16.
+pub(crate) fn dot_f32_tinyblas(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; 16];
+    for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
+        for l in 0..16 {
+            acc[l] = x[l].mul_add(y[l], acc[l]);
+        }
+    }
+    let mut width = 8;
+    while width > 0 {
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+        width /= 2;
+    }
+    acc[0]
+}
+
 /// `ggml_vec_dot_f32` over f32 slices (double accumulation, like the scalar ggml path).
 pub(crate) fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     ggml_order_dot(a.len().min(b.len()), |i| (a[i], b[i]))

@@ -226,6 +226,19 @@ fn dot_helpers_match_scalar_on_every_isa() {
                 want16.to_bits(),
                 "{isa:?} dot_f16 n={n}"
             );
+            if n % 16 == 0 {
+                let tb = scalar::dot_f32_tinyblas(&a, &b);
+                assert_eq!(
+                    (k.dot_f32_tinyblas)(&a, &b).to_bits(),
+                    tb.to_bits(),
+                    "{isa:?} dot_f32_tinyblas n={n}"
+                );
+                let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
+                assert!(
+                    (tb as f64 - exact).abs() <= 1e-5 * scale as f64,
+                    "dot_f32_tinyblas n={n}"
+                );
+            }
             // ... and that order is a faithful dot product.
             let exact: f64 = a.iter().zip(&b).map(|(x, y)| *x as f64 * *y as f64).sum();
             assert!(

@@ -212,8 +212,8 @@ impl LocalExperts {
         Ok(experts)
     }
 
-    /// Runs a batch now: each route's expert output, in route order.
-    pub fn run(&self, b: &ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+    /// Checks a batch against the layer it names: input width and type, routes in range.
+    pub fn check(&self, b: &ExpertBatch<'_>) -> Result<(), ExpertError> {
         let layer = b.layer;
         let experts = self.layer(layer)?;
         let d = experts[0].n_embd();
@@ -229,7 +229,16 @@ impl LocalExperts {
                 want,
             });
         }
-        check_routes(layer, b.routes, n_tokens, experts.len())?;
+        check_routes(layer, b.routes, n_tokens, experts.len())
+    }
+
+    /// Runs a batch now: each route's expert output, in route order.
+    pub fn run(&self, b: &ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        self.check(b)?;
+        let layer = b.layer;
+        let experts = self.layer(layer)?;
+        let d = experts[0].n_embd();
+        let n_tokens = b.n_tokens();
         // The experts this batch uses, with the routes each serves. They run in parallel:
         // small expert matmuls split across threads cost more in joins than they save.
         let mut mine: Vec<Vec<usize>> = vec![Vec::new(); experts.len()];

@@ -19,11 +19,70 @@ pub enum ComputeError {
     Kernel(#[from] KernelError),
 }
 
+/// Bytes in memory aligned to [`AlignedBuf::ALIGN`] (what `O_DIRECT` reads need): an expert
+/// read from disk by the expert store.
+pub struct AlignedBuf {
+    ptr: std::ptr::NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: an owned, heap-allocated byte buffer with no interior mutability once shared.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: as above; `&AlignedBuf` only hands out `&[u8]`.
+unsafe impl Sync for AlignedBuf {}
+
+impl AlignedBuf {
+    /// Alignment of the start (and, for `O_DIRECT`, of every offset and length read).
+    pub const ALIGN: usize = 4096;
+
+    fn layout(len: usize) -> std::alloc::Layout {
+        std::alloc::Layout::from_size_align(len.max(1), Self::ALIGN)
+            .expect("buffer length below isize::MAX")
+    }
+
+    /// `len` zeroed bytes; `None` when the allocation fails.
+    pub fn zeroed(len: usize) -> Option<AlignedBuf> {
+        // SAFETY: the layout has a non-zero size.
+        let p = unsafe { std::alloc::alloc_zeroed(Self::layout(len)) };
+        std::ptr::NonNull::new(p).map(|ptr| AlignedBuf { ptr, len })
+    }
+
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `ptr` is valid for `len` bytes and uniquely borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl std::ops::Deref for AlignedBuf {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr` is valid for `len` initialised bytes while `self` lives.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `zeroed` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+    }
+}
+
+/// Where a [`Linear`]'s bytes live.
+#[derive(Clone)]
+enum Backing {
+    /// A memory-mapped model file (`bytes` are file offsets).
+    File(Arc<GgufFile>),
+    /// A buffer the expert store read (`bytes` are offsets in it).
+    Owned(Arc<AlignedBuf>),
+}
+
 /// A 2-D weight matrix (`rows` outputs × `cols` inputs, ggml row-major) borrowed from a mapped
-/// file. Holding the `Arc<GgufFile>` keeps the mapping alive.
+/// file, or held in a buffer the expert store read from it. Holding the `Arc` keeps the
+/// mapping (or buffer) alive.
 #[derive(Clone)]
 pub struct Linear {
-    file: Arc<GgufFile>,
+    file: Backing,
     name: String,
     ty: GgmlType,
     rows: usize,
@@ -66,7 +125,7 @@ impl Linear {
             return Err(err(format!("data {start}..{end} past end of file")));
         }
         let lin = Linear {
-            file: file.clone(),
+            file: Backing::File(file.clone()),
             name: t.name.clone(),
             ty: t.ty,
             rows,
@@ -116,7 +175,7 @@ impl Linear {
             return Err(err(format!("data {start}..{end} past end of file")));
         }
         let lin = Linear {
-            file: file.clone(),
+            file: Backing::File(file.clone()),
             name: format!("{}[{index}]", t.name),
             ty: t.ty,
             rows: usize::try_from(t.dims[1]).map_err(|_| err("too many rows".into()))?,
@@ -145,7 +204,31 @@ impl Linear {
     }
     /// Raw weight bytes.
     pub fn data(&self) -> &[u8] {
-        &self.file.data()[self.bytes.clone()]
+        match &self.file {
+            Backing::File(f) => &f.data()[self.bytes.clone()],
+            Backing::Owned(b) => &b[self.bytes.clone()],
+        }
+    }
+
+    /// The byte range of the weights in the model file (`None` once rebound to a buffer).
+    pub fn file_range(&self) -> Option<Range<usize>> {
+        matches!(self.file, Backing::File(_)).then(|| self.bytes.clone())
+    }
+
+    /// The same matrix over `buf[at..at + len]`, where the caller copied this matrix's bytes.
+    pub fn rebind(&self, buf: &Arc<AlignedBuf>, at: usize) -> Result<Linear, ComputeError> {
+        let len = self.bytes.len();
+        if at.checked_add(len).is_none_or(|end| end > buf.len()) {
+            return Err(ComputeError::Tensor {
+                name: self.name.clone(),
+                msg: format!("rebind at {at}: {len} bytes past a buffer of {}", buf.len()),
+            });
+        }
+        Ok(Linear {
+            file: Backing::Owned(buf.clone()),
+            bytes: at..at + len,
+            ..self.clone()
+        })
     }
     /// Bytes of one row.
     pub fn row_bytes(&self) -> usize {

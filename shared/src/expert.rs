@@ -63,6 +63,45 @@ pub enum Health {
     Unavailable(String),
 }
 
+/// Counters, as `bench --json` and `/metrics` report them.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct StoreStats {
+    /// Demands served from memory.
+    pub hits: u64,
+    /// Demands that found their expert's prefetch still in flight (a late prefetch).
+    pub waits: u64,
+    /// Demands that had to read (or found another demand's read in flight).
+    pub misses: u64,
+    /// Reads started by hints.
+    pub prefetches: u64,
+    /// Prefetched experts demanded before eviction.
+    pub prefetch_used: u64,
+    /// Prefetched experts evicted (or failed) before any demand.
+    pub prefetch_wasted: u64,
+    /// Hints ignored: already resident or in flight, or no room without evicting pinned experts.
+    pub hints_skipped: u64,
+    pub evictions: u64,
+    pub bytes_read: u64,
+    pub read_errors: u64,
+    /// Completed reads and their summed latency (start of read to [`Policy::read_done`]).
+    pub reads: u64,
+    pub read_ns: u64,
+    /// Worst read latency.
+    pub read_ns_max: u64,
+}
+
+impl StoreStats {
+    /// Hits over demands (a wait on a prefetch counts as a hit: the read was already on its way).
+    pub fn hit_rate(&self) -> f64 {
+        let d = self.hits + self.waits + self.misses;
+        if d == 0 {
+            0.0
+        } else {
+            (self.hits + self.waits) as f64 / d as f64
+        }
+    }
+}
+
 /// Errors of an expert backend.
 #[derive(Debug, thiserror::Error)]
 pub enum ExpertError {
@@ -142,6 +181,15 @@ pub trait ExpertBackend: Send + Sync {
     fn submit(&self, batch: &ExpertBatch<'_>) -> Result<Box<dyn InFlight>, ExpertError>;
     /// Hint that these experts of `layer` will be needed soon. Fire and forget.
     fn prefetch(&self, _layer: usize, _experts: &[u32]) {}
+    /// Whether [`ExpertBackend::prefetch`] does anything (the caller then runs the shadow
+    /// predictor; backends that hold every expert say no and cost nothing).
+    fn wants_hints(&self) -> bool {
+        false
+    }
+    /// The expert store's counters, when the backend has a store.
+    fn store_stats(&self) -> Option<StoreStats> {
+        None
+    }
     /// Current health.
     fn health(&self) -> Health {
         Health::Ready

@@ -129,7 +129,20 @@ pub struct Model {
     pub tokenizer: Tokenizer,
     pub weights: DenseWeights,
     pub experts: Box<dyn ExpertBackend>,
+    /// Run the shadow predictor and hint the expert backend (when it wants hints).
+    pub hints: bool,
     file: Arc<GgufFile>,
+}
+
+/// How [`Model::open_with`] holds the weights.
+#[derive(Clone, Debug, Default)]
+pub struct OpenOptions {
+    /// Keep at most this many bytes of routed experts in RAM (MoE GGUF files): the rest is
+    /// read from disk on demand or ahead of time on the shadow predictor's hints
+    /// (`ternfleet_node::store`). `None`: every expert memory-mapped.
+    pub ram_budget: Option<u64>,
+    /// Threads reading experts from disk (default 4).
+    pub io_threads: Option<usize>,
 }
 
 /// Opening a model: a GGUF error, or a model/tokenizer error.
@@ -151,6 +164,10 @@ pub enum LoadError {
     Bundle(#[from] BundleError),
     #[error(transparent)]
     Shard(ternfleet_node::shard::ShardError),
+    #[error(transparent)]
+    Store(#[from] ternfleet_node::store::StoreError),
+    #[error("{path}: --ram-budget needs a mixture-of-experts GGUF file ({why})")]
+    NoStore { path: String, why: &'static str },
 }
 
 pub use ternfleet_node::shard::{BLOB_EXPERT_KEY, BLOB_LAYER_KEY};
@@ -174,7 +191,19 @@ impl Model {
     /// Opens a GGUF model file, or a bundle directory (see [`Model::open_bundle`]), and binds
     /// its weights (memory-mapped, nothing copied but norms and routers).
     pub fn open(path: &Path) -> Result<Model, LoadError> {
+        Model::open_with(path, &OpenOptions::default())
+    }
+
+    /// [`Model::open`] with options (an expert store within a RAM budget).
+    pub fn open_with(path: &Path, opts: &OpenOptions) -> Result<Model, LoadError> {
+        let no_store = |why| LoadError::NoStore {
+            path: path.display().to_string(),
+            why,
+        };
         if path.is_dir() {
+            if opts.ram_budget.is_some() {
+                return Err(no_store("bundles are not served from the store yet"));
+            }
             return Model::open_bundle(path);
         }
         let p = path.display().to_string();
@@ -182,7 +211,11 @@ impl Model {
             path: p.clone(),
             err,
         })?);
-        Self::from_file(file).map_err(|e| match e {
+        let store = match opts.ram_budget {
+            Some(budget) => Some((path, budget, opts.io_threads.unwrap_or(4))),
+            None => None,
+        };
+        Self::from_file_with(file, store).map_err(|e| match e {
             LoadError::Model { err, .. } => LoadError::Model {
                 path: p.clone(),
                 err,
@@ -197,6 +230,15 @@ impl Model {
 
     /// Binds an already opened file.
     pub fn from_file(file: Arc<GgufFile>) -> Result<Model, LoadError> {
+        Self::from_file_with(file, None)
+    }
+
+    /// Binds an already opened file; `store`: (its path, RAM budget, I/O threads) to serve
+    /// the routed experts from an expert store.
+    fn from_file_with(
+        file: Arc<GgufFile>,
+        store: Option<(&Path, u64, usize)>,
+    ) -> Result<Model, LoadError> {
         let wrap = |err| LoadError::Model {
             path: String::new(),
             err,
@@ -207,12 +249,24 @@ impl Model {
             err,
         })?;
         let (weights, ffns) = weights::load(&file, &cfg, true).map_err(wrap)?;
-        let experts = Box::new(LocalExperts::new(ffns));
+        let experts: Box<dyn ExpertBackend> = match store {
+            None => Box::new(LocalExperts::new(ffns)),
+            Some((path, _, _)) if cfg.moe.is_none() => {
+                return Err(LoadError::NoStore {
+                    path: path.display().to_string(),
+                    why: "this model has no routed experts",
+                })
+            }
+            Some((path, budget, io)) => Box::new(ternfleet_node::store::StoreExperts::new(
+                path, ffns, budget, io,
+            )?),
+        };
         Ok(Model {
             cfg,
             tokenizer,
             weights,
             experts,
+            hints: true,
             file,
         })
     }
@@ -302,6 +356,7 @@ impl Model {
             tokenizer,
             weights,
             experts: Box::new(LocalExperts::new(ffns)),
+            hints: true,
             file,
         })
     }
@@ -587,6 +642,18 @@ impl Model {
                 }
                 _ => &all_tokens,
             };
+            // Shadow predictor: later layers' routers on this state hint the expert store,
+            // so their experts are read while this layer computes. Never changes the output.
+            if self.hints && self.experts.wants_hints() {
+                if let (Some(m), Some(p)) = (&cfg.moe, predict::RouterPredictor::new(cfg, w)) {
+                    for target in il + 1..(il + 1 + predict::LOOKAHEAD).min(cfg.n_layer) {
+                        let mut set = p.predict(&x, n, target, m.n_expert_used);
+                        set.sort_unstable();
+                        set.dedup();
+                        self.experts.prefetch(target, &set);
+                    }
+                }
+            }
             // The rows cross the backend quantized to what the layer's experts read.
             let in_ty = self.experts.input_type(il)?;
             ternfleet_shared::compute::quantize_as(&mut expert_in, in_ty, &h, n, d)?;

@@ -46,23 +46,7 @@ pub fn router_dot_order(n_tokens: usize, k: usize, m: usize) -> DotOrder {
 pub fn dot(order: DotOrder, a: &[f32], b: &[f32]) -> f32 {
     match order {
         DotOrder::VecDot => ternfleet_kernels::dot_f32(a, b),
-        DotOrder::TinyBlas => {
-            let mut acc = [0f32; 16];
-            for (x, y) in a.chunks_exact(16).zip(b.chunks_exact(16)) {
-                for l in 0..16 {
-                    acc[l] = x[l].mul_add(y[l], acc[l]);
-                }
-            }
-            // _mm512_reduce_add_ps: halve 16 → 8 → 4 → 2 → 1.
-            let mut width = 8;
-            while width > 0 {
-                for l in 0..width {
-                    acc[l] += acc[l + width];
-                }
-                width /= 2;
-            }
-            acc[0]
-        }
+        DotOrder::TinyBlas => ternfleet_kernels::dot_f32_tinyblas(a, b),
     }
 }
 

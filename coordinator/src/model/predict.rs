@@ -14,6 +14,9 @@ use super::weights::DenseWeights;
 use super::ModelConfig;
 use crate::ops;
 
+/// How many layers ahead the engine hints the expert store.
+pub const LOOKAHEAD: usize = 4;
+
 /// Predicts later layers' experts with their own routers applied to the current state.
 pub struct RouterPredictor<'a> {
     cfg: &'a ModelConfig,

@@ -38,6 +38,7 @@ impl Avx2 {
             isa: Isa::Avx2,
             matmul_for,
             dot_f32,
+            dot_f32_tinyblas,
             dot_f16,
             mad_f16,
             scale_f16,
@@ -108,6 +109,40 @@ entry!(mm_tf1, run_tern, TF1);
 fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: token-gated as above; both slices have `n` elements.
     unsafe { dot_raw::<F32>(a.as_ptr().cast(), b.as_ptr().cast(), a.len().min(b.len())) }
+}
+
+pub(super) fn dot_f32_tinyblas(a: &[f32], b: &[f32]) -> f32 {
+    let n = a.len().min(b.len()) & !15;
+    // SAFETY: token-gated as above (the AVX-512 table shares it: its features include AVX2 and
+    // FMA); both slices have at least `n` elements.
+    unsafe { dot_tinyblas_raw(a.as_ptr(), b.as_ptr(), n) }
+}
+
+/// `scalar::dot_f32_tinyblas` over `n` (a multiple of 16) elements: the 16 lanes as two
+/// 8-lane FMA accumulators, halved in the same order.
+///
+/// # Safety
+/// AVX2 and FMA available; `a` and `b` readable for `n` f32.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dot_tinyblas_raw(a: *const f32, b: *const f32, n: usize) -> f32 {
+    let (mut lo, mut hi) = (_mm256_setzero_ps(), _mm256_setzero_ps());
+    let mut i = 0;
+    // SAFETY (whole loop): offsets below `n`.
+    unsafe {
+        while i < n {
+            lo = _mm256_fmadd_ps(_mm256_loadu_ps(a.add(i)), _mm256_loadu_ps(b.add(i)), lo);
+            hi = _mm256_fmadd_ps(
+                _mm256_loadu_ps(a.add(i + 8)),
+                _mm256_loadu_ps(b.add(i + 8)),
+                hi,
+            );
+            i += 16;
+        }
+    }
+    let v8 = _mm256_add_ps(lo, hi);
+    let v4 = _mm_add_ps(_mm256_castps256_ps128(v8), _mm256_extractf128_ps(v8, 1));
+    let v2 = _mm_add_ps(v4, _mm_movehl_ps(v4, v4));
+    _mm_cvtss_f32(_mm_add_ss(v2, _mm_shuffle_ps(v2, v2, 1)))
 }
 
 fn dot_f16(a: &[f16], b: &[f16]) -> f32 {

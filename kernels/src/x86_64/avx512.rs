@@ -39,6 +39,7 @@ impl Avx512 {
             isa: Isa::Avx512,
             matmul_for,
             dot_f32,
+            dot_f32_tinyblas,
             dot_f16,
             mad_f16,
             scale_f16,
@@ -109,6 +110,8 @@ fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
     // SAFETY: token-gated as above; both slices have `n` elements (checked by the caller).
     unsafe { dot_raw::<F32>(a.as_ptr().cast(), b.as_ptr().cast(), a.len().min(b.len())) }
 }
+
+use super::avx2::dot_f32_tinyblas;
 
 fn dot_f16(a: &[f16], b: &[f16]) -> f32 {
     // SAFETY: as `dot_f32`.

@@ -1,7 +1,518 @@
 //! The expert store: which experts a process keeps in RAM within a byte budget, which it reads
 //! from disk on demand or ahead of time on a hint (DESIGN.md "Node memory hierarchy").
 //!
-//! [`policy`] is the decision logic (no I/O, time as input).
+//! - [`policy`] is the decision logic (LRU within the budget; no I/O, time as input).
+//! - [`StoreExperts`] is the expert backend over it: routed experts live on disk in the model
+//!   file and are read into aligned buffers with `O_DIRECT` (so "cold" means read from disk:
+//!   nothing of an evicted expert stays in the page cache; where the filesystem refuses
+//!   `O_DIRECT`, reads are buffered and the range is dropped from the page cache after).
+//!   Hints ([`ExpertBackend::prefetch`]) are read by I/O threads, never on the compute path; a
+//!   demand for an expert that is neither resident nor in flight is a miss, read at once by
+//!   the I/O threads ahead of any prefetch, counted and timed. A failed read fails the batch
+//!   that needed it (that request only); the next demand reads again.
+//!
+//! Shared experts and dense FFNs are not routed: they stay memory-mapped, outside the budget.
 pub mod policy;
 
 pub use policy::{Demand, ExpertId, Policy, PolicyError, StoreStats};
+
+use std::collections::{HashMap, VecDeque};
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Instant;
+
+use rayon::prelude::*;
+use ternfleet_kernels::{Activations, GgmlType};
+use ternfleet_shared::compute::{AlignedBuf, ComputeError};
+use ternfleet_shared::expert::{ExpertBackend, ExpertBatch, ExpertError, InFlight, Ready};
+
+use crate::expert::{run_ffn, FfnWeights, LocalExperts};
+
+/// Where one routed expert's three matrices sit in the file, and its size in memory.
+struct Layout {
+    /// File ranges of gate, up, down.
+    ranges: [std::ops::Range<usize>; 3],
+    /// Bytes of the buffer it is read into (each range widened to whole 4 KiB pages).
+    bytes: u64,
+}
+
+fn page_span(r: &std::ops::Range<usize>) -> std::ops::Range<usize> {
+    let a = AlignedBuf::ALIGN;
+    r.start / a * a..r.end.div_ceil(a) * a
+}
+
+impl Layout {
+    fn of(w: &FfnWeights) -> Option<Layout> {
+        let ranges = [
+            w.gate.file_range()?,
+            w.up.file_range()?,
+            w.down.file_range()?,
+        ];
+        let bytes = ranges.iter().map(|r| page_span(r).len() as u64).sum();
+        Some(Layout { ranges, bytes })
+    }
+}
+
+/// Mutable state under one lock.
+struct State {
+    policy: Policy,
+    resident: HashMap<ExpertId, Arc<FfnWeights>>,
+    /// Reads that failed, for the demands waiting on them.
+    failed: HashMap<ExpertId, String>,
+    /// Queued reads: demands at the front, prefetches at the back.
+    queue: VecDeque<ExpertId>,
+    shutdown: bool,
+}
+
+struct Shared {
+    path: PathBuf,
+    file: File,
+    direct: bool,
+    /// `layers[l][e]`: the memory-mapped description of expert `e` (shared experts and dense
+    /// FFNs are used from the map directly).
+    layers: Vec<Vec<FfnWeights>>,
+    layouts: Vec<Vec<Option<Layout>>>,
+    state: Mutex<State>,
+    /// Signalled when a read completes or fails, and when work is queued.
+    changed: Condvar,
+}
+
+/// The store-backed expert backend of one process (see the module docs).
+pub struct StoreExperts {
+    shared: Arc<Shared>,
+    /// For the layers' input types and the batch checks.
+    local: LocalExperts,
+    io: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Errors opening a store.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("opening {path} for the expert store: {err}")]
+    Open { path: String, err: std::io::Error },
+    #[error("--ram-budget {budget} bytes cannot hold the largest expert ({largest} bytes)")]
+    BudgetTooSmall { budget: u64, largest: u64 },
+}
+
+impl StoreExperts {
+    /// A store over `layers` (as `LocalExperts` takes them, weights mapped from `path`) that
+    /// keeps at most `budget` bytes of routed experts in memory, read by `io_threads` threads.
+    pub fn new(
+        path: &Path,
+        layers: Vec<Vec<FfnWeights>>,
+        budget: u64,
+        io_threads: usize,
+    ) -> Result<StoreExperts, StoreError> {
+        let (file, direct) = open_direct(path).map_err(|err| StoreError::Open {
+            path: path.display().to_string(),
+            err,
+        })?;
+        let layouts: Vec<Vec<Option<Layout>>> = layers
+            .iter()
+            .map(|l| {
+                l.iter()
+                    .map(|w| if w.routed { Layout::of(w) } else { None })
+                    .collect()
+            })
+            .collect();
+        let largest = layouts
+            .iter()
+            .flatten()
+            .flatten()
+            .map(|l| l.bytes)
+            .max()
+            .unwrap_or(0);
+        if largest > budget {
+            return Err(StoreError::BudgetTooSmall { budget, largest });
+        }
+        let shared = Arc::new(Shared {
+            path: path.to_path_buf(),
+            file,
+            direct,
+            layers: layers.clone(),
+            layouts,
+            state: Mutex::new(State {
+                policy: Policy::new(budget),
+                resident: HashMap::new(),
+                failed: HashMap::new(),
+                queue: VecDeque::new(),
+                shutdown: false,
+            }),
+            changed: Condvar::new(),
+        });
+        let io = (0..io_threads.max(1))
+            .map(|i| {
+                let s = shared.clone();
+                std::thread::Builder::new()
+                    .name(format!("expert-io-{i}"))
+                    .spawn(move || s.io_loop())
+                    .expect("spawning an expert I/O thread")
+            })
+            .collect();
+        tracing::info!(
+            budget,
+            direct,
+            io_threads,
+            "expert store over {}: {} routed experts on disk",
+            path.display(),
+            shared.layouts.iter().flatten().flatten().count()
+        );
+        Ok(StoreExperts {
+            shared,
+            local: LocalExperts::new(layers),
+            io,
+        })
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> StoreStats {
+        self.shared.lock().policy.stats().clone()
+    }
+}
+
+impl Drop for StoreExperts {
+    fn drop(&mut self) {
+        self.shared.lock().shutdown = true;
+        self.shared.changed.notify_all();
+        for t in self.io.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Opens `path` for `O_DIRECT` reads, or buffered when the filesystem refuses (`false`).
+fn open_direct(path: &Path) -> std::io::Result<(File, bool)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(path)
+    {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => Ok((File::open(path)?, false)),
+        Err(e) => Err(e),
+    }
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn id(layer: usize, expert: usize) -> ExpertId {
+        ExpertId {
+            layer: layer as u32,
+            expert: expert as u32,
+        }
+    }
+
+    fn layout(&self, id: ExpertId) -> Option<&Layout> {
+        self.layouts
+            .get(id.layer as usize)?
+            .get(id.expert as usize)?
+            .as_ref()
+    }
+
+    /// Drops evicted experts (their memory goes when no batch holds them) and queues `id`.
+    fn queue(&self, st: &mut State, id: ExpertId, evict: &[ExpertId], front: bool) {
+        for e in evict {
+            st.resident.remove(e);
+        }
+        st.failed.remove(&id);
+        if front {
+            st.queue.push_front(id);
+        } else {
+            st.queue.push_back(id);
+        }
+        self.changed.notify_all();
+    }
+
+    fn io_loop(&self) {
+        loop {
+            let id = {
+                let mut st = self.lock();
+                loop {
+                    if st.shutdown {
+                        return;
+                    }
+                    if let Some(id) = st.queue.pop_front() {
+                        break id;
+                    }
+                    st = self
+                        .changed
+                        .wait(st)
+                        .unwrap_or_else(|p| p.into_inner());
+                }
+            };
+            let got = self.read(id);
+            let mut st = self.lock();
+            let now = Instant::now();
+            match got {
+                Ok(w) => {
+                    st.policy.read_done(id, true, now);
+                    // Evicted or failed while being read: the policy forgot it.
+                    if st.policy.is_resident(id) {
+                        st.resident.insert(id, Arc::new(w));
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!("expert store: reading {id}: {e}");
+                    st.policy.read_done(id, false, now);
+                    st.failed.insert(id, e);
+                }
+            }
+            drop(st);
+            self.changed.notify_all();
+        }
+    }
+
+    /// Reads expert `id`'s three matrices from disk into one aligned buffer.
+    fn read(&self, id: ExpertId) -> Result<FfnWeights, String> {
+        let lay = self.layout(id).ok_or_else(|| format!("{id} is not stored"))?;
+        let w = &self.layers[id.layer as usize][id.expert as usize];
+        let mut buf = AlignedBuf::zeroed(lay.bytes as usize)
+            .ok_or_else(|| format!("allocating {} bytes", lay.bytes))?;
+        let mut at = 0;
+        let mut starts = [0usize; 3];
+        for (i, r) in lay.ranges.iter().enumerate() {
+            let span = page_span(r);
+            let dst = &mut buf.as_mut_slice()[at..at + span.len()];
+            let n = read_fully(&self.file, dst, span.start as u64)
+                .map_err(|e| format!("{}: read at {}: {e}", self.path.display(), span.start))?;
+            if n < r.end - span.start {
+                return Err(format!(
+                    "{}: short read at {} ({n} bytes)",
+                    self.path.display(),
+                    span.start
+                ));
+            }
+            if !self.direct {
+                drop_cached(&self.file, span.start, span.len());
+            }
+            starts[i] = at + (r.start - span.start);
+            at += span.len();
+        }
+        let buf = Arc::new(buf);
+        let e = |e: ComputeError| e.to_string();
+        Ok(FfnWeights {
+            gate: w.gate.rebind(&buf, starts[0]).map_err(e)?,
+            up: w.up.rebind(&buf, starts[1]).map_err(e)?,
+            down: w.down.rebind(&buf, starts[2]).map_err(e)?,
+            act: w.act,
+            routed: true,
+        })
+    }
+
+    /// Demands `id` (pinning it), waiting while reads in flight fill the budget: they land
+    /// and become evictable. Errors when pinned experts alone fill it.
+    fn demand_blocking(&self, id: ExpertId) -> Result<(), PolicyError> {
+        let bytes = self.layout(id).map_or(0, |l| l.bytes);
+        let mut st = self.lock();
+        loop {
+            match st.policy.demand(id, bytes, Instant::now()) {
+                Ok(Demand::Read { evict }) => {
+                    self.queue(&mut st, id, &evict, true);
+                    return Ok(());
+                }
+                Ok(_) => return Ok(()),
+                Err(PolicyError::Full { reading, .. }) if reading > 0 => {
+                    st = self
+                        .changed
+                        .wait(st)
+                        .unwrap_or_else(|p| p.into_inner());
+                }
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    /// Takes expert `id` for compute, waiting for its read; the caller releases it.
+    fn wait_resident(&self, id: ExpertId) -> Result<Arc<FfnWeights>, String> {
+        let mut st = self.lock();
+        loop {
+            if let Some(w) = st.resident.get(&id) {
+                return Ok(w.clone());
+            }
+            if let Some(e) = st.failed.get(&id) {
+                return Err(e.clone());
+            }
+            st = self
+                .changed
+                .wait(st)
+                .unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// `pread` until `buf` is full or the file ends; returns the bytes read.
+fn read_fully(f: &File, buf: &mut [u8], mut off: u64) -> std::io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], off) {
+            Ok(0) => break,
+            Ok(n) => {
+                done += n;
+                off += n as u64;
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+/// Asks the kernel to drop `len` bytes at `off` of `f` from the page cache (buffered reads).
+fn drop_cached(f: &File, off: usize, len: usize) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: a plain advice call on an open descriptor; it reads no memory of ours.
+    unsafe {
+        libc::posix_fadvise(
+            f.as_raw_fd(),
+            off as libc::off_t,
+            len as libc::off_t,
+            libc::POSIX_FADV_DONTNEED,
+        );
+    }
+}
+
+impl StoreExperts {
+    fn run(&self, b: &ExpertBatch<'_>) -> Result<Vec<f32>, ExpertError> {
+        let s = &*self.shared;
+        let layer = b.layer;
+        // Shapes, routes and input type: the checks of the in-process backend.
+        self.local.check(b)?;
+        let experts = &s.layers[layer];
+        let d = experts[0].n_embd();
+        let mut mine: Vec<Vec<usize>> = vec![Vec::new(); experts.len()];
+        for (i, r) in b.routes.iter().enumerate() {
+            mine[r.expert as usize].push(i);
+        }
+        let active: Vec<usize> = (0..experts.len()).filter(|&e| !mine[e].is_empty()).collect();
+        // Demand every stored expert of the batch at once, so every read starts now.
+        let stored: Vec<usize> = active
+            .iter()
+            .copied()
+            .filter(|&e| s.layouts[layer][e].is_some())
+            .collect();
+        let mut pinned = Vec::new();
+        let mut one_by_one = false;
+        {
+            let mut st = s.lock();
+            let now = Instant::now();
+            for &e in &stored {
+                let id = Shared::id(layer, e);
+                let bytes = s.layout(id).map_or(0, |l| l.bytes);
+                match st.policy.demand(id, bytes, now) {
+                    Ok(Demand::Read { evict }) => {
+                        s.queue(&mut st, id, &evict, true);
+                        pinned.push(id);
+                    }
+                    Ok(_) => pinned.push(id),
+                    Err(PolicyError::Full { .. }) => {
+                        // The budget cannot hold the whole layer's share at once: let go
+                        // and take the experts one at a time below.
+                        one_by_one = true;
+                        break;
+                    }
+                    Err(e) => {
+                        for id in pinned.drain(..) {
+                            st.policy.release(id);
+                        }
+                        return Err(unavailable(layer, e.to_string()));
+                    }
+                }
+            }
+            if one_by_one {
+                for id in pinned.drain(..) {
+                    st.policy.release(id);
+                }
+            }
+        }
+        let compute = |source| ExpertError::Compute { layer, source };
+        let run_one = |e: usize| -> Result<Vec<f32>, ExpertError> {
+            let rows: Vec<usize> = mine[e]
+                .iter()
+                .map(|&r| b.routes[r].token as usize)
+                .collect();
+            let mut x = Activations::new();
+            x.gather(b.input, &rows);
+            let mut y = vec![0f32; rows.len() * d];
+            if s.layouts[layer][e].is_none() {
+                run_ffn(&experts[e], &x, b.numerics, &mut y).map_err(compute)?;
+                return Ok(y);
+            }
+            let id = Shared::id(layer, e);
+            if one_by_one {
+                s.demand_blocking(id)
+                    .map_err(|err| unavailable(layer, err.to_string()))?;
+            }
+            let w = s.wait_resident(id);
+            let out = match &w {
+                Ok(w) => run_ffn(w, &x, b.numerics, &mut y).map_err(compute),
+                Err(err) => Err(unavailable(layer, format!("reading {id}: {err}"))),
+            };
+            if one_by_one {
+                s.lock().policy.release(id);
+            }
+            out.map(|_| y)
+        };
+        let outputs: Result<Vec<Vec<f32>>, ExpertError> = if one_by_one {
+            active.iter().map(|&e| run_one(e)).collect()
+        } else {
+            active.par_iter().map(|&e| run_one(e)).collect()
+        };
+        {
+            let mut st = s.lock();
+            for id in pinned {
+                st.policy.release(id);
+            }
+        }
+        let outputs = outputs?;
+        let mut ys = vec![0f32; b.routes.len() * d];
+        for (&e, y) in active.iter().zip(&outputs) {
+            for (i, &r) in mine[e].iter().enumerate() {
+                ys[r * d..(r + 1) * d].copy_from_slice(&y[i * d..(i + 1) * d]);
+            }
+        }
+        Ok(ys)
+    }
+}
+
+fn unavailable(layer: usize, reason: String) -> ExpertError {
+    ExpertError::Unavailable { layer, reason }
+}
+
+impl ExpertBackend for StoreExperts {
+    fn input_type(&self, layer: usize) -> Result<GgmlType, ExpertError> {
+        self.local.input_type(layer)
+    }
+
+    fn submit(&self, batch: &ExpertBatch<'_>) -> Result<Box<dyn InFlight>, ExpertError> {
+        Ok(Box::new(Ready(self.run(batch))))
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        let s = &*self.shared;
+        let mut st = s.lock();
+        let now = Instant::now();
+        for &e in experts {
+            let id = Shared::id(layer, e as usize);
+            let Some(bytes) = s.layout(id).map(|l| l.bytes) else {
+                continue;
+            };
+            if let Some(evict) = st.policy.hint(id, bytes, now) {
+                s.queue(&mut st, id, &evict, false);
+            }
+        }
+    }
+
+    fn wants_hints(&self) -> bool {
+        true
+    }
+
+    fn store_stats(&self) -> Option<StoreStats> {
+        Some(self.stats())
+    }
+}

@@ -14,13 +14,16 @@
 //!   in flight) the caller waits for that read, nothing is read twice; otherwise it is a miss
 //!   and the caller reads it.
 //! - A hint ([`Policy::hint`]) reads an expert ahead of time only if it is neither resident
-//!   nor being read and room can be made without touching pinned experts; a prefetched
-//!   expert that is evicted before any demand counts as wasted.
+//!   nor being read, room can be made without touching pinned experts, and prefetches in
+//!   flight stay within half the budget (so demands always find room once reads land); a
+//!   prefetched expert that is evicted before any demand counts as wasted.
 //! - A failed read removes the entry: the demand that waited on it gets the error (for that
 //!   request only) and the next demand reads again.
 
 use std::collections::{BTreeSet, HashMap};
 use std::time::{Duration, Instant};
+
+pub use ternfleet_shared::expert::StoreStats;
 
 /// One expert of one layer.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -46,45 +49,6 @@ pub enum Demand {
     Read { evict: Vec<ExpertId> },
 }
 
-/// Counters, as `bench --json` and `/metrics` report them.
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct StoreStats {
-    /// Demands served from memory.
-    pub hits: u64,
-    /// Demands that found their expert's read in flight (a late prefetch).
-    pub waits: u64,
-    /// Demands that had to read.
-    pub misses: u64,
-    /// Reads started by hints.
-    pub prefetches: u64,
-    /// Prefetched experts demanded before eviction.
-    pub prefetch_used: u64,
-    /// Prefetched experts evicted (or failed) before any demand.
-    pub prefetch_wasted: u64,
-    /// Hints ignored: already resident or in flight, or no room without evicting pinned experts.
-    pub hints_skipped: u64,
-    pub evictions: u64,
-    pub bytes_read: u64,
-    pub read_errors: u64,
-    /// Completed reads and their summed latency (start of read to [`Policy::read_done`]).
-    pub reads: u64,
-    pub read_ns: u64,
-    /// Worst read latency.
-    pub read_ns_max: u64,
-}
-
-impl StoreStats {
-    /// Hits over demands (a wait on a prefetch counts as a hit: the read was already on its way).
-    pub fn hit_rate(&self) -> f64 {
-        let d = self.hits + self.waits + self.misses;
-        if d == 0 {
-            0.0
-        } else {
-            (self.hits + self.waits) as f64 / d as f64
-        }
-    }
-}
-
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum State {
     Resident,
@@ -100,6 +64,8 @@ struct Entry {
     pins: u32,
     /// Read by a hint and not demanded since.
     prefetched: bool,
+    /// Its read (in flight) was started by a hint.
+    hinted_read: bool,
 }
 
 /// Errors of the policy.
@@ -121,6 +87,8 @@ pub enum PolicyError {
 pub struct Policy {
     budget: u64,
     used: u64,
+    /// Bytes of prefetches being read.
+    prefetching: u64,
     tick: u64,
     entries: HashMap<ExpertId, Entry>,
     /// Evictable candidates: (last use, id) of resident, unpinned entries.
@@ -134,6 +102,7 @@ impl Policy {
         Policy {
             budget,
             used: 0,
+            prefetching: 0,
             tick: 0,
             entries: HashMap::new(),
             lru: BTreeSet::new(),
@@ -235,6 +204,7 @@ impl Policy {
                 last: self.tick,
                 pins,
                 prefetched: pins == 0,
+                hinted_read: pins == 0,
             },
         );
     }
@@ -259,7 +229,13 @@ impl Policy {
                     Demand::Hit
                 }
                 State::Reading { .. } => {
-                    self.stats.waits += 1;
+                    // A late prefetch still saved part of the read; a second demand for a
+                    // demand read in flight saved nothing: a miss again.
+                    if was_prefetch {
+                        self.stats.waits += 1;
+                    } else {
+                        self.stats.misses += 1;
+                    }
                     Demand::Wait
                 }
             };
@@ -293,7 +269,7 @@ impl Policy {
             self.stats.hints_skipped += 1;
             return None;
         }
-        let Some(evict) = (bytes <= self.budget)
+        let Some(evict) = (self.prefetching + bytes <= self.budget / 2)
             .then(|| self.victims(bytes))
             .flatten()
         else {
@@ -302,6 +278,7 @@ impl Policy {
         };
         self.evict(&evict);
         self.stats.prefetches += 1;
+        self.prefetching += bytes;
         self.insert_reading(id, bytes, now, 0);
         Some(evict)
     }
@@ -315,6 +292,9 @@ impl Policy {
         let State::Reading { since } = e.state else {
             return;
         };
+        if e.hinted_read {
+            self.prefetching -= e.bytes;
+        }
         if !ok {
             self.stats.read_errors += 1;
             if e.prefetched {
@@ -461,6 +441,22 @@ mod tests {
         // Resident now: a demand is a hit and a hint reads nothing.
         assert_eq!(p.hint(id(2, 5), 100, t0), None);
         assert_eq!(use_now(&mut p, id(2, 5), 100, t0), Demand::Hit);
+    }
+
+    #[test]
+    fn prefetches_in_flight_stay_within_half_the_budget() {
+        let t = Instant::now();
+        let mut p = Policy::new(400);
+        assert!(p.hint(id(0, 0), 100, t).is_some());
+        assert!(p.hint(id(0, 1), 100, t).is_some());
+        // A third in flight would pass half the budget: skipped, room left for demands.
+        assert_eq!(p.hint(id(0, 2), 100, t), None);
+        assert!(matches!(p.demand(id(0, 3), 200, t), Ok(Demand::Read { .. })));
+        // Once one lands, another prefetch may start (evicting the landed, unused one: the
+        // budget is full with the demand's 200 bytes).
+        p.read_done(id(0, 0), true, t);
+        assert_eq!(p.hint(id(0, 2), 100, t), Some(vec![id(0, 0)]));
+        assert_eq!(p.stats().prefetch_wasted, 1);
     }
 
     #[test]
