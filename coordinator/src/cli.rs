@@ -1021,12 +1021,20 @@ fn cmd_routing(a: RoutingArgs) -> Result<()> {
             None => format!("{}: n/a", j + 1),
         })
         .collect();
-    println!("router predictor recall of the top-{} by lookahead {}", r.k, recall.join(", "));
+    println!(
+        "router predictor recall of the top-{} by lookahead {}",
+        r.k,
+        recall.join(", ")
+    );
     for s in &r.store {
         println!(
             "store {:>3.0} % resident, {}: hit rate {:.1} % (prefetches {}, used {}, wasted {})",
             100.0 * s.resident,
-            if s.hints { "with hints   " } else { "without hints" },
+            if s.hints {
+                "with hints   "
+            } else {
+                "without hints"
+            },
             100.0 * s.hit_rate,
             s.prefetches,
             s.prefetch_used,

@@ -141,8 +141,9 @@ fn replay(
     resident: f64,
     hints: bool,
 ) -> StoreReplay {
-    let n_layer = routed.len();
-    let budget = ((n_layer * n_expert) as f64 * resident).round().max(k as f64) as u64;
+    let budget = ((routed.len() * n_expert) as f64 * resident)
+        .round()
+        .max(k as f64) as u64;
     let mut p = Policy::new(budget);
     let t = Instant::now();
     let tokens = routed.iter().map(|r| r.len() / k).min().unwrap_or(0);
@@ -151,7 +152,7 @@ fn replay(
         expert: e,
     };
     for tok in 0..tokens {
-        for l in 0..n_layer {
+        for (l, layer) in routed.iter().enumerate() {
             if hints {
                 for (j, pj) in pred.iter().skip(l + 1).take(MAX_LOOKAHEAD).enumerate() {
                     // pred[l + 1 + j][j]: made at layer l for layer l + 1 + j.
@@ -164,7 +165,7 @@ fn replay(
                     }
                 }
             }
-            let set = &routed[l][tok * k..(tok + 1) * k];
+            let set = &layer[tok * k..(tok + 1) * k];
             for &e in set {
                 if let Ok(Demand::Read { .. }) = p.demand(id(l, e), 1, t) {
                     p.read_done(id(l, e), true, t);

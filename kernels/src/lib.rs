@@ -45,12 +45,12 @@ pub enum Numerics {
     /// row's result never depends on the other rows (the server default). Multi-token calls
     /// stay GEMMs: each weight block is still unpacked once for several tokens.
     Invariant,
-    /// Every token row summed in llama.cpp's *one-token* order, whatever the batch holds:
-    /// what its `MUL_MAT_ID` does for routed experts (a `vec_dot` per token for plain types,
-    /// the repacked GEMV per token for q4_K), so the parity order of a routed expert's GEMM.
-    /// Differs from [`Numerics::Invariant`] only for q6_K (`vec_dot`'s eight lanes instead of
-    /// the tiled order). Internal: not a `--numerics` choice.
-    Gemv,
+    /// llama.cpp's `MUL_MAT_ID` orders, the parity order of a routed expert over the rows
+    /// routed to it: weights it repacks (q4_K) sum every token in their one-token GEMV order,
+    /// however many tokens the expert gets; the rest as a plain matmul of those rows (q5_K,
+    /// q6_K: the tiled order from 8 rows, `vec_dot` below). Internal: not a `--numerics`
+    /// choice.
+    Routed,
 }
 
 impl Numerics {
@@ -59,7 +59,7 @@ impl Numerics {
         match self {
             Numerics::Parity => "parity",
             Numerics::Invariant => "invariant",
-            Numerics::Gemv => "gemv",
+            Numerics::Routed => "routed",
         }
     }
 }
@@ -284,7 +284,11 @@ pub fn dot_f32(a: &[f32], b: &[f32]) -> f32 {
 /// two or more tokens): one 16-lane FMA accumulator, halved 16 → 8 → 4 → 2 → 1; bit-identical on
 /// every ISA. Panics when the lengths differ or are not a multiple of 16.
 pub fn dot_f32_tinyblas(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len(), "dot_f32_tinyblas of slices of different lengths");
+    assert_eq!(
+        a.len(),
+        b.len(),
+        "dot_f32_tinyblas of slices of different lengths"
+    );
     assert!(
         a.len().is_multiple_of(16),
         "dot_f32_tinyblas of {} elements (not a multiple of 16)",

@@ -586,15 +586,15 @@ pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
 /// order `Lanes8` would need eight f32 chains per token there). Every other weight type sums
 /// in one order for any batch (`vec_dot_legacy`, the float dots, `crate::ternary`), on every
 /// ISA.
-/// Gemv: every token in the order of a 1-token call ([`k_order`] of one token).
+/// Routed (`MUL_MAT_ID`): repacked q4_K one token at a time, the rest as Parity.
 pub(crate) fn token_order(g: &crate::matmul::Gemm<'_>, t: usize) -> KOrder {
     match g.numerics {
         crate::Numerics::Invariant => match g.wty {
             GgmlType::Q6_K => KOrder::Tiled,
             _ => KOrder::Sb256,
         },
-        crate::Numerics::Gemv => k_order(g.wty, 0, 1),
-        crate::Numerics::Parity => k_order(g.wty, t, g.ntok),
+        crate::Numerics::Routed if g.wty == GgmlType::Q4_K => k_order(g.wty, 0, 1),
+        crate::Numerics::Routed | crate::Numerics::Parity => k_order(g.wty, t, g.ntok),
     }
 }
 

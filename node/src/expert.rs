@@ -27,10 +27,10 @@ pub struct FfnWeights {
     pub up: Linear,
     pub down: Linear,
     pub act: Activation,
-    /// A routed expert of an MoE layer. llama.cpp runs those through `MUL_MAT_ID`, which
-    /// sums every token in its one-token float order (repacked q4_K: the GEMV; other types:
-    /// `vec_dot`) however many tokens the expert gets; dense FFNs and shared experts batch
-    /// tokens as usual.
+    /// A routed expert of an MoE layer. llama.cpp runs those through `MUL_MAT_ID`: repacked
+    /// q4_K weights one token at a time (the GEMV's order) however many tokens the expert
+    /// gets, other types as a matmul of the expert's rows (tiled q5_K/q6_K from 8 rows);
+    /// dense FFNs and shared experts batch tokens as usual.
     pub routed: bool,
 }
 
@@ -113,18 +113,18 @@ fn input_for<'a>(
     Ok(scratch)
 }
 
-/// `out = W x` for every row of `x`. In parity mode a routed expert sums every token in
-/// llama.cpp's one-token order (`MUL_MAT_ID` runs a `vec_dot` or the repacked GEMV per token,
-/// see [`FfnWeights::routed`]): [`Numerics::Gemv`], still one GEMM over the expert's rows.
+/// `out = W x` for every row of `x`. In parity mode a routed expert follows llama.cpp's
+/// `MUL_MAT_ID` (see [`FfnWeights::routed`]): [`Numerics::Routed`], still one GEMM over the
+/// expert's rows.
 fn project(
     w: &Linear,
     x: &Activations,
-    per_token: bool,
+    routed: bool,
     numerics: Numerics,
     out: &mut [f32],
 ) -> Result<(), ComputeError> {
-    let numerics = if per_token && numerics == Numerics::Parity {
-        Numerics::Gemv
+    let numerics = if routed && numerics == Numerics::Parity {
+        Numerics::Routed
     } else {
         numerics
     };

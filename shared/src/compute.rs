@@ -210,9 +210,13 @@ impl Linear {
         }
     }
 
-    /// The byte range of the weights in the model file (`None` once rebound to a buffer).
-    pub fn file_range(&self) -> Option<Range<usize>> {
-        matches!(self.file, Backing::File(_)).then(|| self.bytes.clone())
+    /// The file the weights are mapped from and their byte range in it (`None` once rebound
+    /// to a buffer, or for a file parsed from memory).
+    pub fn file_range(&self) -> Option<(&std::path::Path, Range<usize>)> {
+        match &self.file {
+            Backing::File(f) => Some((f.path()?, self.bytes.clone())),
+            Backing::Owned(_) => None,
+        }
     }
 
     /// The same matrix over `buf[at..at + len]`, where the caller copied this matrix's bytes.

@@ -196,25 +196,18 @@ impl Model {
 
     /// [`Model::open`] with options (an expert store within a RAM budget).
     pub fn open_with(path: &Path, opts: &OpenOptions) -> Result<Model, LoadError> {
-        let no_store = |why| LoadError::NoStore {
-            path: path.display().to_string(),
-            why,
-        };
         if path.is_dir() {
-            if opts.ram_budget.is_some() {
-                return Err(no_store("bundles are not served from the store yet"));
-            }
-            return Model::open_bundle(path);
+            let store = opts.ram_budget.map(|b| (b, opts.io_threads.unwrap_or(4)));
+            return Model::open_bundle_with(path, store);
         }
         let p = path.display().to_string();
         let file = Arc::new(GgufFile::open(path).map_err(|err| LoadError::Gguf {
             path: p.clone(),
             err,
         })?);
-        let store = match opts.ram_budget {
-            Some(budget) => Some((path, budget, opts.io_threads.unwrap_or(4))),
-            None => None,
-        };
+        let store = opts
+            .ram_budget
+            .map(|budget| (path, budget, opts.io_threads.unwrap_or(4)));
         Self::from_file_with(file, store).map_err(|e| match e {
             LoadError::Model { err, .. } => LoadError::Model {
                 path: p.clone(),
@@ -257,9 +250,12 @@ impl Model {
                     why: "this model has no routed experts",
                 })
             }
-            Some((path, budget, io)) => Box::new(ternfleet_node::store::StoreExperts::new(
-                path, ffns, budget, io,
-            )?),
+            Some((_, budget, io)) => {
+                let n_routed = cfg.moe.as_ref().map_or(0, |m| m.n_expert);
+                Box::new(ternfleet_node::store::StoreExperts::new(
+                    ffns, n_routed, budget, io,
+                )?)
+            }
         };
         Ok(Model {
             cfg,
@@ -275,6 +271,12 @@ impl Model {
     /// SHA-256 of every part and that each part is the one the manifest describes, then binds
     /// the coordinator part and every expert blob (all held by this process's backend).
     pub fn open_bundle(dir: &Path) -> Result<Model, LoadError> {
+        Model::open_bundle_with(dir, None)
+    }
+
+    /// [`Model::open_bundle`]; `store`: (RAM budget, I/O threads) to serve the expert blobs
+    /// from an expert store.
+    fn open_bundle_with(dir: &Path, store: Option<(u64, usize)>) -> Result<Model, LoadError> {
         use ternfleet_shared::bundle::{Gating, Manifest};
         let man = Manifest::read(dir)?;
         let cpath = Manifest::verify_part(dir, &man.coordinator)?;
@@ -355,7 +357,15 @@ impl Model {
             cfg,
             tokenizer,
             weights,
-            experts: Box::new(LocalExperts::new(ffns)),
+            experts: match store {
+                None => Box::new(LocalExperts::new(ffns)),
+                Some((budget, io)) => Box::new(ternfleet_node::store::StoreExperts::new(
+                    ffns,
+                    mi.n_expert,
+                    budget,
+                    io,
+                )?),
+            },
             hints: true,
             file,
         })

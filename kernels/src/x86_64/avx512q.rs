@@ -820,9 +820,8 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok == 0 || g.nrows == 0 {
         return;
     }
-    if g.ntok >= LANES_MIN_TOKENS && super::kq_lanes::handles(token_order(g, 0)) {
-        // From 16 tokens every token sums in Sb64, Sb256 or Tiled (`token_order`; q6_K in
-        // `Numerics::Gemv` keeps `vec_dot`'s Lanes8 and takes the 4 × 4 tiles below). The order
+    if g.ntok >= LANES_MIN_TOKENS {
+        // From 16 tokens every token sums in Sb64, Sb256 or Tiled (`token_order`). The order
         // changes at most once, for q4_K's parity order: the last `ntok % 4` tokens take the
         // GEMV's; those 1–3 tokens go through the 4 × 4 tiles below as a problem of their own
         // (the lanes GEMM would spend a 16-token group on them).

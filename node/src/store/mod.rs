@@ -20,6 +20,7 @@ use std::collections::{HashMap, VecDeque};
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -30,12 +31,22 @@ use ternfleet_shared::expert::{ExpertBackend, ExpertBatch, ExpertError, InFlight
 
 use crate::expert::{run_ffn, FfnWeights, LocalExperts};
 
-/// Where one routed expert's three matrices sit in the file, and its size in memory.
+/// Where one routed expert's three matrices sit on disk, and its size in memory.
 struct Layout {
+    /// Index into the store's open files (a GGUF model, or the expert's blob in a bundle).
+    file: usize,
     /// File ranges of gate, up, down.
     ranges: [std::ops::Range<usize>; 3],
     /// Bytes of the buffer it is read into (each range widened to whole 4 KiB pages).
     bytes: u64,
+}
+
+/// One file the store reads from.
+struct DiskFile {
+    path: PathBuf,
+    file: File,
+    /// Opened with `O_DIRECT` (else reads are buffered and dropped from the cache after).
+    direct: bool,
 }
 
 fn page_span(r: &std::ops::Range<usize>) -> std::ops::Range<usize> {
@@ -44,14 +55,44 @@ fn page_span(r: &std::ops::Range<usize>) -> std::ops::Range<usize> {
 }
 
 impl Layout {
-    fn of(w: &FfnWeights) -> Option<Layout> {
-        let ranges = [
-            w.gate.file_range()?,
-            w.up.file_range()?,
-            w.down.file_range()?,
-        ];
+    /// The layout of an expert whose three matrices are mapped from one file (opened into
+    /// `files` on first sight); `Ok(None)` when they are not.
+    fn of(
+        w: &FfnWeights,
+        files: &mut Vec<DiskFile>,
+        index: &mut HashMap<PathBuf, usize>,
+    ) -> Result<Option<Layout>, StoreError> {
+        let (Some((pg, rg)), Some((pu, ru)), Some((pd, rd))) =
+            (w.gate.file_range(), w.up.file_range(), w.down.file_range())
+        else {
+            return Ok(None);
+        };
+        if pg != pu || pg != pd {
+            return Ok(None);
+        }
+        let file = match index.get(pg) {
+            Some(&i) => i,
+            None => {
+                let (file, direct) = open_direct(pg).map_err(|err| StoreError::Open {
+                    path: pg.display().to_string(),
+                    err,
+                })?;
+                files.push(DiskFile {
+                    path: pg.to_path_buf(),
+                    file,
+                    direct,
+                });
+                index.insert(pg.to_path_buf(), files.len() - 1);
+                files.len() - 1
+            }
+        };
+        let ranges = [rg, ru, rd];
         let bytes = ranges.iter().map(|r| page_span(r).len() as u64).sum();
-        Some(Layout { ranges, bytes })
+        Ok(Some(Layout {
+            file,
+            ranges,
+            bytes,
+        }))
     }
 }
 
@@ -67,9 +108,7 @@ struct State {
 }
 
 struct Shared {
-    path: PathBuf,
-    file: File,
-    direct: bool,
+    files: Vec<DiskFile>,
     /// `layers[l][e]`: the memory-mapped description of expert `e` (shared experts and dense
     /// FFNs are used from the map directly).
     layers: Vec<Vec<FfnWeights>>,
@@ -97,26 +136,31 @@ pub enum StoreError {
 }
 
 impl StoreExperts {
-    /// A store over `layers` (as `LocalExperts` takes them, weights mapped from `path`) that
-    /// keeps at most `budget` bytes of routed experts in memory, read by `io_threads` threads.
+    /// A store over `layers` (as `LocalExperts` takes them, weights mapped from a GGUF model
+    /// or a bundle's expert blobs) that keeps at most `budget` bytes of routed experts in
+    /// memory, read from those files by `io_threads` threads.
+    /// The first `n_routed` experts of each layer are routed (stored); the rest (a shared
+    /// expert) stay mapped.
     pub fn new(
-        path: &Path,
         layers: Vec<Vec<FfnWeights>>,
+        n_routed: usize,
         budget: u64,
         io_threads: usize,
     ) -> Result<StoreExperts, StoreError> {
-        let (file, direct) = open_direct(path).map_err(|err| StoreError::Open {
-            path: path.display().to_string(),
-            err,
-        })?;
-        let layouts: Vec<Vec<Option<Layout>>> = layers
-            .iter()
-            .map(|l| {
-                l.iter()
-                    .map(|w| if w.routed { Layout::of(w) } else { None })
-                    .collect()
-            })
-            .collect();
+        let mut files = Vec::new();
+        let mut index = HashMap::new();
+        let mut layouts: Vec<Vec<Option<Layout>>> = Vec::with_capacity(layers.len());
+        for l in &layers {
+            let mut row = Vec::with_capacity(l.len());
+            for (e, w) in l.iter().enumerate() {
+                row.push(if e < n_routed {
+                    Layout::of(w, &mut files, &mut index)?
+                } else {
+                    None
+                });
+            }
+            layouts.push(row);
+        }
         let largest = layouts
             .iter()
             .flatten()
@@ -127,10 +171,9 @@ impl StoreExperts {
         if largest > budget {
             return Err(StoreError::BudgetTooSmall { budget, largest });
         }
+        let direct = files.iter().all(|f| f.direct);
         let shared = Arc::new(Shared {
-            path: path.to_path_buf(),
-            file,
-            direct,
+            files,
             layers: layers.clone(),
             layouts,
             state: Mutex::new(State {
@@ -155,9 +198,9 @@ impl StoreExperts {
             budget,
             direct,
             io_threads,
-            "expert store over {}: {} routed experts on disk",
-            path.display(),
-            shared.layouts.iter().flatten().flatten().count()
+            "expert store: {} routed experts on disk in {} file(s)",
+            shared.layouts.iter().flatten().flatten().count(),
+            shared.files.len()
         );
         Ok(StoreExperts {
             shared,
@@ -240,10 +283,7 @@ impl Shared {
                     if let Some(id) = st.queue.pop_front() {
                         break id;
                     }
-                    st = self
-                        .changed
-                        .wait(st)
-                        .unwrap_or_else(|p| p.into_inner());
+                    st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
             };
             let got = self.read(id);
@@ -270,26 +310,30 @@ impl Shared {
 
     /// Reads expert `id`'s three matrices from disk into one aligned buffer.
     fn read(&self, id: ExpertId) -> Result<FfnWeights, String> {
-        let lay = self.layout(id).ok_or_else(|| format!("{id} is not stored"))?;
+        let lay = self
+            .layout(id)
+            .ok_or_else(|| format!("{id} is not stored"))?;
         let w = &self.layers[id.layer as usize][id.expert as usize];
         let mut buf = AlignedBuf::zeroed(lay.bytes as usize)
             .ok_or_else(|| format!("allocating {} bytes", lay.bytes))?;
+        let f = &self.files[lay.file];
         let mut at = 0;
         let mut starts = [0usize; 3];
         for (i, r) in lay.ranges.iter().enumerate() {
             let span = page_span(r);
             let dst = &mut buf.as_mut_slice()[at..at + span.len()];
-            let n = read_fully(&self.file, dst, span.start as u64)
-                .map_err(|e| format!("{}: read at {}: {e}", self.path.display(), span.start))?;
+            let n = read_fully(&f.file, dst, span.start as u64)
+                .map_err(|e| format!("{}: read at {}: {e}", f.path.display(), span.start))?;
             if n < r.end - span.start {
                 return Err(format!(
-                    "{}: short read at {} ({n} bytes)",
-                    self.path.display(),
-                    span.start
+                    "{}: short read at {} ({n} of {} bytes)",
+                    f.path.display(),
+                    span.start,
+                    r.end - span.start
                 ));
             }
-            if !self.direct {
-                drop_cached(&self.file, span.start, span.len());
+            if !f.direct {
+                drop_cached(&f.file, span.start, span.len());
             }
             starts[i] = at + (r.start - span.start);
             at += span.len();
@@ -301,7 +345,7 @@ impl Shared {
             up: w.up.rebind(&buf, starts[1]).map_err(e)?,
             down: w.down.rebind(&buf, starts[2]).map_err(e)?,
             act: w.act,
-            routed: true,
+            routed: w.routed,
         })
     }
 
@@ -318,10 +362,7 @@ impl Shared {
                 }
                 Ok(_) => return Ok(()),
                 Err(PolicyError::Full { reading, .. }) if reading > 0 => {
-                    st = self
-                        .changed
-                        .wait(st)
-                        .unwrap_or_else(|p| p.into_inner());
+                    st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
                 Err(e) => return Err(e),
             }
@@ -338,10 +379,7 @@ impl Shared {
             if let Some(e) = st.failed.get(&id) {
                 return Err(e.clone());
             }
-            st = self
-                .changed
-                .wait(st)
-                .unwrap_or_else(|p| p.into_inner());
+            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
     }
 }
@@ -389,7 +427,9 @@ impl StoreExperts {
         for (i, r) in b.routes.iter().enumerate() {
             mine[r.expert as usize].push(i);
         }
-        let active: Vec<usize> = (0..experts.len()).filter(|&e| !mine[e].is_empty()).collect();
+        let active: Vec<usize> = (0..experts.len())
+            .filter(|&e| !mine[e].is_empty())
+            .collect();
         // Demand every stored expert of the batch at once, so every read starts now.
         let stored: Vec<usize> = active
             .iter()

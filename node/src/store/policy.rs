@@ -72,7 +72,11 @@ struct Entry {
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 pub enum PolicyError {
     #[error("{id} needs {bytes} bytes but the store's budget is {budget} bytes")]
-    TooBig { id: ExpertId, bytes: u64, budget: u64 },
+    TooBig {
+        id: ExpertId,
+        bytes: u64,
+        budget: u64,
+    },
     #[error("{id}: no room within the budget ({budget} bytes): {pinned} bytes are held by compute and {reading} bytes are being read")]
     Full {
         id: ExpertId,
@@ -386,7 +390,10 @@ mod tests {
     fn pinned_and_in_flight_experts_are_never_evicted() {
         let t = Instant::now();
         let mut p = Policy::new(200);
-        assert!(matches!(p.demand(id(1, 0), 100, t), Ok(Demand::Read { .. })));
+        assert!(matches!(
+            p.demand(id(1, 0), 100, t),
+            Ok(Demand::Read { .. })
+        ));
         p.read_done(id(1, 0), true, t);
         // Expert 1 is being read by a hint.
         assert_eq!(p.hint(id(1, 1), 100, t), Some(vec![]));
@@ -451,7 +458,10 @@ mod tests {
         assert!(p.hint(id(0, 1), 100, t).is_some());
         // A third in flight would pass half the budget: skipped, room left for demands.
         assert_eq!(p.hint(id(0, 2), 100, t), None);
-        assert!(matches!(p.demand(id(0, 3), 200, t), Ok(Demand::Read { .. })));
+        assert!(matches!(
+            p.demand(id(0, 3), 200, t),
+            Ok(Demand::Read { .. })
+        ));
         // Once one lands, another prefetch may start (evicting the landed, unused one: the
         // budget is full with the demand's 200 bytes).
         p.read_done(id(0, 0), true, t);
@@ -483,17 +493,26 @@ mod tests {
     fn a_failed_read_is_forgotten_and_read_again_on_the_next_demand() {
         let t = Instant::now();
         let mut p = Policy::new(200);
-        assert!(matches!(p.demand(id(3, 1), 100, t), Ok(Demand::Read { .. })));
+        assert!(matches!(
+            p.demand(id(3, 1), 100, t),
+            Ok(Demand::Read { .. })
+        ));
         p.read_done(id(3, 1), false, t);
         assert_eq!(p.used(), 0);
         assert!(!p.is_resident(id(3, 1)));
         p.release(id(3, 1)); // the failed request lets go; harmless
-        assert!(matches!(p.demand(id(3, 1), 100, t), Ok(Demand::Read { .. })));
+        assert!(matches!(
+            p.demand(id(3, 1), 100, t),
+            Ok(Demand::Read { .. })
+        ));
         p.read_done(id(3, 1), true, t);
         assert!(p.is_resident(id(3, 1)));
         assert_eq!(p.stats().read_errors, 1);
         // Other experts were never affected.
-        assert_eq!(use_now(&mut p, id(3, 2), 100, t), Demand::Read { evict: vec![] });
+        assert_eq!(
+            use_now(&mut p, id(3, 2), 100, t),
+            Demand::Read { evict: vec![] }
+        );
     }
 
     #[test]
@@ -522,11 +541,7 @@ mod tests {
                         held.push(x);
                     }
                 }
-                1 => {
-                    if p.hint(x, bytes, t).is_some() {
-                        reading.push(x);
-                    }
-                }
+                1 if p.hint(x, bytes, t).is_some() => reading.push(x),
                 2 if !reading.is_empty() => {
                     let i = rnd(reading.len() as u64) as usize;
                     let x = reading.swap_remove(i);

@@ -124,6 +124,8 @@ pub const EXTENDED_TYPES_KEY: &str = "ternfleet.extended_types";
 /// A validated GGUF file: its bytes, metadata and tensor directory.
 pub struct GgufFile {
     storage: Storage,
+    /// The file it was mapped from (`None`: parsed from memory).
+    path: Option<std::path::PathBuf>,
     version: u32,
     alignment: u64,
     data_start: u64,
@@ -162,7 +164,14 @@ impl GgufFile {
         // the bytes under us (SIGBUS). Model files are immutable while served, as for llama.cpp's
         // mmap loader.
         let map = unsafe { memmap2::MmapOptions::new().map_copy_read_only(&file) }.map_err(io)?;
-        GgufFile::with_storage(Storage::Mapped(map))
+        let mut f = GgufFile::with_storage(Storage::Mapped(map))?;
+        f.path = Some(path.to_owned());
+        Ok(f)
+    }
+
+    /// The file this was mapped from (`None` for one parsed from memory).
+    pub fn path(&self) -> Option<&Path> {
+        self.path.as_deref()
     }
 
     /// Parses and validates a file held in memory.
@@ -173,6 +182,7 @@ impl GgufFile {
     fn with_storage(storage: Storage) -> Result<GgufFile, GgufError> {
         let p = reader::parse(storage.bytes())?;
         Ok(GgufFile {
+            path: None,
             storage,
             version: p.version,
             alignment: p.alignment,

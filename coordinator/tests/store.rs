@@ -1,0 +1,208 @@
+//! The expert store (`--ram-budget`): a model whose routed experts are read from disk within a
+//! RAM budget computes exactly what the fully mapped model computes — any budget, with and
+//! without the shadow predictor's hints, both numerics, GGUF files and bundles — and a failed
+//! read fails the requests that needed it while the next request reads again.
+
+use std::path::{Path, PathBuf};
+
+use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
+use ternfleet_coordinator::kv_cache::SeqOptions;
+use ternfleet_coordinator::model::{ForwardError, LoadError, Logits, Model, OpenOptions};
+use ternfleet_kernels::Numerics;
+use ternfleet_shared::bundle::Manifest;
+use ternfleet_shared::expert::ExpertError;
+
+fn model(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("crate is in the workspace")
+        .join("tests/data/models")
+        .join(name)
+}
+
+fn open(path: &Path, budget: Option<u64>, hints: bool) -> Model {
+    let mut m = Model::open_with(
+        path,
+        &OpenOptions {
+            ram_budget: budget,
+            io_threads: Some(2),
+        },
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    m.hints = hints;
+    m
+}
+
+/// Every logit (as bits) of a prefill and `n` greedy decode steps.
+fn run(m: &Model, numerics: Numerics, prompt: &str, n: usize) -> Result<Vec<u32>, ForwardError> {
+    let toks = m.tokenizer.encode(prompt, true, true);
+    let opts = SeqOptions {
+        numerics,
+        ..SeqOptions::default()
+    };
+    let mut cache = m.new_cache_with(toks.len() + n, opts);
+    let mut all = m.forward(&mut cache, &toks, Logits::From(0))?;
+    let nv = m.cfg.n_vocab;
+    for _ in 0..n {
+        let last = &all[all.len() - nv..];
+        let best = (0..nv).fold(0, |b, i| if last[i] > last[b] { i } else { b });
+        all.extend(m.forward(&mut cache, &[best as u32], Logits::Last)?);
+    }
+    Ok(all.iter().map(|v| v.to_bits()).collect())
+}
+
+const PROMPTS: [&str; 2] = [
+    "The capital of France is",
+    "This License applies to any program",
+];
+
+/// Budgets: one expert at a time (the store must take a batch's experts one by one), a few,
+/// and all of them.
+const BUDGETS: [u64; 3] = [80 << 10, 400 << 10, 64 << 20];
+
+fn assert_same_as_mapped(path: &Path) {
+    let mapped = open(path, None, true);
+    for numerics in [Numerics::Parity, Numerics::Invariant] {
+        for p in PROMPTS {
+            let want = run(&mapped, numerics, p, 8).unwrap();
+            for budget in BUDGETS {
+                for hints in [false, true] {
+                    let m = open(path, Some(budget), hints);
+                    // Twice: the second run meets a warm store.
+                    for pass in 0..2 {
+                        let got = run(&m, numerics, p, 8).unwrap();
+                        assert!(
+                            got == want,
+                            "{}: {p:?} {numerics:?} budget {budget} hints {hints} pass {pass}: \
+                             output differs from the mapped model",
+                            path.display()
+                        );
+                    }
+                    let s = m.experts.store_stats().expect("a store");
+                    assert!(s.reads > 0 && s.bytes_read > 0, "{s:?}");
+                    if budget == BUDGETS[0] {
+                        assert!(s.evictions > 0, "a one-expert budget evicts: {s:?}");
+                    }
+                    if !hints {
+                        assert_eq!(s.prefetches, 0);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn any_budget_and_any_hints_give_the_mapped_models_output() {
+    assert_same_as_mapped(&model("tiny-qwen3moe-q8_0.gguf"));
+}
+
+#[test]
+fn a_bundle_served_from_the_store_is_the_mapped_bundle() {
+    // qwen2moe: a shared expert that stays mapped beside the stored routed ones.
+    let dir = tempfile::tempdir().unwrap();
+    convert(
+        &ConvertOptions {
+            model: model("tiny-qwen2moe-q8_0.gguf"),
+            out: dir.path().to_owned(),
+            experts: None,
+            top_k: None,
+            calib: None,
+            calib_tokens: 2048,
+            expert_type: ExpertType::Keep,
+            seed: 0,
+            grouping: Default::default(),
+        },
+        &|_: &str, _: u64, _: u64| {},
+    )
+    .unwrap();
+    assert_same_as_mapped(dir.path());
+}
+
+#[test]
+fn a_budget_too_small_for_one_expert_and_a_dense_model_are_clear_errors() {
+    let err = Model::open_with(
+        &model("tiny-qwen3moe-q8_0.gguf"),
+        &OpenOptions {
+            ram_budget: Some(1000),
+            io_threads: None,
+        },
+    )
+    .err()
+    .expect("refused");
+    let msg = err.to_string();
+    assert!(msg.contains("cannot hold the largest expert"), "{msg}");
+    let err = Model::open_with(
+        &model("tiny-qwen3-f16.gguf"),
+        &OpenOptions {
+            ram_budget: Some(1 << 30),
+            io_threads: None,
+        },
+    )
+    .err()
+    .expect("refused");
+    assert!(matches!(err, LoadError::NoStore { .. }), "{err}");
+    assert!(err.to_string().contains("no routed experts"), "{err}");
+}
+
+#[test]
+fn a_failed_read_fails_its_request_and_the_next_request_reads_again() {
+    let dir = tempfile::tempdir().unwrap();
+    convert(
+        &ConvertOptions {
+            model: model("tiny-qwen3moe-q8_0.gguf"),
+            out: dir.path().to_owned(),
+            experts: None,
+            top_k: None,
+            calib: None,
+            calib_tokens: 2048,
+            expert_type: ExpertType::Keep,
+            seed: 0,
+            grouping: Default::default(),
+        },
+        &|_: &str, _: u64, _: u64| {},
+    )
+    .unwrap();
+    let mapped = open(dir.path(), None, false);
+    let want = run(&mapped, Numerics::Parity, PROMPTS[0], 4).unwrap();
+    // A budget below one layer's experts: nothing of layer 1 stays resident across requests.
+    let m = open(dir.path(), Some(80 << 10), false);
+    // Layer 1's blobs vanish from under the store (a disk error): every request needs them.
+    let man = Manifest::read(dir.path()).unwrap();
+    let blobs: Vec<(PathBuf, Vec<u8>)> = man
+        .experts
+        .iter()
+        .filter(|e| e.layer == 1)
+        .map(|e| {
+            let p = dir.path().join(&e.part.file);
+            let bytes = std::fs::read(&p).unwrap();
+            (p, bytes)
+        })
+        .collect();
+    assert!(!blobs.is_empty());
+    for (p, _) in &blobs {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(p)
+            .unwrap()
+            .set_len(0)
+            .unwrap();
+    }
+    let err = run(&m, Numerics::Parity, PROMPTS[0], 4).expect_err("the read fails");
+    match &err {
+        ForwardError::Expert(e @ ExpertError::Unavailable { layer: 1, reason }) => {
+            assert!(reason.contains("short read"), "{reason}");
+            assert!(e.class().is_retryable());
+        }
+        other => panic!("expected layer 1 unavailable, got {other}"),
+    }
+    // The disk is back: the next request reads again and computes the mapped model's output.
+    for (p, bytes) in &blobs {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new().write(true).open(p).unwrap();
+        f.write_all(bytes).unwrap();
+    }
+    assert_eq!(run(&m, Numerics::Parity, PROMPTS[0], 4).unwrap(), want);
+    let s = m.experts.store_stats().unwrap();
+    assert!(s.read_errors > 0, "{s:?}");
+}
