@@ -15,11 +15,12 @@
 # included). The routing spread of the model (ternfleet routing) comes first.
 #
 # usage: benches/moe-store-vs-llama-cpp.sh [--layers N] [-m MODEL] [--limit 8GiB] [--budget 6GiB]
-#                                          [-t THREADS] [-p PROMPT] [-n GEN]
+#                                          [-t THREADS] [-p PROMPT] [-n GEN] [--skip-llama]
 #   defaults: --layers 48 --limit 8GiB --budget (limit - 2GiB) -t 2 -p 16 -n 32. Needs root.
+#   --skip-llama: ternfleet only (llama.cpp's mmap run under 8 GiB takes ~15 minutes).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-layers=48; model=""; limit="8GiB"; budget=""; threads=2; pp=16; tg=32
+layers=48; model=""; limit="8GiB"; budget=""; threads=2; pp=16; tg=32; llama=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --layers) layers=$2; shift 2 ;;
@@ -29,7 +30,8 @@ while [ $# -gt 0 ]; do
     -t) threads=$2; shift 2 ;;
     -p) pp=$2; shift 2 ;;
     -n) tg=$2; shift 2 ;;
-    *) echo "usage: $0 [--layers N] [-m MODEL] [--limit SIZE] [--budget SIZE] [-t T] [-p N] [-n N]" >&2; exit 2 ;;
+    --skip-llama) llama=0; shift ;;
+    *) echo "usage: $0 [--layers N] [-m MODEL] [--limit SIZE] [--budget SIZE] [-t T] [-p N] [-n N] [--skip-llama]" >&2; exit 2 ;;
   esac
 done
 bytes() { python3 -c "import re,sys; m=re.fullmatch(r'(\d+)\s*([KMGT]i?B?)?', sys.argv[1].strip(), re.I); u=(m.group(2) or '').upper()[:1]; print(int(m.group(1)) * 1024 ** ' KMGT'.index(u or ' '))" "$1"; }
@@ -79,7 +81,7 @@ run() {
 echo "model: $model ($(du -h "$model" | cut -f1)); cgroup limit $limit ($limit_b bytes), ternfleet --ram-budget $budget_b bytes, threads $threads"
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ //') (family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | tr -d ' '), model $(grep -m1 '^model\s' /proc/cpuinfo | cut -d: -f2 | tr -d ' '))"
 "$tf" routing -m "$model" -t "$threads" --json >"$work/routing.json" 2>/dev/null || echo '{}' >"$work/routing.json"
-run llama "$bin/llama-bench" -m "$model" -p "$pp" -n "$tg" -t "$threads" -r 1 --repack 0 -o json
+[ "$llama" = 1 ] && run llama "$bin/llama-bench" -m "$model" -p "$pp" -n "$tg" -t "$threads" -r 1 --repack 0 -o json
 run none "$tf" bench -m "$model" --prompt "$pp" --gen "$tg" --reps 1 -t "$threads" --ram-budget "$budget_b" --prefetch none --json
 run router "$tf" bench -m "$model" --prompt "$pp" --gen "$tg" --reps 1 -t "$threads" --ram-budget "$budget_b" --prefetch router --json
 
@@ -114,11 +116,14 @@ for n in ("llama", "none", "router"):
     except (ValueError, IndexError, KeyError, TypeError):
         pass
     res[n] = (rc, peak, oom, pp, tg, store)
-base = res["llama"][4]
+base = res["llama"][4] if res["llama"][0] == "0" else None
 names = {"llama": "llama.cpp --repack 0 (mmap)", "none": "ternfleet store, no prefetch",
          "router": "ternfleet store, router hints"}
 print(f"\n{'run':32} {'pp t/s':>8} {'tg t/s':>8} {'tg ratio':>9} {'peak GiB':>9}  store")
 for n, (rc, peak, oom, pp, tg, store) in res.items():
+    if n == "llama" and rc == "":
+        print(f"{names[n]:32} skipped (--skip-llama)")
+        continue
     if rc != "0" or tg is None:
         err = rd(n, "err").splitlines()[-3:]
         print(f"{names[n]:32} FAILED (exit {rc}, oom kills {oom}): {' | '.join(err)}")

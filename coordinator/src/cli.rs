@@ -309,10 +309,22 @@ pub struct ModelArgs {
     /// shadow predictor's hints. Default: every expert memory-mapped.
     #[arg(long = "ram-budget", value_parser = parse_size)]
     pub ram_budget: Option<u64>,
-    /// With --ram-budget: what hints the expert store. `router`: later layers' routers on the
-    /// current state, 4 layers ahead; `none`: demand reads only.
-    #[arg(long, default_value = "router", value_parser = ["router", "none"])]
+    /// With --ram-budget: what hints the expert store. `none`: demand reads only (the default:
+    /// on the disks measured, hinted reads cost more than they saved; docs/moe-scale.md);
+    /// `router`: later layers' routers on the current state, --lookahead layers ahead.
+    #[arg(long, default_value = "none", value_parser = ["router", "none"])]
     pub prefetch: String,
+    /// With --ram-budget and --prefetch router: how many layers ahead to hint.
+    #[arg(long, default_value_t = crate::model::predict::LOOKAHEAD)]
+    pub lookahead: usize,
+    /// With --ram-budget: threads reading experts from disk (reads in flight at once).
+    #[arg(long = "io-threads", default_value_t = 4)]
+    pub io_threads: usize,
+    /// With --ram-budget: which resident expert goes first when room is needed: `lfu` (least
+    /// frequently demanded, decayed counts; the default, measured better on real routing) or
+    /// `lru` (least recently used, the baseline).
+    #[arg(long, default_value = "lfu")]
+    pub evict: ternfleet_node::store::Evict,
 }
 
 /// `ternfleet generate`.
@@ -487,10 +499,18 @@ fn init(args: &ModelArgs) -> Result<(Model, SeqOptions)> {
         &args.model,
         &crate::model::OpenOptions {
             ram_budget: args.ram_budget,
-            io_threads: None,
+            io_threads: Some(args.io_threads.clamp(1, 256)),
+            evict: args.evict,
         },
     )?;
-    model.hints = args.prefetch != "none";
+    if !(1..=8).contains(&args.lookahead) {
+        bail!("--lookahead must be 1 to 8, got {}", args.lookahead);
+    }
+    model.lookahead = if args.prefetch == "none" {
+        0
+    } else {
+        args.lookahead
+    };
     let opts = SeqOptions {
         top_experts: args.top_experts,
         numerics: args.numerics,
@@ -1028,8 +1048,9 @@ fn cmd_routing(a: RoutingArgs) -> Result<()> {
     );
     for s in &r.store {
         println!(
-            "store {:>3.0} % resident, {}: hit rate {:.1} % (prefetches {}, used {}, wasted {})",
+            "store {:>3.0} % resident, {}, {}: hit rate {:.1} % (prefetches {}, used {}, wasted {})",
             100.0 * s.resident,
+            s.evict,
             if s.hints {
                 "with hints   "
             } else {

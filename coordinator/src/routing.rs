@@ -14,7 +14,7 @@
 
 use std::time::Instant;
 
-use ternfleet_node::store::{Demand, ExpertId, Policy};
+use ternfleet_node::store::{Demand, Evict, ExpertId, Policy};
 use ternfleet_shared::expert::Route;
 
 use crate::kv_cache::SeqOptions;
@@ -39,6 +39,8 @@ pub struct LayerRouting {
 pub struct StoreReplay {
     /// Fraction of all experts the budget holds.
     pub resident: f64,
+    /// `lru` or `lfu`.
+    pub evict: &'static str,
     pub hints: bool,
     pub hit_rate: f64,
     pub prefetches: u64,
@@ -139,12 +141,13 @@ fn replay(
     k: usize,
     n_expert: usize,
     resident: f64,
+    evict: Evict,
     hints: bool,
 ) -> StoreReplay {
     let budget = ((routed.len() * n_expert) as f64 * resident)
         .round()
         .max(k as f64) as u64;
-    let mut p = Policy::new(budget);
+    let mut p = Policy::with_eviction(budget, evict);
     let t = Instant::now();
     let tokens = routed.iter().map(|r| r.len() / k).min().unwrap_or(0);
     let id = |l: usize, e: u32| ExpertId {
@@ -179,6 +182,10 @@ fn replay(
     let s = p.stats();
     StoreReplay {
         resident,
+        evict: match evict {
+            Evict::Lru => "lru",
+            Evict::Lfu => "lfu",
+        },
         hints,
         hit_rate: s.hit_rate(),
         prefetches: s.prefetches,
@@ -267,15 +274,18 @@ pub fn routing(
     }
     let mut store = Vec::new();
     for resident in [0.25, 0.5] {
-        for hints in [false, true] {
-            store.push(replay(
-                &trace.routed,
-                &trace.pred,
-                k,
-                m.n_expert,
-                resident,
-                hints,
-            ));
+        for evict in [Evict::Lru, Evict::Lfu] {
+            for hints in [false, true] {
+                store.push(replay(
+                    &trace.routed,
+                    &trace.pred,
+                    k,
+                    m.n_expert,
+                    resident,
+                    evict,
+                    hints,
+                ));
+            }
         }
     }
     let nl = layers.len().max(1) as f64;
@@ -315,8 +325,8 @@ mod tests {
         let pred: Vec<Vec<Vec<u32>>> = (0..n_layer)
             .map(|l| vec![routed[l].clone(); MAX_LOOKAHEAD])
             .collect();
-        let cold = replay(&routed, &pred, k, ne, 0.5, false);
-        let hinted = replay(&routed, &pred, k, ne, 0.5, true);
+        let cold = replay(&routed, &pred, k, ne, 0.5, Evict::Lru, false);
+        let hinted = replay(&routed, &pred, k, ne, 0.5, Evict::Lru, true);
         assert!(cold.hit_rate < 0.5, "{cold:?}");
         // Layer 0 has no earlier layer to predict it: its misses remain.
         assert!(hinted.hit_rate > 0.6, "{hinted:?}");

@@ -9,6 +9,7 @@ use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
 use ternfleet_coordinator::kv_cache::SeqOptions;
 use ternfleet_coordinator::model::{ForwardError, LoadError, Logits, Model, OpenOptions};
 use ternfleet_kernels::Numerics;
+use ternfleet_node::store::Evict;
 use ternfleet_shared::bundle::Manifest;
 use ternfleet_shared::expert::ExpertError;
 
@@ -21,15 +22,20 @@ fn model(name: &str) -> PathBuf {
 }
 
 fn open(path: &Path, budget: Option<u64>, hints: bool) -> Model {
+    open_evict(path, budget, hints, Evict::default())
+}
+
+fn open_evict(path: &Path, budget: Option<u64>, hints: bool, evict: Evict) -> Model {
     let mut m = Model::open_with(
         path,
         &OpenOptions {
             ram_budget: budget,
             io_threads: Some(2),
+            evict,
         },
     )
     .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-    m.hints = hints;
+    m.lookahead = if hints { 4 } else { 0 };
     m
 }
 
@@ -66,15 +72,20 @@ fn assert_same_as_mapped(path: &Path) {
         for p in PROMPTS {
             let want = run(&mapped, numerics, p, 8).unwrap();
             for budget in BUDGETS {
-                for hints in [false, true] {
-                    let m = open(path, Some(budget), hints);
+                for (hints, evict) in [
+                    (false, Evict::Lru),
+                    (true, Evict::Lru),
+                    (false, Evict::Lfu),
+                    (true, Evict::Lfu),
+                ] {
+                    let m = open_evict(path, Some(budget), hints, evict);
                     // Twice: the second run meets a warm store.
                     for pass in 0..2 {
                         let got = run(&m, numerics, p, 8).unwrap();
                         assert!(
                             got == want,
-                            "{}: {p:?} {numerics:?} budget {budget} hints {hints} pass {pass}: \
-                             output differs from the mapped model",
+                            "{}: {p:?} {numerics:?} budget {budget} hints {hints} {evict:?} \
+                             pass {pass}: output differs from the mapped model",
                             path.display()
                         );
                     }
@@ -125,7 +136,7 @@ fn a_budget_too_small_for_one_expert_and_a_dense_model_are_clear_errors() {
         &model("tiny-qwen3moe-q8_0.gguf"),
         &OpenOptions {
             ram_budget: Some(1000),
-            io_threads: None,
+            ..OpenOptions::default()
         },
     )
     .err()
@@ -136,7 +147,7 @@ fn a_budget_too_small_for_one_expert_and_a_dense_model_are_clear_errors() {
         &model("tiny-qwen3-f16.gguf"),
         &OpenOptions {
             ram_budget: Some(1 << 30),
-            io_threads: None,
+            ..OpenOptions::default()
         },
     )
     .err()

@@ -20,13 +20,15 @@ pub enum ComputeError {
 }
 
 /// Bytes in memory aligned to [`AlignedBuf::ALIGN`] (what `O_DIRECT` reads need): an expert
-/// read from disk by the expert store.
+/// read from disk by the expert store. Its own anonymous mapping, unmapped on drop, so an
+/// evicted expert's memory goes back to the system at once (the allocator would keep freed
+/// multi-megabyte blocks in its arenas, and the process would outgrow its budget).
 pub struct AlignedBuf {
     ptr: std::ptr::NonNull<u8>,
     len: usize,
 }
 
-// SAFETY: an owned, heap-allocated byte buffer with no interior mutability once shared.
+// SAFETY: an owned private mapping with no interior mutability once shared.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: as above; `&AlignedBuf` only hands out `&[u8]`.
 unsafe impl Sync for AlignedBuf {}
@@ -35,16 +37,23 @@ impl AlignedBuf {
     /// Alignment of the start (and, for `O_DIRECT`, of every offset and length read).
     pub const ALIGN: usize = 4096;
 
-    fn layout(len: usize) -> std::alloc::Layout {
-        std::alloc::Layout::from_size_align(len.max(1), Self::ALIGN)
-            .expect("buffer length below isize::MAX")
-    }
-
-    /// `len` zeroed bytes; `None` when the allocation fails.
+    /// `len` zeroed bytes; `None` when the mapping fails.
     pub fn zeroed(len: usize) -> Option<AlignedBuf> {
-        // SAFETY: the layout has a non-zero size.
-        let p = unsafe { std::alloc::alloc_zeroed(Self::layout(len)) };
-        std::ptr::NonNull::new(p).map(|ptr| AlignedBuf { ptr, len })
+        // SAFETY: a fresh private anonymous mapping; no existing memory is touched.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len.max(1),
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return None;
+        }
+        std::ptr::NonNull::new(p.cast()).map(|ptr| AlignedBuf { ptr, len })
     }
 
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
@@ -56,15 +65,15 @@ impl AlignedBuf {
 impl std::ops::Deref for AlignedBuf {
     type Target = [u8];
     fn deref(&self) -> &[u8] {
-        // SAFETY: `ptr` is valid for `len` initialised bytes while `self` lives.
+        // SAFETY: `ptr` is valid for `len` initialised (zero-filled or written) bytes.
         unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
     }
 }
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        // SAFETY: allocated in `zeroed` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), Self::layout(self.len)) }
+        // SAFETY: mapped in `zeroed` with this length; no borrow outlives `self`.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len.max(1)) };
     }
 }
 

@@ -129,8 +129,9 @@ pub struct Model {
     pub tokenizer: Tokenizer,
     pub weights: DenseWeights,
     pub experts: Box<dyn ExpertBackend>,
-    /// Run the shadow predictor and hint the expert backend (when it wants hints).
-    pub hints: bool,
+    /// How many layers ahead the shadow predictor hints the expert backend (when it wants
+    /// hints); 0 (the default): no hints.
+    pub lookahead: usize,
     file: Arc<GgufFile>,
 }
 
@@ -143,6 +144,8 @@ pub struct OpenOptions {
     pub ram_budget: Option<u64>,
     /// Threads reading experts from disk (default 4).
     pub io_threads: Option<usize>,
+    /// Which resident expert the store drops first.
+    pub evict: ternfleet_node::store::Evict,
 }
 
 /// Opening a model: a GGUF error, or a model/tokenizer error.
@@ -197,7 +200,9 @@ impl Model {
     /// [`Model::open`] with options (an expert store within a RAM budget).
     pub fn open_with(path: &Path, opts: &OpenOptions) -> Result<Model, LoadError> {
         if path.is_dir() {
-            let store = opts.ram_budget.map(|b| (b, opts.io_threads.unwrap_or(4)));
+            let store = opts
+                .ram_budget
+                .map(|b| (b, opts.io_threads.unwrap_or(4), opts.evict));
             return Model::open_bundle_with(path, store);
         }
         let p = path.display().to_string();
@@ -207,7 +212,7 @@ impl Model {
         })?);
         let store = opts
             .ram_budget
-            .map(|budget| (path, budget, opts.io_threads.unwrap_or(4)));
+            .map(|budget| (path, budget, opts.io_threads.unwrap_or(4), opts.evict));
         Self::from_file_with(file, store).map_err(|e| match e {
             LoadError::Model { err, .. } => LoadError::Model {
                 path: p.clone(),
@@ -230,7 +235,7 @@ impl Model {
     /// the routed experts from an expert store.
     fn from_file_with(
         file: Arc<GgufFile>,
-        store: Option<(&Path, u64, usize)>,
+        store: Option<(&Path, u64, usize, ternfleet_node::store::Evict)>,
     ) -> Result<Model, LoadError> {
         let wrap = |err| LoadError::Model {
             path: String::new(),
@@ -244,16 +249,16 @@ impl Model {
         let (weights, ffns) = weights::load(&file, &cfg, true).map_err(wrap)?;
         let experts: Box<dyn ExpertBackend> = match store {
             None => Box::new(LocalExperts::new(ffns)),
-            Some((path, _, _)) if cfg.moe.is_none() => {
+            Some((path, ..)) if cfg.moe.is_none() => {
                 return Err(LoadError::NoStore {
                     path: path.display().to_string(),
                     why: "this model has no routed experts",
                 })
             }
-            Some((_, budget, io)) => {
+            Some((_, budget, io, evict)) => {
                 let n_routed = cfg.moe.as_ref().map_or(0, |m| m.n_expert);
                 Box::new(ternfleet_node::store::StoreExperts::new(
-                    ffns, n_routed, budget, io,
+                    ffns, n_routed, budget, evict, io,
                 )?)
             }
         };
@@ -262,7 +267,7 @@ impl Model {
             tokenizer,
             weights,
             experts,
-            hints: true,
+            lookahead: 0,
             file,
         })
     }
@@ -276,7 +281,10 @@ impl Model {
 
     /// [`Model::open_bundle`]; `store`: (RAM budget, I/O threads) to serve the expert blobs
     /// from an expert store.
-    fn open_bundle_with(dir: &Path, store: Option<(u64, usize)>) -> Result<Model, LoadError> {
+    fn open_bundle_with(
+        dir: &Path,
+        store: Option<(u64, usize, ternfleet_node::store::Evict)>,
+    ) -> Result<Model, LoadError> {
         use ternfleet_shared::bundle::{Gating, Manifest};
         let man = Manifest::read(dir)?;
         let cpath = Manifest::verify_part(dir, &man.coordinator)?;
@@ -359,14 +367,15 @@ impl Model {
             weights,
             experts: match store {
                 None => Box::new(LocalExperts::new(ffns)),
-                Some((budget, io)) => Box::new(ternfleet_node::store::StoreExperts::new(
+                Some((budget, io, evict)) => Box::new(ternfleet_node::store::StoreExperts::new(
                     ffns,
                     mi.n_expert,
                     budget,
+                    evict,
                     io,
                 )?),
             },
-            hints: true,
+            lookahead: 0,
             file,
         })
     }
@@ -654,9 +663,9 @@ impl Model {
             };
             // Shadow predictor: later layers' routers on this state hint the expert store,
             // so their experts are read while this layer computes. Never changes the output.
-            if self.hints && self.experts.wants_hints() {
+            if self.lookahead > 0 && self.experts.wants_hints() {
                 if let (Some(m), Some(p)) = (&cfg.moe, predict::RouterPredictor::new(cfg, w)) {
-                    for target in il + 1..(il + 1 + predict::LOOKAHEAD).min(cfg.n_layer) {
+                    for target in il + 1..(il + 1 + self.lookahead).min(cfg.n_layer) {
                         let mut set = p.predict(&x, n, target, m.n_expert_used);
                         set.sort_unstable();
                         set.dedup();

@@ -14,8 +14,9 @@ use super::weights::DenseWeights;
 use super::ModelConfig;
 use crate::ops;
 
-/// How many layers ahead the engine hints the expert store.
-pub const LOOKAHEAD: usize = 4;
+/// How many layers ahead the engine hints the expert store by default (`--lookahead`; the
+/// best of 1, 2 and 4 measured, docs/moe-scale.md).
+pub const LOOKAHEAD: usize = 1;
 
 /// Predicts later layers' experts with their own routers applied to the current state.
 pub struct RouterPredictor<'a> {

@@ -14,7 +14,7 @@
 //! Shared experts and dense FFNs are not routed: they stay memory-mapped, outside the budget.
 pub mod policy;
 
-pub use policy::{Demand, ExpertId, Policy, PolicyError, StoreStats};
+pub use policy::{Demand, Evict, ExpertId, Policy, PolicyError, StoreStats};
 
 use std::collections::{HashMap, VecDeque};
 use std::fs::File;
@@ -35,8 +35,14 @@ use crate::expert::{run_ffn, FfnWeights, LocalExperts};
 struct Layout {
     /// Index into the store's open files (a GGUF model, or the expert's blob in a bundle).
     file: usize,
-    /// File ranges of gate, up, down.
-    ranges: [std::ops::Range<usize>; 3],
+    /// The page-aligned file spans read (the three matrices' spans, merged where they touch
+    /// or lie within [`MERGE_GAP`] of each other: one request instead of three for a
+    /// bundle's blob), in file order, back to back in the buffer.
+    spans: Vec<std::ops::Range<usize>>,
+    /// Where gate, up and down start in the buffer.
+    starts: [usize; 3],
+    /// Bytes of each matrix that must be in the file (a shorter read is an error).
+    need: Vec<usize>,
     /// Bytes of the buffer it is read into (each range widened to whole 4 KiB pages).
     bytes: u64,
 }
@@ -48,6 +54,10 @@ struct DiskFile {
     /// Opened with `O_DIRECT` (else reads are buffered and dropped from the cache after).
     direct: bool,
 }
+
+/// Matrices of one expert closer than this in the file are read with one request (the bytes
+/// between them are read and kept: at most this much per expert).
+const MERGE_GAP: usize = 64 << 10;
 
 fn page_span(r: &std::ops::Range<usize>) -> std::ops::Range<usize> {
     let a = AlignedBuf::ALIGN;
@@ -87,10 +97,39 @@ impl Layout {
             }
         };
         let ranges = [rg, ru, rd];
-        let bytes = ranges.iter().map(|r| page_span(r).len() as u64).sum();
+        let mut order = [0usize, 1, 2];
+        order.sort_by_key(|&i| ranges[i].start);
+        let mut spans: Vec<std::ops::Range<usize>> = Vec::new();
+        for &i in &order {
+            let sp = page_span(&ranges[i]);
+            match spans.last_mut() {
+                Some(last) if sp.start <= last.end + MERGE_GAP => last.end = last.end.max(sp.end),
+                _ => spans.push(sp),
+            }
+        }
+        // Buffer offset of each span, then of each matrix within its span.
+        let mut span_at = Vec::with_capacity(spans.len());
+        let mut at = 0;
+        for sp in &spans {
+            span_at.push(at);
+            at += sp.len();
+        }
+        let mut starts = [0usize; 3];
+        let mut need = vec![0usize; spans.len()];
+        for (i, r) in ranges.iter().enumerate() {
+            let k = spans
+                .iter()
+                .position(|sp| sp.start <= r.start && r.end <= sp.end)
+                .expect("every range lies in a span");
+            starts[i] = span_at[k] + (r.start - spans[k].start);
+            need[k] = need[k].max(r.end - spans[k].start);
+        }
+        let bytes = at as u64;
         Ok(Some(Layout {
             file,
-            ranges,
+            spans,
+            starts,
+            need,
             bytes,
         }))
     }
@@ -145,6 +184,7 @@ impl StoreExperts {
         layers: Vec<Vec<FfnWeights>>,
         n_routed: usize,
         budget: u64,
+        evict: Evict,
         io_threads: usize,
     ) -> Result<StoreExperts, StoreError> {
         let mut files = Vec::new();
@@ -177,7 +217,7 @@ impl StoreExperts {
             layers: layers.clone(),
             layouts,
             state: Mutex::new(State {
-                policy: Policy::new(budget),
+                policy: Policy::with_eviction(budget, evict),
                 resident: HashMap::new(),
                 failed: HashMap::new(),
                 queue: VecDeque::new(),
@@ -196,6 +236,7 @@ impl StoreExperts {
             .collect();
         tracing::info!(
             budget,
+            evict = ?evict,
             direct,
             io_threads,
             "expert store: {} routed experts on disk in {} file(s)",
@@ -318,26 +359,23 @@ impl Shared {
             .ok_or_else(|| format!("allocating {} bytes", lay.bytes))?;
         let f = &self.files[lay.file];
         let mut at = 0;
-        let mut starts = [0usize; 3];
-        for (i, r) in lay.ranges.iter().enumerate() {
-            let span = page_span(r);
+        for (span, &need) in lay.spans.iter().zip(&lay.need) {
             let dst = &mut buf.as_mut_slice()[at..at + span.len()];
             let n = read_fully(&f.file, dst, span.start as u64)
                 .map_err(|e| format!("{}: read at {}: {e}", f.path.display(), span.start))?;
-            if n < r.end - span.start {
+            if n < need {
                 return Err(format!(
-                    "{}: short read at {} ({n} of {} bytes)",
+                    "{}: short read at {} ({n} of {need} bytes)",
                     f.path.display(),
-                    span.start,
-                    r.end - span.start
+                    span.start
                 ));
             }
             if !f.direct {
                 drop_cached(&f.file, span.start, span.len());
             }
-            starts[i] = at + (r.start - span.start);
             at += span.len();
         }
+        let starts = lay.starts;
         let buf = Arc::new(buf);
         let e = |e: ComputeError| e.to_string();
         Ok(FfnWeights {
@@ -538,6 +576,13 @@ impl ExpertBackend for StoreExperts {
         let mut st = s.lock();
         let now = Instant::now();
         for &e in experts {
+            // Opportunistic: hints use a disk the demands leave idle. Reads still waiting for
+            // an I/O thread mean the disk is busy; a prefetch queued now would only delay the
+            // demand reads behind it.
+            if !st.queue.is_empty() {
+                st.policy.note_hint_skipped();
+                continue;
+            }
             let id = Shared::id(layer, e as usize);
             let Some(bytes) = s.layout(id).map(|l| l.bytes) else {
                 continue;
