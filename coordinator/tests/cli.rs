@@ -226,6 +226,64 @@ fn every_subcommand_runs_on_a_tiny_model() {
     .unwrap();
     // A bundle of a native MoE model is the same model: full agreement.
     assert_eq!(v["top1_agreement"].as_f64(), Some(1.0), "{v}");
+    // Routing spread, predictor recall and store replay of an MoE model.
+    let v: serde_json::Value = serde_json::from_str(&run(
+        &[
+            "routing", "-m", moe, "-f", gpl, "--tokens", "128", "-c", "64", "--json", "-t", "2",
+        ],
+        0,
+    ))
+    .unwrap();
+    assert_eq!(v["tokens"].as_u64(), Some(128), "{v}");
+    assert_eq!(v["n_expert"].as_u64(), Some(16), "{v}");
+    let distinct = v["distinct_min"].as_u64().unwrap();
+    assert!((1..=16).contains(&distinct), "{v}");
+    assert!(
+        v["entropy_mean_bits"].as_f64().unwrap() <= 4.0 + 1e-9,
+        "{v}"
+    );
+    // Two layers: one layer of lookahead is measurable, more is not.
+    let recall = v["recall"].as_array().unwrap();
+    assert!(
+        recall[0].as_f64().is_some_and(|r| (0.0..=1.0).contains(&r)),
+        "{v}"
+    );
+    assert!(recall[1].is_null(), "{v}");
+    assert_eq!(v["store"].as_array().map(|a| a.len()), Some(8), "{v}");
+    // The expert store: counters in bench --json; a dense model is refused with a reason.
+    let v: serde_json::Value = serde_json::from_str(&run(
+        &[
+            "bench",
+            "-m",
+            moe,
+            "--prompt",
+            "16",
+            "--gen",
+            "4",
+            "--reps",
+            "1",
+            "--ram-budget",
+            "200KiB",
+            "--prefetch",
+            "router",
+            "--json",
+            "-t",
+            "2",
+        ],
+        0,
+    ))
+    .unwrap();
+    assert!(v["store"]["misses"].as_u64().is_some_and(|m| m > 0), "{v}");
+    assert!(
+        v["store"]["bytes_read"].as_u64().is_some_and(|b| b > 0),
+        "{v}"
+    );
+    let err = bin()
+        .args(["bench", "-m", &m, "--ram-budget", "1GiB", "--gen", "2"])
+        .output()
+        .unwrap();
+    assert_eq!(err.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&err.stderr).contains("no routed experts"));
 }
 
 #[test]

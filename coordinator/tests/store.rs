@@ -57,6 +57,25 @@ fn run(m: &Model, numerics: Numerics, prompt: &str, n: usize) -> Result<Vec<u32>
     Ok(all.iter().map(|v| v.to_bits()).collect())
 }
 
+/// Splits a native MoE test model into a bundle in `out`.
+fn bundle(name: &str, out: &Path) {
+    convert(
+        &ConvertOptions {
+            model: model(name),
+            out: out.to_owned(),
+            experts: None,
+            top_k: None,
+            calib: None,
+            calib_tokens: 2048,
+            expert_type: ExpertType::Keep,
+            seed: 0,
+            grouping: Default::default(),
+        },
+        &|_: &str, _: u64, _: u64| {},
+    )
+    .unwrap();
+}
+
 const PROMPTS: [&str; 2] = [
     "The capital of France is",
     "This License applies to any program",
@@ -112,21 +131,7 @@ fn any_budget_and_any_hints_give_the_mapped_models_output() {
 fn a_bundle_served_from_the_store_is_the_mapped_bundle() {
     // qwen2moe: a shared expert that stays mapped beside the stored routed ones.
     let dir = tempfile::tempdir().unwrap();
-    convert(
-        &ConvertOptions {
-            model: model("tiny-qwen2moe-q8_0.gguf"),
-            out: dir.path().to_owned(),
-            experts: None,
-            top_k: None,
-            calib: None,
-            calib_tokens: 2048,
-            expert_type: ExpertType::Keep,
-            seed: 0,
-            grouping: Default::default(),
-        },
-        &|_: &str, _: u64, _: u64| {},
-    )
-    .unwrap();
+    bundle("tiny-qwen2moe-q8_0.gguf", dir.path());
     assert_same_as_mapped(dir.path());
 }
 
@@ -159,21 +164,7 @@ fn a_budget_too_small_for_one_expert_and_a_dense_model_are_clear_errors() {
 #[test]
 fn a_failed_read_fails_its_request_and_the_next_request_reads_again() {
     let dir = tempfile::tempdir().unwrap();
-    convert(
-        &ConvertOptions {
-            model: model("tiny-qwen3moe-q8_0.gguf"),
-            out: dir.path().to_owned(),
-            experts: None,
-            top_k: None,
-            calib: None,
-            calib_tokens: 2048,
-            expert_type: ExpertType::Keep,
-            seed: 0,
-            grouping: Default::default(),
-        },
-        &|_: &str, _: u64, _: u64| {},
-    )
-    .unwrap();
+    bundle("tiny-qwen3moe-q8_0.gguf", dir.path());
     let mapped = open(dir.path(), None, false);
     let want = run(&mapped, Numerics::Parity, PROMPTS[0], 4).unwrap();
     // A budget below one layer's experts: nothing of layer 1 stays resident across requests.

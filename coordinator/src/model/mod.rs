@@ -169,7 +169,7 @@ pub enum LoadError {
     Shard(ternfleet_node::shard::ShardError),
     #[error(transparent)]
     Store(#[from] ternfleet_node::store::StoreError),
-    #[error("{path}: --ram-budget needs a mixture-of-experts GGUF file ({why})")]
+    #[error("{path}: --ram-budget needs a mixture-of-experts model ({why})")]
     NoStore { path: String, why: &'static str },
 }
 
