@@ -172,6 +172,8 @@ pub enum StoreError {
     Open { path: String, err: std::io::Error },
     #[error("--ram-budget {budget} bytes cannot hold the largest expert ({largest} bytes)")]
     BudgetTooSmall { budget: u64, largest: u64 },
+    #[error("starting the expert store's I/O threads: {0}")]
+    Spawn(std::io::Error),
 }
 
 impl StoreExperts {
@@ -225,15 +227,25 @@ impl StoreExperts {
             }),
             changed: Condvar::new(),
         });
-        let io = (0..io_threads.max(1))
-            .map(|i| {
-                let s = shared.clone();
-                std::thread::Builder::new()
-                    .name(format!("expert-io-{i}"))
-                    .spawn(move || s.io_loop())
-                    .expect("spawning an expert I/O thread")
-            })
-            .collect();
+        let mut io = Vec::with_capacity(io_threads.max(1));
+        for i in 0..io_threads.max(1) {
+            let s = shared.clone();
+            match std::thread::Builder::new()
+                .name(format!("expert-io-{i}"))
+                .spawn(move || s.io_loop())
+            {
+                Ok(t) => io.push(t),
+                Err(err) => {
+                    // Stop the threads already started before reporting.
+                    shared.lock().shutdown = true;
+                    shared.changed.notify_all();
+                    io.into_iter().for_each(|t: std::thread::JoinHandle<()>| {
+                        let _ = t.join();
+                    });
+                    return Err(StoreError::Spawn(err));
+                }
+            }
+        }
         tracing::info!(
             budget,
             evict = ?evict,
