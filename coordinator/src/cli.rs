@@ -55,6 +55,15 @@ pub enum Command {
     /// meaningless. The store figures replay the routing trace through the store's policy
     /// with reads completing at once (an upper bound on what prefetch can achieve).
     Routing(RoutingArgs),
+    /// Fit the learned shadow predictor of an MoE model on calibration text and store it (in
+    /// a bundle: BUNDLE/predictor.gguf; beside a GGUF file: FILE.predictor.gguf).
+    ///
+    /// Per source layer and lookahead, a ridge regression from the residual stream to the
+    /// later layer's router logits, pulled toward the router predictor; the last --holdout of
+    /// the tokens choose the pull, so it never does worse there than the router predictor.
+    /// Use it with --prefetch learned; `ternfleet routing --prefetch learned` measures it
+    /// beside the router predictor (on a different text than the calibration one).
+    FitPredictor(FitPredictorArgs),
     /// Print a model's summary: architecture, sizes, context, experts, chat template and the
     /// weight types it holds.
     Info(InfoArgs),
@@ -118,6 +127,25 @@ pub struct ServeArgs {
     /// MoE models: experts per token.
     #[arg(long = "top-experts")]
     pub top_experts: Option<usize>,
+    /// MoE models: keep at most this much of the routed experts in RAM (e.g. 8GiB); the rest
+    /// is read from disk by the expert store (default: every expert memory-mapped).
+    #[arg(long = "ram-budget")]
+    pub ram_budget: Option<String>,
+    /// With --ram-budget: none (default), router or learned hints (see `generate --help`).
+    #[arg(long)]
+    pub prefetch: Option<String>,
+    /// With --prefetch: layers ahead hinted (default 1).
+    #[arg(long)]
+    pub lookahead: Option<usize>,
+    /// With --prefetch learned: the predictor file (default: beside the model).
+    #[arg(long)]
+    pub predictor: Option<PathBuf>,
+    /// With --ram-budget: threads reading experts (default 4).
+    #[arg(long = "io-threads")]
+    pub io_threads: Option<usize>,
+    /// With --ram-budget: lfu (default) or lru.
+    #[arg(long)]
+    pub evict: Option<String>,
     /// Requests generating at once (default 16).
     #[arg(long)]
     pub parallel: Option<usize>,
@@ -182,7 +210,12 @@ impl ServeArgs {
              max_queue => max_queue, ctx => ctx, kv_budget => kv_budget, chunk => chunk,
              step_tokens => step_tokens, max_body => max_body,
              max_prompt_tokens => max_prompt_tokens, chat_template => chat_template,
-             timeout => timeout_s, grace => grace_s, id => id);
+             timeout => timeout_s, grace => grace_s, id => id, ram_budget => ram_budget,
+             prefetch => prefetch, lookahead => lookahead, io_threads => io_threads,
+             evict => evict);
+        if self.predictor.is_some() {
+            c.predictor = self.predictor;
+        }
         if self.listen_any {
             c.listen_any = true;
         }
@@ -311,9 +344,15 @@ pub struct ModelArgs {
     pub ram_budget: Option<u64>,
     /// With --ram-budget: what hints the expert store. `none`: demand reads only (the default:
     /// on the disks measured, hinted reads cost more than they saved; docs/moe-scale.md);
-    /// `router`: later layers' routers on the current state, --lookahead layers ahead.
-    #[arg(long, default_value = "none", value_parser = ["router", "none"])]
+    /// `router`: later layers' routers on the current state, --lookahead layers ahead;
+    /// `learned`: the predictor `ternfleet fit-predictor` fitted (--predictor, or the one in
+    /// the bundle / beside the GGUF file), the router predictor where it has no map.
+    #[arg(long, default_value = "none", value_parser = ["router", "learned", "none"])]
     pub prefetch: String,
+    /// With --prefetch learned: the predictor file (default: BUNDLE/predictor.gguf or
+    /// MODEL.predictor.gguf).
+    #[arg(long)]
+    pub predictor: Option<PathBuf>,
     /// With --ram-budget and --prefetch router: how many layers ahead to hint.
     #[arg(long, default_value_t = crate::model::predict::LOOKAHEAD)]
     pub lookahead: usize,
@@ -450,6 +489,31 @@ pub struct RoutingArgs {
     pub json: bool,
 }
 
+/// `ternfleet fit-predictor`.
+#[derive(Args, Debug)]
+pub struct FitPredictorArgs {
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Calibration text (hold the text you measure on out of it).
+    #[arg(long, default_value = "tests/data/text/python-reference.txt")]
+    pub calib: PathBuf,
+    /// Calibration tokens used, the held-out part included.
+    #[arg(long, default_value_t = 16384)]
+    pub tokens: usize,
+    /// Fraction of the tokens held out to choose the ridge strength.
+    #[arg(long, default_value_t = 0.1)]
+    pub holdout: f64,
+    /// Tokens per chunk.
+    #[arg(short = 'c', long, default_value_t = 512)]
+    pub ctx: usize,
+    /// Where to write it (default: BUNDLE/predictor.gguf or MODEL.predictor.gguf).
+    #[arg(short = 'o', long)]
+    pub output: Option<PathBuf>,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
 /// `ternfleet bench`.
 #[derive(Args, Debug)]
 pub struct BenchArgs {
@@ -503,14 +567,13 @@ fn init(args: &ModelArgs) -> Result<(Model, SeqOptions)> {
             evict: args.evict,
         },
     )?;
-    if !(1..=8).contains(&args.lookahead) {
-        bail!("--lookahead must be 1 to 8, got {}", args.lookahead);
-    }
-    model.lookahead = if args.prefetch == "none" {
-        0
-    } else {
-        args.lookahead
-    };
+    set_prefetch(
+        &mut model,
+        &args.model,
+        &args.prefetch,
+        args.lookahead,
+        args.predictor.as_deref(),
+    )?;
     let opts = SeqOptions {
         top_experts: args.top_experts,
         numerics: args.numerics,
@@ -542,6 +605,55 @@ fn init(args: &ModelArgs) -> Result<(Model, SeqOptions)> {
         t.elapsed().as_secs_f64()
     );
     Ok((model, opts))
+}
+
+/// Checks a `--prefetch` / `--lookahead` pair.
+pub fn check_prefetch(prefetch: &str, lookahead: usize) -> Result<()> {
+    if !["none", "router", "learned"].contains(&prefetch) {
+        bail!("prefetch {prefetch:?}: expected none, router or learned");
+    }
+    if !(1..=8).contains(&lookahead) {
+        bail!("--lookahead must be 1 to 8, got {lookahead}");
+    }
+    Ok(())
+}
+
+/// Turns the shadow predictor's hints on (`router`, `learned`) or off (`none`); a learned
+/// predictor comes from `predictor` or its default place beside `path`.
+pub fn set_prefetch(
+    model: &mut Model,
+    path: &std::path::Path,
+    prefetch: &str,
+    lookahead: usize,
+    predictor: Option<&std::path::Path>,
+) -> Result<()> {
+    check_prefetch(prefetch, lookahead)?;
+    model.lookahead = if prefetch == "none" { 0 } else { lookahead };
+    if prefetch != "learned" {
+        if predictor.is_some() {
+            bail!("--predictor needs --prefetch learned");
+        }
+        return Ok(());
+    }
+    let file = predictor.map_or_else(
+        || crate::model::predict::default_path(path),
+        std::path::Path::to_path_buf,
+    );
+    if !file.exists() {
+        bail!(
+            "--prefetch learned: no predictor at {} (fit one: ternfleet fit-predictor -m {} --calib TEXT)",
+            file.display(),
+            path.display()
+        );
+    }
+    let lp = crate::model::predict::LearnedPredictor::load(&file, &model.cfg)?;
+    tracing::info!(
+        lookahead = lp.lookahead(),
+        "learned predictor {}",
+        file.display()
+    );
+    model.learned = Some(std::sync::Arc::new(lp));
+    Ok(())
 }
 
 /// Logging, the compute thread pool and the kernel choice.
@@ -584,6 +696,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Tokenize(a) => cmd_tokenize(a),
         Command::Perplexity(a) => cmd_perplexity(a),
         Command::Routing(a) => cmd_routing(a),
+        Command::FitPredictor(a) => cmd_fit_predictor(a),
         Command::Bench(a) => cmd_bench(a),
         Command::Info(a) => cmd_info(a),
         Command::Convert(a) => cmd_convert(a),
@@ -1004,6 +1117,72 @@ fn cmd_perplexity(a: PerplexityArgs) -> Result<()> {
     Ok(())
 }
 
+fn cmd_fit_predictor(a: FitPredictorArgs) -> Result<()> {
+    if !(a.holdout > 0.0 && a.holdout < 0.5) {
+        bail!("--holdout must be between 0 and 0.5, got {}", a.holdout);
+    }
+    let (model, opts) = init(&a.model)?;
+    let text = std::fs::read_to_string(&a.calib)
+        .with_context(|| format!("reading {}", a.calib.display()))?;
+    let fo = crate::model::fit::FitOptions {
+        tokens: a.tokens,
+        lookahead: a.model.lookahead.max(crate::routing::MAX_LOOKAHEAD),
+        ctx: a.ctx,
+        holdout: a.holdout,
+    };
+    let out = a
+        .output
+        .clone()
+        .unwrap_or_else(|| crate::model::predict::default_path(&a.model.model));
+    let bar = progress_bar("fitting {bar:40} {pos}/{len} chunks [{elapsed_precise}<{eta_precise}]");
+    let t = std::time::Instant::now();
+    let r = crate::model::fit::fit(&model, opts, &text, &fo, |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    });
+    bar.finish_and_clear();
+    let (pred, report) = r?;
+    pred.save(&out, report.train_tokens)?;
+    tracing::info!(
+        "fitted in {:.1}s, wrote {}",
+        t.elapsed().as_secs_f64(),
+        out.display()
+    );
+    if a.json {
+        println!("{}", serde_json::to_string(&report)?);
+        return Ok(());
+    }
+    println!(
+        "{}: fitted on {} tokens, {} held out; recall of the top-{} on the held-out tokens by lookahead",
+        out.display(),
+        report.train_tokens,
+        report.holdout_tokens,
+        report.k
+    );
+    println!("  router predictor:  {}", fmt_recall(&report.router_recall));
+    println!(
+        "  learned predictor: {}",
+        fmt_recall(&report.learned_recall)
+    );
+    println!(
+        "  {} of {} layer pairs kept the router predictor (no ridge strength beat it)",
+        report.pairs_router, report.pairs
+    );
+    Ok(())
+}
+
+/// Recall by lookahead: `1: 78.0 %, 2: 70.6 %, …`.
+fn fmt_recall(v: &[Option<f64>]) -> String {
+    v.iter()
+        .enumerate()
+        .map(|(j, v)| match v {
+            Some(v) => format!("{}: {:.1} %", j + 1, 100.0 * v),
+            None => format!("{}: n/a", j + 1),
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 fn cmd_routing(a: RoutingArgs) -> Result<()> {
     let (model, opts) = init(&a.model)?;
     let text = std::fs::read_to_string(&a.file)
@@ -1032,29 +1211,26 @@ fn cmd_routing(a: RoutingArgs) -> Result<()> {
             l.layer, l.distinct, l.entropy_bits
         );
     }
-    let recall: Vec<String> = r
-        .recall
-        .iter()
-        .enumerate()
-        .map(|(j, v)| match v {
-            Some(v) => format!("{}: {:.1} %", j + 1, 100.0 * v),
-            None => format!("{}: n/a", j + 1),
-        })
-        .collect();
     println!(
         "router predictor recall of the top-{} by lookahead {}",
         r.k,
-        recall.join(", ")
+        fmt_recall(&r.recall)
     );
+    if let Some(l) = &r.recall_learned {
+        println!(
+            "learned predictor recall of the top-{} by lookahead {}",
+            r.k,
+            fmt_recall(l)
+        );
+    }
     for s in &r.store {
         println!(
             "store {:>3.0} % resident, {}, {}: hit rate {:.1} % (prefetches {}, used {}, wasted {})",
             100.0 * s.resident,
             s.evict,
-            if s.hints {
-                "with hints   "
-            } else {
-                "without hints"
+            match s.hints {
+                "none" => "without hints       ".to_string(),
+                h => format!("{h} hints{}", " ".repeat(13usize.saturating_sub(h.len()))),
             },
             100.0 * s.hit_rate,
             s.prefetches,

@@ -8,6 +8,8 @@
 //! - the router-based predictor's recall of the true top-k at lookahead 1..=4 layers
 //!   ([`crate::model::predict::RouterPredictor`], hinted set fixed at k experts per layer:
 //!   hinting everything is not a prediction);
+//! - with `--prefetch learned`, the same for the learned predictor
+//!   ([`crate::model::predict::LearnedPredictor`], `model.learned`);
 //! - the expert store's hit rate with and without those hints when 25 % and 50 % of the
 //!   experts fit the budget: the routing trace replayed token by token (decode order) through
 //!   the store's own policy (`ternfleet_node::store::Policy`), reads completing at once.
@@ -18,7 +20,7 @@ use ternfleet_node::store::{Demand, Evict, ExpertId, Policy};
 use ternfleet_shared::expert::Route;
 
 use crate::kv_cache::SeqOptions;
-use crate::model::predict::RouterPredictor;
+use crate::model::predict::{LearnedPredictor, RouterPredictor};
 use crate::model::{Model, Observer};
 use crate::perplexity::{perplexity_observed, PerplexityError};
 
@@ -41,7 +43,8 @@ pub struct StoreReplay {
     pub resident: f64,
     /// `lru` or `lfu`.
     pub evict: &'static str,
-    pub hints: bool,
+    /// What hinted the store: `none`, `router` or `learned`.
+    pub hints: &'static str,
     pub hit_rate: f64,
     pub prefetches: u64,
     pub prefetch_used: u64,
@@ -62,6 +65,8 @@ pub struct RoutingReport {
     /// Router predictor: mean recall of the true top-k at lookahead 1, 2, 3, 4 layers
     /// (`None` where the model has too few layers).
     pub recall: Vec<Option<f64>>,
+    /// The same for the learned predictor (`None`: not measured).
+    pub recall_learned: Option<Vec<Option<f64>>>,
     pub store: Vec<StoreReplay>,
 }
 
@@ -69,6 +74,7 @@ pub struct RoutingReport {
 /// layers (`pred[j-1]`: made at layer `l - j`).
 struct Trace<'a> {
     predictor: RouterPredictor<'a>,
+    learned: Option<&'a LearnedPredictor>,
     k: usize,
     n_layer: usize,
     n_embd: usize,
@@ -77,6 +83,8 @@ struct Trace<'a> {
     routed: Vec<Vec<u32>>,
     /// `pred[l][j-1]`: k predicted experts per token for layer l, made j layers earlier.
     pred: Vec<Vec<Vec<u32>>>,
+    /// The same from the learned predictor.
+    pred_learned: Vec<Vec<Vec<u32>>>,
 }
 
 impl Observer for Trace<'_> {
@@ -95,6 +103,14 @@ impl Observer for Trace<'_> {
             }
             let p = self.predictor.predict(x, n, target, self.k);
             self.pred[target][j - 1].extend(p);
+            if let Some(lp) = self.learned {
+                let p = if lp.has(layer, target) {
+                    lp.predict(x, n, layer, target, self.k)
+                } else {
+                    self.predictor.predict(x, n, target, self.k)
+                };
+                self.pred_learned[target][j - 1].extend(p);
+            }
         }
     }
 
@@ -134,15 +150,15 @@ fn entropy_bits(counts: &[u64]) -> f64 {
 
 /// Replays `routed` (per layer, k experts per token) token by token through the store's
 /// policy with a budget of `resident` of all experts (every expert counted as one unit),
-/// hinting each layer's predicted experts `lookahead` layers ahead when `hints`.
+/// hinting each layer's predicted experts 1 to 4 layers ahead from `hints` (its name and
+/// predictions) when given.
 fn replay(
     routed: &[Vec<u32>],
-    pred: &[Vec<Vec<u32>>],
+    hints: Option<(&'static str, &[Vec<Vec<u32>>])>,
     k: usize,
     n_expert: usize,
     resident: f64,
     evict: Evict,
-    hints: bool,
 ) -> StoreReplay {
     let budget = ((routed.len() * n_expert) as f64 * resident)
         .round()
@@ -156,7 +172,7 @@ fn replay(
     };
     for tok in 0..tokens {
         for (l, layer) in routed.iter().enumerate() {
-            if hints {
+            if let Some((_, pred)) = hints {
                 for (j, pj) in pred.iter().skip(l + 1).take(MAX_LOOKAHEAD).enumerate() {
                     // pred[l + 1 + j][j]: made at layer l for layer l + 1 + j.
                     if let Some(set) = pj.get(j).and_then(|v| v.get(tok * k..(tok + 1) * k)) {
@@ -186,7 +202,7 @@ fn replay(
             Evict::Lru => "lru",
             Evict::Lfu => "lfu",
         },
-        hints,
+        hints: hints.map_or("none", |h| h.0),
         hit_rate: s.hit_rate(),
         prefetches: s.prefetches,
         prefetch_used: s.prefetch_used,
@@ -220,12 +236,14 @@ pub fn routing(
     let n_layer = cfg.n_layer;
     let mut trace = Trace {
         predictor,
+        learned: model.learned.as_deref(),
         k,
         n_layer,
         n_embd: cfg.n_embd,
         limit: tokens,
         routed: vec![Vec::new(); n_layer],
         pred: vec![vec![Vec::new(); MAX_LOOKAHEAD]; n_layer],
+        pred_learned: vec![vec![Vec::new(); MAX_LOOKAHEAD]; n_layer],
     };
     let chunks = tokens.div_ceil(n_ctx).max(1);
     perplexity_observed(
@@ -255,36 +273,19 @@ pub fn routing(
             entropy_bits: entropy_bits(&counts),
         });
     }
-    let mut recall = Vec::new();
-    for j in 1..=MAX_LOOKAHEAD {
-        let (mut hit, mut total) = (0usize, 0usize);
-        for l in j..n_layer {
-            let (truth, pred) = (&trace.routed[l], &trace.pred[l][j - 1]);
-            let n = (truth.len().min(pred.len()) / k).min(n_tok);
-            for t in 0..n {
-                let want = &truth[t * k..(t + 1) * k];
-                hit += pred[t * k..(t + 1) * k]
-                    .iter()
-                    .filter(|e| want.contains(e))
-                    .count();
-                total += k;
-            }
-        }
-        recall.push((total > 0).then(|| hit as f64 / total as f64));
-    }
+    let recall = recall_of(&trace.routed, &trace.pred, k, n_tok);
+    let recall_learned = trace
+        .learned
+        .map(|_| recall_of(&trace.routed, &trace.pred_learned, k, n_tok));
     let mut store = Vec::new();
     for resident in [0.25, 0.5] {
         for evict in [Evict::Lru, Evict::Lfu] {
-            for hints in [false, true] {
-                store.push(replay(
-                    &trace.routed,
-                    &trace.pred,
-                    k,
-                    m.n_expert,
-                    resident,
-                    evict,
-                    hints,
-                ));
+            let mut hints = vec![None, Some(("router", &trace.pred[..]))];
+            if trace.learned.is_some() {
+                hints.push(Some(("learned", &trace.pred_learned[..])));
+            }
+            for h in hints {
+                store.push(replay(&trace.routed, h, k, m.n_expert, resident, evict));
             }
         }
     }
@@ -299,8 +300,37 @@ pub fn routing(
         entropy_max_bits: (m.n_expert as f64).log2(),
         layers,
         recall,
+        recall_learned,
         store,
     })
+}
+
+/// Mean recall of the true top-k at lookahead 1..=[`MAX_LOOKAHEAD`] (`pred[l][j-1]`: made
+/// `j` layers before `l`).
+fn recall_of(
+    routed: &[Vec<u32>],
+    pred: &[Vec<Vec<u32>>],
+    k: usize,
+    n_tok: usize,
+) -> Vec<Option<f64>> {
+    let mut recall = Vec::new();
+    for j in 1..=MAX_LOOKAHEAD {
+        let (mut hit, mut total) = (0usize, 0usize);
+        for l in j..routed.len() {
+            let (truth, pred) = (&routed[l], &pred[l][j - 1]);
+            let n = (truth.len().min(pred.len()) / k).min(n_tok);
+            for t in 0..n {
+                let want = &truth[t * k..(t + 1) * k];
+                hit += pred[t * k..(t + 1) * k]
+                    .iter()
+                    .filter(|e| want.contains(e))
+                    .count();
+                total += k;
+            }
+        }
+        recall.push((total > 0).then(|| hit as f64 / total as f64));
+    }
+    recall
 }
 
 #[cfg(test)]
@@ -325,8 +355,8 @@ mod tests {
         let pred: Vec<Vec<Vec<u32>>> = (0..n_layer)
             .map(|l| vec![routed[l].clone(); MAX_LOOKAHEAD])
             .collect();
-        let cold = replay(&routed, &pred, k, ne, 0.5, Evict::Lru, false);
-        let hinted = replay(&routed, &pred, k, ne, 0.5, Evict::Lru, true);
+        let cold = replay(&routed, None, k, ne, 0.5, Evict::Lru);
+        let hinted = replay(&routed, Some(("router", &pred)), k, ne, 0.5, Evict::Lru);
         assert!(cold.hit_rate < 0.5, "{cold:?}");
         // Layer 0 has no earlier layer to predict it: its misses remain.
         assert!(hinted.hit_rate > 0.6, "{hinted:?}");

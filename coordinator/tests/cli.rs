@@ -250,6 +250,68 @@ fn every_subcommand_runs_on_a_tiny_model() {
     );
     assert!(recall[1].is_null(), "{v}");
     assert_eq!(v["store"].as_array().map(|a| a.len()), Some(8), "{v}");
+    assert!(v["recall_learned"].is_null(), "{v}");
+    // The learned predictor: fitted into the bundle, then measured beside the router one.
+    let v: serde_json::Value = serde_json::from_str(&run(
+        &[
+            "fit-predictor",
+            "-m",
+            out.to_str().unwrap(),
+            "--calib",
+            gpl,
+            "--tokens",
+            "1024",
+            "-c",
+            "64",
+            "--holdout",
+            "0.25",
+            "--json",
+            "-t",
+            "2",
+        ],
+        0,
+    ))
+    .unwrap();
+    assert_eq!(v["holdout_tokens"].as_u64(), Some(256), "{v}");
+    assert!(out.join("predictor.gguf").exists());
+    let v: serde_json::Value = serde_json::from_str(&run(
+        &[
+            "routing",
+            "-m",
+            out.to_str().unwrap(),
+            "--prefetch",
+            "learned",
+            "-f",
+            gpl,
+            "--tokens",
+            "128",
+            "-c",
+            "64",
+            "--json",
+            "-t",
+            "2",
+        ],
+        0,
+    ))
+    .unwrap();
+    let learned = v["recall_learned"].as_array().expect("learned recall");
+    assert!(
+        learned[0]
+            .as_f64()
+            .is_some_and(|r| (0.0..=1.0).contains(&r)),
+        "{v}"
+    );
+    assert_eq!(v["store"].as_array().map(|a| a.len()), Some(12), "{v}");
+    // Without a predictor file, --prefetch learned says how to make one.
+    let err = String::from_utf8_lossy(
+        &bin()
+            .args(["routing", "-m", moe, "--prefetch", "learned"])
+            .output()
+            .expect("binary runs")
+            .stderr,
+    )
+    .into_owned();
+    assert!(err.contains("ternfleet fit-predictor"), "{err}");
     // The expert store: counters in bench --json; a dense model is refused with a reason.
     let v: serde_json::Value = serde_json::from_str(&run(
         &[

@@ -1021,3 +1021,73 @@ fn tls_serves_https_and_grpc_and_a_plaintext_client_does_not_break_it() {
     });
     drop(srv);
 }
+
+/// Runs `ternfleet serve` with `args`, expecting it to exit (bounded) with a failure; its
+/// stderr.
+fn serve_refuses(args: &[&str]) -> String {
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ternfleet"))
+        .arg("serve")
+        .args(["--http", "127.0.0.1:0", "--grpc", ""])
+        .args(args)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning ternfleet serve");
+    let t = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            break s;
+        }
+        if t.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("serve {args:?} did not exit within 60 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    let _ = child.stderr.take().map(|mut s| s.read_to_string(&mut err));
+    assert!(!status.success(), "serve {args:?} should fail:\n{err}");
+    err
+}
+
+#[test]
+fn an_moe_model_served_from_the_expert_store_answers_the_same_and_reports_the_store() {
+    let tiny = root().join("tests/data/models/tiny-qwen3moe-q8_0.gguf");
+    let prompt = "The capital of France is";
+    let want = {
+        let srv = Server::start_with(&tiny, &[]).expect("server");
+        completion_tokens(&srv.url, prompt, 12, 7)
+    };
+    let srv = Server::start_with(
+        &tiny,
+        &[
+            "--ram-budget",
+            "200KiB",
+            "--prefetch",
+            "router",
+            "--lookahead",
+            "1",
+            "--evict",
+            "lru",
+        ],
+    )
+    .expect("server");
+    assert_eq!(completion_tokens(&srv.url, prompt, 12, 7), want);
+    let m = |name: &str| metric(&srv.url, name);
+    let miss = m("ternfleet_expert_store_demands_total{result=\"miss\"}");
+    let hit = m("ternfleet_expert_store_demands_total{result=\"hit\"}");
+    assert!(miss >= 1.0 && hit >= 0.0, "misses {miss}, hits {hit}");
+    assert!(m("ternfleet_expert_store_read_bytes_total") > 0.0);
+    assert!(m("ternfleet_expert_store_reads_total") >= 1.0);
+    assert!(m("ternfleet_expert_store_read_seconds_total") > 0.0);
+    assert_eq!(m("ternfleet_expert_store_read_errors_total"), 0.0);
+    // Bad store options are refused at start with the reason.
+    let tiny = tiny.to_string_lossy().into_owned();
+    let err = serve_refuses(&["-m", &tiny, "--ram-budget", "lots"]);
+    assert!(err.contains("ram_budget"), "{err}");
+    let err = serve_refuses(&["-m", &tiny, "--evict", "random"]);
+    assert!(err.contains("eviction policy"), "{err}");
+    let err = serve_refuses(&["-m", &tiny, "--prefetch", "learned"]);
+    assert!(err.contains("no predictor at"), "{err}");
+}

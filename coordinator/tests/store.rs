@@ -7,6 +7,8 @@ use std::path::{Path, PathBuf};
 
 use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
 use ternfleet_coordinator::kv_cache::SeqOptions;
+use ternfleet_coordinator::model::fit::{fit, FitOptions};
+use ternfleet_coordinator::model::predict::{LearnedPredictor, PredictorError};
 use ternfleet_coordinator::model::{ForwardError, LoadError, Logits, Model, OpenOptions};
 use ternfleet_kernels::Numerics;
 use ternfleet_node::store::Evict;
@@ -133,6 +135,74 @@ fn a_bundle_served_from_the_store_is_the_mapped_bundle() {
     let dir = tempfile::tempdir().unwrap();
     bundle("tiny-qwen2moe-q8_0.gguf", dir.path());
     assert_same_as_mapped(dir.path());
+}
+
+#[test]
+fn a_learned_predictor_fits_round_trips_and_never_changes_the_output() {
+    let path = model("tiny-qwen3moe-q8_0.gguf");
+    let text = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/text/gpl-3.txt"),
+    )
+    .unwrap();
+    let mapped = open(&path, None, false);
+    let fo = FitOptions {
+        tokens: 2048,
+        lookahead: 4,
+        ctx: 64,
+        holdout: 0.25,
+    };
+    let (pred, report) = fit(&mapped, SeqOptions::default(), &text, &fo, |_, _| {}).unwrap();
+    assert_eq!(
+        report.train_tokens + report.holdout_tokens,
+        2048,
+        "{report:?}"
+    );
+    assert_eq!(report.holdout_tokens, 512, "{report:?}");
+    // The strength is chosen on the held-out tokens with the router predictor among the
+    // candidates: never worse there. Two layers: only lookahead 1 exists.
+    let (r, l) = (
+        report.router_recall[0].expect("lookahead 1"),
+        report.learned_recall[0].expect("lookahead 1"),
+    );
+    assert!(l >= r && (0.0..=1.0).contains(&l), "{report:?}");
+    assert!(report.router_recall[1].is_none(), "{report:?}");
+    assert_eq!(report.pairs, 1, "{report:?}");
+    // Saved and read back: the same predictions.
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("p.gguf");
+    pred.save(&file, report.train_tokens).unwrap();
+    let back = LearnedPredictor::load(&file, &mapped.cfg).unwrap();
+    let d = mapped.cfg.n_embd;
+    let x: Vec<f32> = (0..5 * d)
+        .map(|i| ((i * 7919 % 113) as f32 - 56.0) / 9.0)
+        .collect();
+    let want = pred.predict(&x, 5, 0, 1, 4);
+    assert_eq!(want.len(), 20);
+    assert_eq!(back.predict(&x, 5, 0, 1, 4), want);
+    assert!(back.has(0, 1) && !back.has(1, 2) && !back.has(0, 0));
+    // Its hints steer what the store reads, never what the model computes.
+    let want = run(&mapped, Numerics::Parity, PROMPTS[1], 8).unwrap();
+    for budget in BUDGETS {
+        let mut m = open(&path, Some(budget), true);
+        m.learned = Some(std::sync::Arc::new(back.clone()));
+        assert!(run(&m, Numerics::Parity, PROMPTS[1], 8).unwrap() == want);
+        let s = m.experts.store_stats().expect("a store");
+        assert!(
+            s.prefetches + s.hints_skipped > 0,
+            "hints reached the store: {s:?}"
+        );
+    }
+    // A predictor fitted for another model, a model file and a truncated file are refused.
+    let other = Model::open(&model("tiny-qwen2moe-q8_0.gguf")).unwrap();
+    let err = LearnedPredictor::load(&file, &other.cfg).expect_err("another model");
+    assert!(matches!(err, PredictorError::Mismatch { .. }), "{err}");
+    assert!(err.to_string().contains("experts per layer"), "{err}");
+    let err = LearnedPredictor::load(&path, &mapped.cfg).expect_err("a model file");
+    assert!(matches!(err, PredictorError::Invalid { .. }), "{err}");
+    let bytes = std::fs::read(&file).unwrap();
+    std::fs::write(&file, &bytes[..bytes.len() - 9]).unwrap();
+    let err = LearnedPredictor::load(&file, &mapped.cfg).expect_err("truncated");
+    assert!(matches!(err, PredictorError::Gguf { .. }), "{err}");
 }
 
 #[test]

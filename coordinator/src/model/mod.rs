@@ -8,6 +8,7 @@
 //! layer fails (an expert backend error, a timeout) no sequence's cache changes.
 
 pub mod config;
+pub mod fit;
 pub mod moe;
 pub mod predict;
 pub mod weights;
@@ -132,6 +133,9 @@ pub struct Model {
     /// How many layers ahead the shadow predictor hints the expert backend (when it wants
     /// hints); 0 (the default): no hints.
     pub lookahead: usize,
+    /// The learned shadow predictor ([`predict::LearnedPredictor`]), used for the hints where
+    /// it has a map; `None`: the router predictor.
+    pub learned: Option<Arc<predict::LearnedPredictor>>,
     file: Arc<GgufFile>,
 }
 
@@ -268,6 +272,7 @@ impl Model {
             weights,
             experts,
             lookahead: 0,
+            learned: None,
             file,
         })
     }
@@ -376,6 +381,7 @@ impl Model {
                 )?),
             },
             lookahead: 0,
+            learned: None,
             file,
         })
     }
@@ -666,7 +672,12 @@ impl Model {
             if self.lookahead > 0 && self.experts.wants_hints() {
                 if let (Some(m), Some(p)) = (&cfg.moe, predict::RouterPredictor::new(cfg, w)) {
                     for target in il + 1..(il + 1 + self.lookahead).min(cfg.n_layer) {
-                        let mut set = p.predict(&x, n, target, m.n_expert_used);
+                        // The most experts any row of this step uses (per-request --top-experts).
+                        let k = ks.iter().copied().max().unwrap_or(m.n_expert_used);
+                        let mut set = match &self.learned {
+                            Some(lp) if lp.has(il, target) => lp.predict(&x, n, il, target, k),
+                            _ => p.predict(&x, n, target, k),
+                        };
                         set.sort_unstable();
                         set.dedup();
                         self.experts.prefetch(target, &set);

@@ -39,6 +39,19 @@ pub struct ServeConfig {
     pub numerics: String,
     /// MoE models: experts per token.
     pub top_experts: Option<usize>,
+    /// MoE models: RAM for routed experts (`8GiB`, bytes); the rest is read from disk by the
+    /// expert store. Empty = every expert memory-mapped.
+    pub ram_budget: String,
+    /// With `ram_budget`: `none`, `router` or `learned` hints to the expert store.
+    pub prefetch: String,
+    /// With `prefetch`: layers ahead hinted.
+    pub lookahead: usize,
+    /// With `prefetch = "learned"`: the predictor file (default: beside the model).
+    pub predictor: Option<PathBuf>,
+    /// With `ram_budget`: threads reading experts.
+    pub io_threads: usize,
+    /// With `ram_budget`: `lfu` or `lru`.
+    pub evict: String,
     /// Requests generating at once.
     pub parallel: usize,
     /// Requests waiting beyond those; more get 429 at once.
@@ -87,6 +100,12 @@ impl Default for ServeConfig {
             threads: None,
             numerics: "invariant".into(),
             top_experts: None,
+            ram_budget: String::new(),
+            prefetch: "none".into(),
+            lookahead: crate::model::predict::LOOKAHEAD,
+            predictor: None,
+            io_threads: 4,
+            evict: "lfu".into(),
             parallel: 16,
             max_queue: 64,
             ctx: 4096,
@@ -143,6 +162,12 @@ impl ServeConfig {
         self.numerics()?;
         self.grpc_addr()?;
         self.max_body_bytes()?;
+        self.ram_budget_bytes()?;
+        self.evict()?;
+        crate::cli::check_prefetch(&self.prefetch, self.lookahead)?;
+        if !(1..=256).contains(&self.io_threads) {
+            bail!("io_threads must be 1 to 256, got {}", self.io_threads);
+        }
         if !self.kv_budget.is_empty() {
             parse_size(&self.kv_budget).map_err(|e| anyhow::anyhow!("kv_budget: {e}"))?;
         }
@@ -173,6 +198,22 @@ impl ServeConfig {
             bail!("{flag} {a}: binding a non-loopback address serves the API to the network without TLS; give --tls-cert/--tls-key, or pass --listen-any to do it anyway");
         }
         Ok(())
+    }
+
+    /// `ram_budget` in bytes (`None`: every expert mapped).
+    pub fn ram_budget_bytes(&self) -> Result<Option<u64>> {
+        if self.ram_budget.is_empty() {
+            return Ok(None);
+        }
+        parse_size(&self.ram_budget)
+            .map(Some)
+            .map_err(|e| anyhow::anyhow!("ram_budget: {e}"))
+    }
+
+    pub fn evict(&self) -> Result<ternfleet_node::store::Evict> {
+        self.evict
+            .parse()
+            .map_err(|e: String| anyhow::anyhow!("evict: {e}"))
     }
 
     pub fn numerics(&self) -> Result<Numerics> {

@@ -158,6 +158,9 @@ pub fn run(
         };
         dispatch(actions, &mut live, &mut pool, &metrics);
         gauges(&metrics, &sched, &pool);
+        if let Some(st) = model.experts.store_stats() {
+            metrics.store(&st);
+        }
     }
     ready.store(false, Ordering::SeqCst);
 }

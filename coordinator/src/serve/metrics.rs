@@ -18,6 +18,35 @@ pub struct RequestLabels {
     pub status: String,
 }
 
+/// Label of the expert store's demand counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DemandLabels {
+    /// `hit` (resident), `wait` (its prefetch in flight), `miss` (read on demand).
+    pub result: &'static str,
+}
+
+/// Label of the expert store's prefetch counter.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PrefetchLabels {
+    /// `issued`, `used` (demanded before eviction), `wasted` (evicted unused), `skipped`
+    /// (hint ignored: resident, in flight or no room).
+    pub outcome: &'static str,
+}
+
+/// The expert store's series (`--ram-budget`), fed from its cumulative counters.
+pub struct StoreMetrics {
+    pub demands: Family<DemandLabels, Counter>,
+    pub prefetches: Family<PrefetchLabels, Counter>,
+    pub evictions: Counter,
+    pub read_bytes: Counter,
+    pub reads: Counter,
+    pub read_errors: Counter,
+    pub read_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    pub read_seconds_max: Gauge<f64, std::sync::atomic::AtomicU64>,
+    /// The counters as last published (the store's are cumulative).
+    last: std::sync::Mutex<ternfleet_shared::expert::StoreStats>,
+}
+
 /// Every metric, cheap to update from any thread.
 pub struct Metrics {
     pub registry: Registry,
@@ -35,6 +64,7 @@ pub struct Metrics {
     pub kv_blocks_total: Gauge,
     pub steps: Counter,
     pub step_failures: Counter,
+    pub store: StoreMetrics,
 }
 
 impl Default for Metrics {
@@ -61,6 +91,17 @@ impl Metrics {
             kv_blocks_total: Gauge::default(),
             steps: Counter::default(),
             step_failures: Counter::default(),
+            store: StoreMetrics {
+                demands: Family::default(),
+                prefetches: Family::default(),
+                evictions: Counter::default(),
+                read_bytes: Counter::default(),
+                reads: Counter::default(),
+                read_errors: Counter::default(),
+                read_seconds: Counter::default(),
+                read_seconds_max: Gauge::default(),
+                last: Default::default(),
+            },
             registry: Registry::default(),
         };
         registry.register(
@@ -129,7 +170,80 @@ impl Metrics {
             "Engine steps that failed (each is retried once)",
             m.step_failures.clone(),
         );
+        let st = &m.store;
+        registry.register(
+            "ternfleet_expert_store_demands",
+            "Expert demands by result: hit (resident), wait (prefetch in flight), miss (read)",
+            st.demands.clone(),
+        );
+        registry.register(
+            "ternfleet_expert_store_prefetches",
+            "Shadow-predictor hints by outcome: issued, used, wasted, skipped",
+            st.prefetches.clone(),
+        );
+        registry.register(
+            "ternfleet_expert_store_evictions",
+            "Experts dropped from RAM to make room",
+            st.evictions.clone(),
+        );
+        registry.register(
+            "ternfleet_expert_store_read_bytes",
+            "Bytes of experts read from disk",
+            st.read_bytes.clone(),
+        );
+        registry.register(
+            "ternfleet_expert_store_reads",
+            "Expert reads completed",
+            st.reads.clone(),
+        );
+        registry.register(
+            "ternfleet_expert_store_read_errors",
+            "Expert reads that failed",
+            st.read_errors.clone(),
+        );
+        registry.register(
+            "ternfleet_expert_store_read_seconds",
+            "Summed latency of completed expert reads",
+            st.read_seconds.clone(),
+        );
+        registry.register(
+            "ternfleet_expert_store_read_max_seconds",
+            "Worst expert read latency so far",
+            st.read_seconds_max.clone(),
+        );
         Metrics { registry, ..m }
+    }
+
+    /// Publishes the expert store's cumulative counters (the increase since the last call).
+    pub fn store(&self, now: &ternfleet_shared::expert::StoreStats) {
+        let st = &self.store;
+        let mut last = st.last.lock().unwrap_or_else(|e| e.into_inner());
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        for (result, v) in [
+            ("hit", d(now.hits, last.hits)),
+            ("wait", d(now.waits, last.waits)),
+            ("miss", d(now.misses, last.misses)),
+        ] {
+            st.demands.get_or_create(&DemandLabels { result }).inc_by(v);
+        }
+        for (outcome, v) in [
+            ("issued", d(now.prefetches, last.prefetches)),
+            ("used", d(now.prefetch_used, last.prefetch_used)),
+            ("wasted", d(now.prefetch_wasted, last.prefetch_wasted)),
+            ("skipped", d(now.hints_skipped, last.hints_skipped)),
+        ] {
+            st.prefetches
+                .get_or_create(&PrefetchLabels { outcome })
+                .inc_by(v);
+        }
+        st.evictions.inc_by(d(now.evictions, last.evictions));
+        st.read_bytes.inc_by(d(now.bytes_read, last.bytes_read));
+        st.reads.inc_by(d(now.reads, last.reads));
+        st.read_errors.inc_by(d(now.read_errors, last.read_errors));
+        st.read_seconds
+            .inc_by(d(now.read_ns, last.read_ns) as f64 / 1e9);
+        st.read_seconds_max.set(now.read_ns_max as f64 / 1e9);
+        *last = now.clone();
     }
 
     /// Counts one answered request.

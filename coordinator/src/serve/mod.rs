@@ -227,12 +227,22 @@ fn load_and_run(
     ready: Arc<AtomicBool>,
 ) -> Result<()> {
     let t = Instant::now();
-    let model = if cfg.model.is_dir() {
-        Model::open_bundle(&cfg.model)
-    } else {
-        Model::open(&cfg.model)
-    }
+    let mut model = Model::open_with(
+        &cfg.model,
+        &crate::model::OpenOptions {
+            ram_budget: cfg.ram_budget_bytes()?,
+            io_threads: Some(cfg.io_threads),
+            evict: cfg.evict()?,
+        },
+    )
     .with_context(|| format!("loading {}", cfg.model.display()))?;
+    crate::cli::set_prefetch(
+        &mut model,
+        &cfg.model,
+        &cfg.prefetch,
+        cfg.lookahead,
+        cfg.predictor.as_deref(),
+    )?;
     let chat = cfg.chat_template(&model)?;
     let ctx = cfg.ctx_for(&model);
     let budget = cfg.kv_budget_for(&model, ctx)?;
