@@ -31,10 +31,13 @@ import os
 import sys
 import time
 
-import numpy as np
+try:
+    import numpy as np
 
-import gguf
-from gguf import GGMLQuantizationType as QT
+    import gguf
+    from gguf import GGMLQuantizationType as QT
+except ImportError as e:
+    sys.exit(f"make-scale-model.py needs numpy and gguf ({e}): python3 -m pip install numpy gguf")
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
