@@ -560,17 +560,7 @@ fn openai_python_client_chat_and_completions_streaming_and_not() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("python3");
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("try_wait") {
-            break s;
-        }
-        if t.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
-            panic!("the openai client script ran over 120 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait_bounded(&mut child, 120, "the openai client script");
     let mut out = String::new();
     let mut err = String::new();
     let _ = child.stdout.take().map(|mut s| s.read_to_string(&mut out));
@@ -1022,6 +1012,22 @@ fn tls_serves_https_and_grpc_and_a_plaintext_client_does_not_break_it() {
     drop(srv);
 }
 
+/// Waits at most `secs` for `child` to exit; kills it and fails the test past that.
+fn wait_bounded(child: &mut Child, secs: u64, what: &str) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            return s;
+        }
+        if t.elapsed() > Duration::from_secs(secs) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} ran over {secs} s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
 /// Runs `ternfleet serve` with `args`, expecting it to exit (bounded) with a failure; its
 /// stderr.
 fn serve_refuses(args: &[&str]) -> String {
@@ -1033,18 +1039,7 @@ fn serve_refuses(args: &[&str]) -> String {
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawning ternfleet serve");
-    let t = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().expect("try_wait") {
-            break s;
-        }
-        if t.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("serve {args:?} did not exit within 60 s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    };
+    let status = wait_bounded(&mut child, 60, &format!("serve {args:?}"));
     let mut err = String::new();
     let _ = child.stderr.take().map(|mut s| s.read_to_string(&mut err));
     assert!(!status.success(), "serve {args:?} should fail:\n{err}");
