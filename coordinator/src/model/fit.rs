@@ -280,28 +280,25 @@ pub fn fit(
             holdout: n_val,
         });
     }
-    let feat_t = std::mem::take(&mut c.feat_t);
-    drop(feat_t);
+    // The last pass's features are not needed any more.
+    c.feat_t.clear();
     let mut pred = LearnedPredictor::new(d, ne, nl, cfg.rms_eps, la);
-    // Per source layer: the chosen maps and, per lookahead, (router hits, learned hits, total).
-    type Solved = (usize, Vec<(Option<Vec<f32>>, usize, usize, usize, bool)>);
-    let solved: Vec<Result<Solved, FitError>> = (0..nl)
+    let solved: Vec<Result<Vec<PairFit>, FitError>> = (0..nl)
         .into_par_iter()
         .map(|s| solve_layer(&c, model, s, n_train, n_val))
         .collect();
     let (mut rh, mut lh, mut tot) = (vec![0usize; la], vec![0usize; la], vec![0usize; la]);
     let (mut pairs, mut pairs_router) = (0, 0);
-    for r in solved {
-        let (s, per) = r?;
-        for (j, (map, r_hit, l_hit, total, kept_router)) in per.into_iter().enumerate() {
-            if let Some(map) = map {
+    for (s, per) in solved.into_iter().enumerate() {
+        for (j, p) in per?.into_iter().enumerate() {
+            if let Some(map) = p.map {
                 pred.set(s, j + 1, map);
                 pairs += 1;
-                pairs_router += kept_router as usize;
+                pairs_router += p.kept_router as usize;
             }
-            rh[j] += r_hit;
-            lh[j] += l_hit;
-            tot[j] += total;
+            rh[j] += p.router_hits;
+            lh[j] += p.learned_hits;
+            tot[j] += p.total;
         }
     }
     // One entry per lookahead asked for (`None` beyond the model's depth).
@@ -325,16 +322,28 @@ pub fn fit(
     Ok((pred, report))
 }
 
-/// Solves every lookahead from source layer `s`: for each, the map with the best held-out
-/// recall among the ridge strengths and the router predictor.
-#[allow(clippy::type_complexity)]
+/// One (source, lookahead) pair's fit and its held-out recall.
+#[derive(Default)]
+struct PairFit {
+    /// `None`: no such pair (no router at the target, or beyond the last layer).
+    map: Option<Vec<f32>>,
+    /// Held-out top-k hits of the router predictor and of the chosen map, of `total`.
+    router_hits: usize,
+    learned_hits: usize,
+    total: usize,
+    /// No ridge strength beat the router predictor: the map is the router predictor's.
+    kept_router: bool,
+}
+
+/// Solves every lookahead from source layer `s` (one [`PairFit`] per lookahead): for each,
+/// the map with the best held-out recall among the ridge strengths and the router predictor.
 fn solve_layer(
     c: &Collector<'_>,
     model: &Model,
     s: usize,
     n_train: usize,
     n_val: usize,
-) -> Result<(usize, Vec<(Option<Vec<f32>>, usize, usize, usize, bool)>), FitError> {
+) -> Result<Vec<PairFit>, FitError> {
     let (d, ne, k) = (c.d, c.ne, c.k);
     let dp = d + 1;
     let nl = c.routers.len();
@@ -355,10 +364,9 @@ fn solve_layer(
             Some((j, w0))
         })
         .collect();
-    let mut out: Vec<(Option<Vec<f32>>, usize, usize, usize, bool)> =
-        (0..c.la).map(|_| (None, 0, 0, 0, false)).collect();
+    let mut out: Vec<PairFit> = (0..c.la).map(|_| PairFit::default()).collect();
     if targets.is_empty() || s + 1 >= nl {
-        return Ok((s, out));
+        return Ok(out);
     }
     // (d+1) × ne f64 → ne rows of d + 1, f32: the stored form.
     let to_map = |w: &[f64]| -> Vec<f32> {
@@ -391,8 +399,8 @@ fn solve_layer(
     for (j, w0) in &targets {
         let map = to_map(w0);
         let (h, total) = recall(&map, s + j);
-        out[j - 1].1 = h;
-        out[j - 1].3 = total;
+        out[j - 1].router_hits = h;
+        out[j - 1].total = total;
         best.push((h, map, true));
     }
     let cols = targets.len() * ne;
@@ -437,11 +445,11 @@ fn solve_layer(
         }
     }
     for ((j, _), (h, map, router)) in targets.iter().zip(best) {
-        out[j - 1].0 = Some(map);
-        out[j - 1].2 = h;
-        out[j - 1].4 = router;
+        out[j - 1].map = Some(map);
+        out[j - 1].learned_hits = h;
+        out[j - 1].kept_router = router;
     }
-    Ok((s, out))
+    Ok(out)
 }
 
 /// `Σ a[i]·b[i]` in f64 (eight partial sums, so it vectorises).
