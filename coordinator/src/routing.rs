@@ -102,15 +102,16 @@ impl Observer for Trace<'_> {
                 break;
             }
             let p = self.predictor.predict(x, n, target, self.k);
-            self.pred[target][j - 1].extend(p);
             if let Some(lp) = self.learned {
-                let p = if lp.has(layer, target) {
+                // Where it has no map, the learned predictor is the router predictor.
+                let pl = if lp.has(layer, target) {
                     lp.predict(x, n, layer, target, self.k)
                 } else {
-                    self.predictor.predict(x, n, target, self.k)
+                    p.clone()
                 };
-                self.pred_learned[target][j - 1].extend(p);
+                self.pred_learned[target][j - 1].extend(pl);
             }
+            self.pred[target][j - 1].extend(p);
         }
     }
 

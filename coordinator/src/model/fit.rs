@@ -20,7 +20,7 @@
 
 use rayon::prelude::*;
 
-use super::predict::{rms_scale, LearnedPredictor};
+use super::predict::{map_logits, rms_scale, top_k, LearnedPredictor};
 use super::{Model, Observer};
 use crate::kv_cache::SeqOptions;
 use crate::perplexity::{perplexity_observed, PerplexityError};
@@ -203,14 +203,6 @@ impl Observer for Collector<'_> {
     }
 }
 
-/// The `k` best indices of `v`, best first (ties: the lower index first, as the router).
-fn top_k(v: &[f32], k: usize) -> impl Iterator<Item = u32> {
-    let mut idx: Vec<u32> = (0..v.len() as u32).collect();
-    idx.sort_by(|&a, &b| v[b as usize].total_cmp(&v[a as usize]));
-    idx.truncate(k);
-    idx.into_iter()
-}
-
 /// Fits a [`LearnedPredictor`] for `model` on `text`; `progress(done, total)` per chunk.
 pub fn fit(
     model: &Model,
@@ -385,10 +377,8 @@ fn solve_layer(
         let mut logits = vec![0f32; ne];
         let mut hit = 0;
         for r in 0..n {
-            let x = &xs[r * d..(r + 1) * d];
-            for (l, w) in logits.iter_mut().zip(map.chunks_exact(dp)) {
-                *l = ternfleet_kernels::dot_f32(&w[..d], x) + w[d];
-            }
+            // Held-out rows are stored normalised already.
+            map_logits(map, &xs[r * d..(r + 1) * d], 1.0, &mut logits);
             let want = &truth[r * k..(r + 1) * k];
             hit += top_k(&logits, k).filter(|e| want.contains(e)).count();
         }

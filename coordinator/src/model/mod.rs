@@ -671,9 +671,9 @@ impl Model {
             // so their experts are read while this layer computes. Never changes the output.
             if self.lookahead > 0 && self.experts.wants_hints() {
                 if let (Some(m), Some(p)) = (&cfg.moe, predict::RouterPredictor::new(cfg, w)) {
+                    // The most experts any row of this step uses (per-request --top-experts).
+                    let k = ks.iter().copied().max().unwrap_or(m.n_expert_used);
                     for target in il + 1..(il + 1 + self.lookahead).min(cfg.n_layer) {
-                        // The most experts any row of this step uses (per-request --top-experts).
-                        let k = ks.iter().copied().max().unwrap_or(m.n_expert_used);
                         let mut set = match &self.learned {
                             Some(lp) if lp.has(il, target) => lp.predict(&x, n, il, target, k),
                             _ => p.predict(&x, n, target, k),

@@ -150,20 +150,12 @@ impl LearnedPredictor {
         let Some(map) = self.map(source, target) else {
             return Vec::new();
         };
-        let (d, ne) = (self.n_embd, self.n_expert);
-        let k = k.min(ne);
+        let d = self.n_embd;
         let mut out = Vec::with_capacity(n * k);
-        let mut logits = vec![0f32; ne];
-        let mut idx: Vec<usize> = Vec::with_capacity(ne);
+        let mut logits = vec![0f32; self.n_expert];
         for row in x.chunks_exact(d).take(n) {
-            let scale = rms_scale(row, self.eps);
-            for (l, w) in logits.iter_mut().zip(map.chunks_exact(d + 1)) {
-                *l = scale * ternfleet_kernels::dot_f32(&w[..d], row) + w[d];
-            }
-            idx.clear();
-            idx.extend(0..ne);
-            idx.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]));
-            out.extend(idx[..k].iter().map(|&e| e as u32));
+            map_logits(map, row, rms_scale(row, self.eps), &mut logits);
+            out.extend(top_k(&logits, k));
         }
         out
     }
@@ -307,6 +299,23 @@ impl LearnedPredictor {
         }
         Ok(pred)
     }
+}
+
+/// One row's logits through a map (`n_expert` rows of `row.len() + 1`): `scale` times the
+/// weights' dot with `row`, plus the bias.
+pub fn map_logits(map: &[f32], row: &[f32], scale: f32, out: &mut [f32]) {
+    let d = row.len();
+    for (l, w) in out.iter_mut().zip(map.chunks_exact(d + 1)) {
+        *l = scale * ternfleet_kernels::dot_f32(&w[..d], row) + w[d];
+    }
+}
+
+/// The `k` best indices of `v`, best first (ties: the lower index first, as the router).
+pub fn top_k(v: &[f32], k: usize) -> impl Iterator<Item = u32> {
+    let mut idx: Vec<u32> = (0..v.len() as u32).collect();
+    idx.sort_by(|&a, &b| v[b as usize].total_cmp(&v[a as usize]));
+    idx.truncate(k);
+    idx.into_iter()
 }
 
 /// `1 / sqrt(mean(x²) + eps)`, the RMS norm's scale (f64 sum: the fitter's features).
