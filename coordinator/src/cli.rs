@@ -90,6 +90,108 @@ pub enum Command {
     /// Every option can also come from a TOML file (--config; template in deploy/serve.toml);
     /// flags override it. SIGTERM drains: running requests finish within --grace seconds.
     Serve(Box<ServeArgs>),
+    /// Cluster certificates: `certs init --dir DIR` makes the cluster CA (ca.pem, ca.key);
+    /// `certs issue --dir DIR --name ID` a certificate for one node, coordinator or operator,
+    /// its identity bound to ID (ID.pem, ID.key). Existing files are never replaced.
+    Certs(CertsArgs),
+    /// Cluster files: `cluster plan --bundle DIR --node ID=ADDR ... [--replicas R] -o FILE`
+    /// places a bundle's routed experts on nodes, balanced by expert bytes, each expert on R
+    /// nodes (replicas take over when a node fails).
+    Cluster(ClusterArgs),
+    /// Serve one node's shard of a bundle's routed experts to the coordinator over QUIC with
+    /// mutual TLS: the experts the cluster file assigns to --id, read from the local bundle
+    /// (no weights cross the network).
+    ///
+    /// Prints {"ternfleet":"listening","role":"node","id":..,"quic":ADDR} on stdout once
+    /// bound, then opens its experts (reporting progress to the coordinator, which waits for
+    /// it). SIGTERM stops it cleanly.
+    Node(NodeArgs),
+}
+
+/// `ternfleet certs`.
+#[derive(Args, Debug)]
+pub struct CertsArgs {
+    #[command(subcommand)]
+    pub cmd: CertsCmd,
+}
+
+/// `ternfleet certs` subcommands.
+#[derive(Subcommand, Debug)]
+pub enum CertsCmd {
+    /// Make a new cluster CA in DIR (ca.pem, and ca.key readable by the owner only).
+    Init {
+        #[arg(long)]
+        dir: PathBuf,
+    },
+    /// Issue a certificate for ID (a node, `coordinator` or `operator`), signed by DIR's CA.
+    Issue {
+        #[arg(long)]
+        dir: PathBuf,
+        /// The id: 1-63 lowercase letters, digits and '-'.
+        #[arg(long)]
+        name: String,
+    },
+}
+
+/// `ternfleet cluster`.
+#[derive(Args, Debug)]
+pub struct ClusterArgs {
+    #[command(subcommand)]
+    pub cmd: ClusterCmd,
+}
+
+/// `ternfleet cluster` subcommands.
+#[derive(Subcommand, Debug)]
+pub enum ClusterCmd {
+    /// Write a cluster file placing a bundle's routed experts on the given nodes.
+    Plan {
+        /// The bundle (ternfleet convert).
+        #[arg(long)]
+        bundle: PathBuf,
+        /// A node as ID=HOST:PORT (repeat for each node).
+        #[arg(long = "node", required = true)]
+        nodes: Vec<String>,
+        /// Nodes holding each expert (1: no failover).
+        #[arg(long, default_value_t = 1)]
+        replicas: usize,
+        /// The cluster file to write.
+        #[arg(short = 'o', long = "out")]
+        out: PathBuf,
+    },
+}
+
+/// `ternfleet node`.
+#[derive(Args, Debug)]
+pub struct NodeArgs {
+    /// The bundle directory (a local copy; the node reads only its own experts).
+    #[arg(short = 'm', long = "model")]
+    pub model: PathBuf,
+    /// This node's id (as in the cluster file and its certificate).
+    #[arg(long)]
+    pub id: String,
+    /// Directory with ca.pem, ID.pem and ID.key (ternfleet certs).
+    #[arg(long)]
+    pub certs: PathBuf,
+    /// The cluster file (which experts this node holds; which coordinators may call it).
+    #[arg(long)]
+    pub cluster: PathBuf,
+    /// QUIC address to bind (default: this node's address in the cluster file; port 0
+    /// picks one).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Keep at most this much of the node's experts in RAM (e.g. 8GiB); the rest is read
+    /// from disk on demand and on the coordinator's prefetch hints. Default: all mapped.
+    #[arg(long = "ram-budget", value_parser = parse_size)]
+    pub ram_budget: Option<u64>,
+    /// With --ram-budget: threads reading experts from disk.
+    #[arg(long = "io-threads", default_value_t = 4)]
+    pub io_threads: usize,
+    /// With --ram-budget: lfu (default) or lru.
+    #[arg(long, default_value = "lfu")]
+    pub evict: ternfleet_node::store::Evict,
+    /// Compute threads (default: all cores).
+    #[arg(short = 't', long)]
+    pub threads: Option<usize>,
 }
 
 /// `ternfleet serve` (flags override --config).
@@ -191,9 +293,19 @@ pub struct ServeArgs {
     /// Name the API reports for the model (default: the file name).
     #[arg(long = "model-name")]
     pub model_name: Option<String>,
-    /// This process's id (default coordinator).
+    /// This process's id (default coordinator; with --cluster, the name in its certificate).
     #[arg(long)]
     pub id: Option<String>,
+    /// Bundles: run the routed experts on the nodes of this cluster file.
+    #[arg(long)]
+    pub cluster: Option<PathBuf>,
+    /// With --cluster: the cluster CA and this process's certificate (ternfleet certs).
+    #[arg(long)]
+    pub certs: Option<PathBuf>,
+    /// With --cluster: milliseconds a node call may take before a replica is tried (default
+    /// 750, plus 0.5 ms per route).
+    #[arg(long = "step-deadline")]
+    pub step_deadline: Option<u64>,
 }
 
 impl ServeArgs {
@@ -212,7 +324,13 @@ impl ServeArgs {
              max_prompt_tokens => max_prompt_tokens, chat_template => chat_template,
              timeout => timeout_s, grace => grace_s, id => id, ram_budget => ram_budget,
              prefetch => prefetch, lookahead => lookahead, io_threads => io_threads,
-             evict => evict);
+             evict => evict, step_deadline => step_deadline_ms);
+        if self.cluster.is_some() {
+            c.cluster = self.cluster;
+        }
+        if self.certs.is_some() {
+            c.certs = self.certs;
+        }
         if self.predictor.is_some() {
             c.predictor = self.predictor;
         }
@@ -364,6 +482,87 @@ pub struct ModelArgs {
     /// `lru` (least recently used, the baseline).
     #[arg(long, default_value = "lfu")]
     pub evict: ternfleet_node::store::Evict,
+    #[command(flatten)]
+    pub cluster: ClusterOpts,
+}
+
+/// Running a bundle's routed experts on cluster nodes (every model command and `serve`).
+#[derive(Args, Debug, Default, Clone)]
+pub struct ClusterOpts {
+    /// Bundles: run the routed experts on the nodes of this cluster file (`ternfleet
+    /// cluster plan`) instead of in this process; the output is the same bits.
+    #[arg(long)]
+    pub cluster: Option<PathBuf>,
+    /// With --cluster: directory of the cluster CA and this process's certificate
+    /// (`ternfleet certs`).
+    #[arg(long)]
+    pub certs: Option<PathBuf>,
+    /// With --cluster: this process's id (the name in its certificate).
+    #[arg(long = "cluster-id", default_value = "coordinator")]
+    pub cluster_id: String,
+    /// With --cluster: milliseconds a node call may take before its experts go to a replica
+    /// (plus 0.5 ms per route it carries, so a long prefill is not cut short).
+    #[arg(long = "step-deadline", default_value_t = 750)]
+    pub step_deadline_ms: u64,
+}
+
+/// The cluster a model's experts run on: the file, the placement checked against the
+/// bundle's manifest, this process's identity and a QUIC transport to the nodes.
+pub fn cluster_spec(
+    model: &std::path::Path,
+    cluster: Option<&std::path::Path>,
+    certs: Option<&std::path::Path>,
+    id: &str,
+    step_deadline_ms: u64,
+) -> Result<Option<crate::model::ClusterSpec>> {
+    let Some(file) = cluster else {
+        if certs.is_some() {
+            bail!("--certs needs --cluster");
+        }
+        return Ok(None);
+    };
+    let Some(certs) = certs else {
+        bail!("--cluster needs --certs DIR (the cluster CA and this process's certificate: ternfleet certs)");
+    };
+    if !model.is_dir() {
+        bail!(
+            "--cluster: {} is not a bundle directory (make one: ternfleet convert -m {} -o DIR)",
+            model.display(),
+            model.display()
+        );
+    }
+    let man = ternfleet_shared::bundle::Manifest::read(model)?;
+    let cf = ternfleet_shared::cluster::ClusterFile::read(file)?;
+    let placement = cf.placement(man.n_layer, man.moe.n_expert)?;
+    if !placement.coordinators.iter().any(|c| c == id) {
+        bail!(
+            "--cluster-id {id}: {} lets only {:?} call its nodes",
+            file.display(),
+            placement.coordinators
+        );
+    }
+    let me = ternfleet_shared::mtls::Identity::load(certs, id)?;
+    let nodes: Vec<(String, String)> = placement
+        .nodes
+        .iter()
+        .map(|n| (n.id.clone(), n.addr.clone()))
+        .collect();
+    let transport = ternfleet_shared::net::QuicTransport::new(&me, &nodes)
+        .map_err(|e| anyhow::anyhow!("cluster transport: {e}"))?;
+    tracing::info!(
+        nodes = nodes.len(),
+        "cluster {}: connecting to the nodes",
+        file.display()
+    );
+    Ok(Some(crate::model::ClusterSpec {
+        placement,
+        transport: std::sync::Arc::new(transport),
+        me: id.to_string(),
+        opts: crate::remote::RemoteOptions {
+            step_base: std::time::Duration::from_millis(step_deadline_ms.max(1)),
+            ..Default::default()
+        },
+    }))
 }
 
 /// `ternfleet generate`.
@@ -427,6 +626,10 @@ pub struct GenerateArgs {
     /// Keep generating past end-of-generation tokens.
     #[arg(long)]
     pub ignore_eos: bool,
+    /// With --json: add "logits_sha256", a hash of the bits of every logit vector a token was
+    /// sampled from (equal hashes: bit-equal logits, e.g. cluster vs one process).
+    #[arg(long)]
+    pub logits_digest: bool,
 }
 
 /// `ternfleet tokenize`.
@@ -565,6 +768,13 @@ fn init(args: &ModelArgs) -> Result<(Model, SeqOptions)> {
             ram_budget: args.ram_budget,
             io_threads: Some(args.io_threads.clamp(1, 256)),
             evict: args.evict,
+            cluster: cluster_spec(
+                &args.model,
+                args.cluster.cluster.as_deref(),
+                args.cluster.certs.as_deref(),
+                &args.cluster.cluster_id,
+                args.cluster.step_deadline_ms,
+            )?,
         },
     )?;
     set_prefetch(
@@ -702,6 +912,9 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Convert(a) => cmd_convert(a),
         Command::Compare(a) => cmd_compare(a),
         Command::Serve(a) => cmd_serve(*a),
+        Command::Certs(a) => cmd_certs(a),
+        Command::Cluster(a) => cmd_cluster(a),
+        Command::Node(a) => cmd_node(a),
     }
 }
 
@@ -717,6 +930,76 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
         bail!("model {} not found{hint}", cfg.model.display());
     }
     crate::serve::serve(cfg)
+}
+
+fn cmd_certs(a: CertsArgs) -> Result<()> {
+    use ternfleet_shared::mtls;
+    match a.cmd {
+        CertsCmd::Init { dir } => {
+            let ca = mtls::init_ca(&dir)?;
+            println!(
+                "cluster CA: {} (its key beside it, readable by you only)",
+                ca.display()
+            );
+        }
+        CertsCmd::Issue { dir, name } => {
+            let (pem, key) = mtls::issue(&dir, &name)?;
+            println!("{name}: {} and {}", pem.display(), key.display());
+        }
+    }
+    Ok(())
+}
+
+fn cmd_cluster(a: ClusterArgs) -> Result<()> {
+    let ClusterCmd::Plan {
+        bundle,
+        nodes,
+        replicas,
+        out,
+    } = a.cmd;
+    let man = ternfleet_shared::bundle::Manifest::read(&bundle)?;
+    let mut list = Vec::new();
+    for n in &nodes {
+        let Some((id, addr)) = n.split_once('=') else {
+            bail!("--node {n:?}: expected ID=HOST:PORT");
+        };
+        list.push((id.to_string(), addr.to_string()));
+    }
+    let file = ternfleet_shared::cluster::ClusterFile::plan(&man, &list, replicas)?;
+    std::fs::write(&out, file.to_toml()).with_context(|| format!("writing {}", out.display()))?;
+    let placement = file.placement(man.n_layer, man.moe.n_expert)?;
+    let bytes = |i: usize| -> u64 {
+        man.experts
+            .iter()
+            .filter(|e| placement.nodes[i].experts[e.layer].contains(&e.expert))
+            .map(|e| e.part.bytes)
+            .sum()
+    };
+    println!("{:<16} {:>8} {:>12}", "node", "experts", "MB");
+    for (i, n) in placement.nodes.iter().enumerate() {
+        let count: usize = n.experts.iter().map(|s| s.len()).sum();
+        println!("{:<16} {:>8} {:>12.1}", n.id, count, bytes(i) as f64 / 1e6);
+    }
+    println!("wrote {} ({replicas} replica(s) per expert)", out.display());
+    Ok(())
+}
+
+fn cmd_node(a: NodeArgs) -> Result<()> {
+    init_runtime(a.threads)?;
+    let man = ternfleet_shared::bundle::Manifest::read(&a.model)?;
+    let arch = crate::model::config::Arch::from_name(&man.architecture)?;
+    ternfleet_node::server::run(ternfleet_node::server::NodeOptions {
+        bundle: a.model,
+        id: a.id,
+        certs: a.certs,
+        cluster: a.cluster,
+        listen: a.listen,
+        ram_budget: a.ram_budget,
+        io_threads: a.io_threads.clamp(1, 256),
+        evict: a.evict,
+        act: crate::model::weights::activation(arch),
+    })?;
+    Ok(())
 }
 
 fn cmd_convert(a: ConvertArgs) -> Result<()> {
@@ -879,6 +1162,7 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
         max_tokens: a.n,
         batch: a.batch,
         stop_at_eog: !a.ignore_eos,
+        digest: a.logits_digest,
     };
     let stdout = std::io::stdout();
     let mut pending: Vec<u8> = Vec::new();
@@ -900,8 +1184,11 @@ fn cmd_generate(a: GenerateArgs) -> Result<()> {
     })?;
     let text = model.tokenizer.decode(&g.tokens);
     if json {
-        let obj =
+        let mut obj =
             serde_json::json!({ "prompt_tokens": prompt_tokens, "tokens": g.tokens, "text": text });
+        if let Some(d) = &g.logits_sha256 {
+            obj["logits_sha256"] = d.clone().into();
+        }
         println!("{obj}");
     } else {
         if !pending.is_empty() {

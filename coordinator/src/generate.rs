@@ -14,6 +14,8 @@ pub struct GenerateRequest {
     pub batch: usize,
     /// Stop at an end-of-generation token (it is not emitted).
     pub stop_at_eog: bool,
+    /// Hash every logit vector sampled from ([`Generation::logits_sha256`]).
+    pub digest: bool,
 }
 
 /// Result of [`generate`].
@@ -23,6 +25,9 @@ pub struct Generation {
     /// Seconds spent on the prompt and on decoding.
     pub prefill_s: f64,
     pub decode_s: f64,
+    /// With [`GenerateRequest::digest`]: SHA-256 of the bits of every logit vector a token
+    /// was sampled from, in order (two runs agree on it only if every logit is bit-equal).
+    pub logits_sha256: Option<String>,
 }
 
 /// Runs `req`, calling `on_token` with each new token as soon as it is chosen.
@@ -53,7 +58,13 @@ pub fn generate(
     out.prefill_s = t0.elapsed().as_secs_f64();
     let t1 = std::time::Instant::now();
     let mut history = req.prompt_tokens.clone();
+    let mut digest = req.digest.then(<sha2::Sha256 as sha2::Digest>::new);
     for i in 0..req.max_tokens {
+        if let Some(h) = digest.as_mut() {
+            for v in &logits {
+                sha2::Digest::update(h, v.to_bits().to_le_bytes());
+            }
+        }
         let tok = sampler.sample(&logits, &history);
         if req.stop_at_eog && model.tokenizer.is_eog(tok) {
             break;
@@ -66,5 +77,11 @@ pub fn generate(
         }
     }
     out.decode_s = t1.elapsed().as_secs_f64();
+    out.logits_sha256 = digest.map(|h| {
+        sha2::Digest::finalize(h)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect()
+    });
     Ok(out)
 }

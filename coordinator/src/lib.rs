@@ -14,6 +14,8 @@
 //!   CLI subcommands ([`cli`]) call.
 //! - [`serve`] — `ternfleet serve`: the scheduler, the compute thread driving `step`, and the
 //!   OpenAI-compatible HTTP API.
+//! - [`remote::RemoteExperts`] — the expert backend of a cluster: each layer's routes sent to
+//!   the nodes of a placement (one call per node), failover to replicas.
 //! - [`sampler::Sampler`] — greedy / temperature / top-k / top-p / min-p / repetition penalty.
 pub mod attention;
 pub mod bench;
@@ -27,6 +29,7 @@ pub mod kv_pool;
 pub mod model;
 pub mod ops;
 pub mod perplexity;
+pub mod remote;
 pub mod routing;
 pub mod sampler;
 pub mod serve;

@@ -98,6 +98,7 @@ fn greedy_continuations_match_llama_cpp_token_for_token() {
                 max_tokens: n,
                 batch: 512,
                 stop_at_eog: true,
+                digest: false,
             };
             let g = generate(&model, &mut cache, &mut sampler, &req, |_| {}).unwrap();
             total += 1;

@@ -34,6 +34,7 @@ fn open_evict(path: &Path, budget: Option<u64>, hints: bool, evict: Evict) -> Mo
             ram_budget: budget,
             io_threads: Some(2),
             evict,
+            ..OpenOptions::default()
         },
     )
     .unwrap_or_else(|e| panic!("{}: {e}", path.display()));

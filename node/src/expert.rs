@@ -194,6 +194,11 @@ impl LocalExperts {
     pub fn n_layers(&self) -> usize {
         self.layers.len()
     }
+
+    /// Experts held for `layer` (0 past the last layer).
+    pub fn layer_len(&self, layer: usize) -> usize {
+        self.layers.get(layer).map_or(0, Vec::len)
+    }
 }
 
 impl LocalExperts {

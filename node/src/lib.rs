@@ -10,9 +10,15 @@
 //! - [`shard::open_experts`]: opens the expert blobs of a bundle that a predicate selects
 //!   (a node's shard; all of them in single-node mode), verified against the manifest.
 //!
-//! The coordinator drives these; nothing here does I/O besides reading mapped weights. The
+//! - [`service::Service`]: what a node does with each cluster frame (status, calls on its
+//!   [`service::Shard`], hints), apart from the network; [`server::run`] is `ternfleet node`,
+//!   the QUIC server with mutual TLS around it.
+//!
+//! The coordinator drives the executor and the store; the server is the only network code. The
 //! matmul helpers (`Linear`, `matmul_par`) live in `ternfleet_shared::compute`, which both
 //! roles use.
 pub mod expert;
+pub mod server;
+pub mod service;
 pub mod shard;
 pub mod store;

@@ -22,11 +22,20 @@
 //!
 //! [`bundle`] is the directory format nodes serve (`ternfleet convert` writes it): a manifest,
 //! a coordinator part and one GGUF per routed expert, each checksummed.
+//!
+//! The cluster: [`cluster::ClusterFile`] (static placement: which node holds which experts),
+//! [`mtls`] (the cluster CA, node certificates, mutual TLS with identities checked),
+//! [`wire::Frame`] (the typed, capped frames coordinator and nodes exchange) and [`net`] (QUIC
+//! endpoints and the [`net::Transport`] the coordinator's remote backend sends through).
 
 pub mod bundle;
+pub mod cluster;
 pub mod compute;
 pub mod error;
 pub mod expert;
 pub mod gguf;
+pub mod mtls;
+pub mod net;
 pub mod proto;
 pub mod testing;
+pub mod wire;

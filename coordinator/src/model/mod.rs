@@ -139,9 +139,32 @@ pub struct Model {
     file: Arc<GgufFile>,
 }
 
+/// Where a bundle's routed experts run when they are not in this process: the nodes of a
+/// placement, reached through a transport (QUIC, or an in-memory one in tests).
+#[derive(Clone)]
+pub struct ClusterSpec {
+    pub placement: ternfleet_shared::cluster::Placement,
+    pub transport: Arc<dyn ternfleet_shared::net::Transport>,
+    /// This coordinator's id (the nodes check it against its certificate).
+    pub me: String,
+    pub opts: crate::remote::RemoteOptions,
+}
+
+impl std::fmt::Debug for ClusterSpec {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterSpec")
+            .field("nodes", &self.placement.nodes.len())
+            .field("me", &self.me)
+            .field("opts", &self.opts)
+            .finish()
+    }
+}
+
 /// How [`Model::open_with`] holds the weights.
 #[derive(Clone, Debug, Default)]
 pub struct OpenOptions {
+    /// Bundles: run the routed experts on these nodes instead of in this process.
+    pub cluster: Option<ClusterSpec>,
     /// Keep at most this many bytes of routed experts in RAM (MoE GGUF files): the rest is
     /// read from disk on demand or ahead of time on the shadow predictor's hints
     /// (`ternfleet_node::store`). `None`: every expert memory-mapped.
@@ -175,6 +198,16 @@ pub enum LoadError {
     Store(#[from] ternfleet_node::store::StoreError),
     #[error("{path}: --ram-budget needs a mixture-of-experts model ({why})")]
     NoStore { path: String, why: &'static str },
+    #[error(
+        "{path}: --cluster needs a bundle directory (make one: ternfleet convert -m {path} -o DIR)"
+    )]
+    ClusterNeedsBundle { path: String },
+    #[error("{path}: --cluster and --ram-budget: the nodes hold the experts (give --ram-budget to `ternfleet node`)")]
+    ClusterAndStore { path: String },
+    #[error("cluster: {0}")]
+    Cluster(String),
+    #[error("cluster: {0}")]
+    Remote(#[from] ternfleet_shared::expert::ExpertError),
 }
 
 pub use ternfleet_node::shard::{BLOB_EXPERT_KEY, BLOB_LAYER_KEY};
@@ -203,13 +236,19 @@ impl Model {
 
     /// [`Model::open`] with options (an expert store within a RAM budget).
     pub fn open_with(path: &Path, opts: &OpenOptions) -> Result<Model, LoadError> {
+        let p = path.display().to_string();
+        if opts.cluster.is_some() && opts.ram_budget.is_some() {
+            return Err(LoadError::ClusterAndStore { path: p });
+        }
         if path.is_dir() {
             let store = opts
                 .ram_budget
                 .map(|b| (b, opts.io_threads.unwrap_or(4), opts.evict));
-            return Model::open_bundle_with(path, store);
+            return Model::open_bundle_with(path, store, opts.cluster.as_ref());
         }
-        let p = path.display().to_string();
+        if opts.cluster.is_some() {
+            return Err(LoadError::ClusterNeedsBundle { path: p });
+        }
         let file = Arc::new(GgufFile::open(path).map_err(|err| LoadError::Gguf {
             path: p.clone(),
             err,
@@ -281,7 +320,7 @@ impl Model {
     /// SHA-256 of every part and that each part is the one the manifest describes, then binds
     /// the coordinator part and every expert blob (all held by this process's backend).
     pub fn open_bundle(dir: &Path) -> Result<Model, LoadError> {
-        Model::open_bundle_with(dir, None)
+        Model::open_bundle_with(dir, None, None)
     }
 
     /// [`Model::open_bundle`]; `store`: (RAM budget, I/O threads) to serve the expert blobs
@@ -289,6 +328,7 @@ impl Model {
     fn open_bundle_with(
         dir: &Path,
         store: Option<(u64, usize, ternfleet_node::store::Evict)>,
+        cluster: Option<&ClusterSpec>,
     ) -> Result<Model, LoadError> {
         use ternfleet_shared::bundle::{Gating, Manifest};
         let man = Manifest::read(dir)?;
@@ -352,6 +392,18 @@ impl Model {
             act: weights::activation(cfg.arch),
             routed: mi.gating != Gating::TopKUnit,
         };
+        if let Some(c) = cluster {
+            let experts = Self::remote_experts(&man, shared, c)?;
+            return Ok(Model {
+                cfg,
+                tokenizer,
+                weights,
+                experts: Box::new(experts),
+                lookahead: 0,
+                learned: None,
+                file,
+            });
+        }
         // Single-node mode holds every expert; a node opens only its shard the same way.
         let blobs = ternfleet_node::shard::open_experts(dir, &man, shape, |_, _| true)
             .map_err(LoadError::from)?
@@ -384,6 +436,61 @@ impl Model {
             learned: None,
             file,
         })
+    }
+
+    /// The remote backend of a bundle: routed experts on the placement's nodes, shared
+    /// experts here; each layer's input type from the manifest's tensor types (the same rule
+    /// as `LocalExperts::input_type`).
+    fn remote_experts(
+        man: &ternfleet_shared::bundle::Manifest,
+        shared: Vec<Vec<ternfleet_node::expert::FfnWeights>>,
+        c: &ClusterSpec,
+    ) -> Result<crate::remote::RemoteExperts, LoadError> {
+        let n_expert = man.moe.n_expert;
+        if c.placement.n_layer() != man.n_layer {
+            return Err(LoadError::Cluster(format!(
+                "the placement has {} layers, the bundle {}",
+                c.placement.n_layer(),
+                man.n_layer
+            )));
+        }
+        let mut dots: Vec<Vec<Option<ternfleet_kernels::GgmlType>>> = vec![Vec::new(); man.n_layer];
+        for e in &man.experts {
+            for t in &e.tensors {
+                if t.name == weights::BLOB_TENSORS[0] || t.name == weights::BLOB_TENSORS[1] {
+                    let ty = ternfleet_kernels::GgmlType::ALL
+                        .iter()
+                        .copied()
+                        .find(|g| g.name() == t.ty);
+                    if let Some(l) = dots.get_mut(e.layer) {
+                        l.push(ty.and_then(ternfleet_kernels::vec_dot_type));
+                    }
+                }
+            }
+        }
+        for (l, sh) in shared.iter().enumerate() {
+            for w in sh {
+                for m in [&w.gate, &w.up] {
+                    dots[l].push(ternfleet_kernels::vec_dot_type(m.ty()));
+                }
+            }
+        }
+        let input_types = dots
+            .iter()
+            .map(|d| match d.first() {
+                Some(Some(t)) if d.iter().all(|x| x == &Some(*t)) => *t,
+                _ => ternfleet_kernels::GgmlType::F32,
+            })
+            .collect();
+        Ok(crate::remote::RemoteExperts::connect(
+            c.transport.clone(),
+            c.placement.clone(),
+            n_expert,
+            shared,
+            input_types,
+            &c.me,
+            c.opts,
+        )?)
     }
 
     /// The mapped file.

@@ -52,6 +52,13 @@ pub struct ServeConfig {
     pub io_threads: usize,
     /// With `ram_budget`: `lfu` or `lru`.
     pub evict: String,
+    /// Bundles: run the routed experts on the nodes of this cluster file.
+    pub cluster: Option<PathBuf>,
+    /// With `cluster`: the cluster CA and this process's certificate (`ternfleet certs`).
+    pub certs: Option<PathBuf>,
+    /// With `cluster`: milliseconds a node call may take before a replica is tried (plus
+    /// 0.5 ms per route).
+    pub step_deadline_ms: u64,
     /// Requests generating at once.
     pub parallel: usize,
     /// Requests waiting beyond those; more get 429 at once.
@@ -106,6 +113,9 @@ impl Default for ServeConfig {
             predictor: None,
             io_threads: 4,
             evict: "lfu".into(),
+            cluster: None,
+            certs: None,
+            step_deadline_ms: 750,
             parallel: 16,
             max_queue: 64,
             ctx: 4096,

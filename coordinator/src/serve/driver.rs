@@ -14,6 +14,7 @@ use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use ternfleet_shared::error::ErrorClass;
 use tokio::sync::mpsc::Sender;
 
 use crate::kv_pool::{KvPool, SeqId};
@@ -149,10 +150,10 @@ pub fn run(
         let result = run_step(&model, &mut pool, &rows, &live, &opts, &metrics);
         let actions = match result {
             Ok(logits) => sched.on_step(&model.tokenizer, &rows, logits),
-            Err(msg) => {
+            Err((class, msg)) => {
                 tracing::error!("step of {} rows failed twice: {msg}", rows.len());
                 rows.iter()
-                    .flat_map(|r| sched.end(r.id, Finish::Error(msg.clone())))
+                    .flat_map(|r| sched.end(r.id, Finish::Error(class, msg.clone())))
                     .collect()
             }
         };
@@ -179,11 +180,14 @@ fn run_step(
     live: &HashMap<ReqId, Live>,
     opts: &DriverOptions,
     metrics: &Metrics,
-) -> Result<Vec<Option<Vec<f32>>>, String> {
+) -> Result<Vec<Option<Vec<f32>>>, (ErrorClass, String)> {
     let mut inputs = Vec::with_capacity(rows.len());
     for r in rows {
         let Some(seq) = live.get(&r.id).and_then(|l| l.seq) else {
-            return Err(format!("request {} has no KV sequence", r.id));
+            return Err((
+                ErrorClass::Internal,
+                format!("request {} has no KV sequence", r.id),
+            ));
         };
         inputs.push(SeqInput {
             seq,
@@ -195,7 +199,7 @@ fn run_step(
     metrics
         .batch_rows
         .observe(rows.iter().map(|r| r.tokens.len()).sum::<usize>() as f64);
-    let mut last = String::new();
+    let mut last = (ErrorClass::Internal, String::new());
     for _ in 0..2 {
         metrics.steps.inc();
         match model.step(pool, &inputs, &opts.step, &mut NoObserver) {
@@ -209,7 +213,11 @@ fn run_step(
             Err(e) => {
                 metrics.step_failures.inc();
                 tracing::warn!("step failed (KV unchanged): {e}");
-                last = e.to_string();
+                let class = match &e {
+                    crate::model::ForwardError::Expert(x) => x.class(),
+                    _ => ErrorClass::Internal,
+                };
+                last = (class, e.to_string());
             }
         }
     }

@@ -233,6 +233,13 @@ fn load_and_run(
             ram_budget: cfg.ram_budget_bytes()?,
             io_threads: Some(cfg.io_threads),
             evict: cfg.evict()?,
+            cluster: crate::cli::cluster_spec(
+                &cfg.model,
+                cfg.cluster.as_deref(),
+                cfg.certs.as_deref(),
+                &cfg.id,
+                cfg.step_deadline_ms,
+            )?,
         },
     )
     .with_context(|| format!("loading {}", cfg.model.display()))?;

@@ -436,7 +436,7 @@ pub fn finish_error(f: &super::scheduler::Finish) -> ApiError {
             ErrorClass::Cancelled,
             "the request was cancelled (server shutting down or client gone)",
         ),
-        Finish::Error(m) => ApiError::new(ErrorClass::Internal, format!("generation failed: {m}")),
+        Finish::Error(c, m) => ApiError::new(*c, format!("generation failed: {m}")),
         Finish::Stop | Finish::Length => ApiError::new(ErrorClass::Internal, "finished normally"),
     }
 }

@@ -106,8 +106,9 @@ pub enum Finish {
     Cancelled,
     /// Its deadline passed.
     Timeout,
-    /// The step failed (the message says why).
-    Error(String),
+    /// The step failed: the error's class (an expert with no live replica is `Unavailable`)
+    /// and why.
+    Error(ternfleet_shared::error::ErrorClass, String),
 }
 
 /// Token counts of a request.

@@ -1,0 +1,688 @@
+//! The remote expert backend: a layer's routed experts run on the nodes of a cluster file,
+//! reached through a [`Transport`] (QUIC in production, an in-memory fault injector in the
+//! tests below).
+//!
+//! Per layer and step, [`RemoteExperts::submit`] groups the batch's routes by node (each
+//! expert's first live holder in the placement), sends each node **one** call with the rows
+//! it needs — the quantized bytes the kernels read — and returns at once; shared experts
+//! (index ≥ the routed count) run here while the calls are away. [`RemoteInFlight::wait`]
+//! collects one row per route; the model then adds them in route order, so the output does
+//! not depend on which node computed what.
+//!
+//! Faults: a call that fails (connection lost, an `Unavailable` answer) or passes its step
+//! deadline (base + per route, so a large prefill is not cut short) marks its node down and
+//! goes again, same rows, to the next holder of each of its experts; the result is the same
+//! bits. With no holder left the batch fails with `Unavailable` naming the node and the
+//! experts, and only the requests in that step are affected (the step rolls back). A prober
+//! thread asks down nodes for their status every [`PROBE_EVERY`] and uses them again once
+//! they answer `Ready`.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use ternfleet_kernels::{Activations, GgmlType, Numerics};
+use ternfleet_node::expert::LocalExperts;
+use ternfleet_shared::cluster::Placement;
+use ternfleet_shared::error::ErrorClass;
+use ternfleet_shared::expert::{ExpertBackend, ExpertBatch, ExpertError, Health, InFlight, Route};
+use ternfleet_shared::net::{NetError, Transport};
+use ternfleet_shared::wire::{Call, Frame, NodeState, WireRoute};
+
+/// How often down nodes are asked whether they are back.
+pub const PROBE_EVERY: Duration = Duration::from_millis(250);
+
+/// Deadlines of the remote backend.
+#[derive(Clone, Copy, Debug)]
+pub struct RemoteOptions {
+    /// A call's deadline: this plus [`RemoteOptions::per_route`] per route it carries.
+    pub step_base: Duration,
+    pub per_route: Duration,
+    /// How long start-up waits for every expert to have a ready holder (nodes report load
+    /// progress meanwhile).
+    pub load_timeout: Duration,
+}
+
+impl Default for RemoteOptions {
+    fn default() -> Self {
+        RemoteOptions {
+            step_base: Duration::from_millis(750),
+            per_route: Duration::from_micros(500),
+            load_timeout: Duration::from_secs(600),
+        }
+    }
+}
+
+impl RemoteOptions {
+    /// The deadline of a call with `routes` routes sent now.
+    fn call_deadline(&self, routes: usize) -> Instant {
+        Instant::now() + self.step_base + self.per_route * routes as u32
+    }
+}
+
+/// Counters of the remote backend (`/metrics`, bench output).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct RemoteStats {
+    /// Calls sent (first tries and resends).
+    pub calls: u64,
+    /// Calls resent to a replica after their node failed.
+    pub failovers: u64,
+    /// Request and answer bytes.
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Summed and worst round-trip time of successful calls.
+    pub rtt_ns: u64,
+    pub rtt_ns_max: u64,
+    /// Longest wait from a call's send to its replica's answer, over calls that failed over.
+    pub stall_ns_max: u64,
+}
+
+struct NodeHealth {
+    id: String,
+    /// `Some(when)`: marked down then (a call failed); the prober brings it back.
+    down: Option<Instant>,
+    why: String,
+}
+
+struct Inner {
+    transport: Arc<dyn Transport>,
+    placement: Placement,
+    n_expert: usize,
+    nodes: Mutex<Vec<NodeHealth>>,
+    stats: Mutex<RemoteStats>,
+    opts: RemoteOptions,
+    me: String,
+    calls_in_flight: AtomicU64,
+}
+
+/// The remote backend (see the module docs).
+pub struct RemoteExperts {
+    inner: Arc<Inner>,
+    /// Shared experts per layer (computed here; index `e - n_expert`).
+    local: LocalExperts,
+    /// The activation type each layer's experts read (from the bundle manifest).
+    input_types: Vec<GgmlType>,
+}
+
+impl RemoteExperts {
+    /// A backend over `transport` (node `i` = `placement.nodes[i]`); `n_expert` routed
+    /// experts per layer, `shared[layer]` the shared experts computed here, `input_types`
+    /// the dot type of each layer's experts. Waits until every expert has a ready holder
+    /// (at most `opts.load_timeout`), logging the nodes' load progress.
+    pub fn connect(
+        transport: Arc<dyn Transport>,
+        placement: Placement,
+        n_expert: usize,
+        shared: Vec<Vec<ternfleet_node::expert::FfnWeights>>,
+        input_types: Vec<GgmlType>,
+        me: &str,
+        opts: RemoteOptions,
+    ) -> Result<RemoteExperts, ExpertError> {
+        let nodes = placement
+            .nodes
+            .iter()
+            .map(|n| NodeHealth {
+                id: n.id.clone(),
+                down: Some(Instant::now()),
+                why: "not contacted yet".into(),
+            })
+            .collect();
+        let inner = Arc::new(Inner {
+            transport,
+            placement,
+            n_expert,
+            nodes: Mutex::new(nodes),
+            stats: Mutex::new(RemoteStats::default()),
+            opts,
+            me: me.to_string(),
+            calls_in_flight: AtomicU64::new(0),
+        });
+        let start = Instant::now();
+        let mut last_log = Instant::now() - Duration::from_secs(10);
+        loop {
+            let states = inner.probe_all(Duration::from_secs(2));
+            if inner.uncovered().is_none() {
+                break;
+            }
+            if last_log.elapsed() >= Duration::from_secs(2) {
+                last_log = Instant::now();
+                for (id, s) in &states {
+                    tracing::info!(node = %id, "waiting for the node: {s}");
+                }
+            }
+            if start.elapsed() > opts.load_timeout {
+                let (layer, experts) = inner.uncovered().unwrap_or_default();
+                return Err(ExpertError::Unavailable {
+                    layer,
+                    reason: format!(
+                        "no ready node holds experts {experts:?} of layer {layer} after {:?} ({})",
+                        opts.load_timeout,
+                        states
+                            .iter()
+                            .map(|(i, s)| format!("{i}: {s}"))
+                            .collect::<Vec<_>>()
+                            .join("; ")
+                    ),
+                });
+            }
+            std::thread::sleep(PROBE_EVERY);
+        }
+        let weak = Arc::downgrade(&inner);
+        std::thread::Builder::new()
+            .name("node-prober".into())
+            .spawn(move || prober(weak))
+            .map_err(|e| ExpertError::Unavailable {
+                layer: 0,
+                reason: format!("starting the node prober: {e}"),
+            })?;
+        Ok(RemoteExperts {
+            inner,
+            local: LocalExperts::new(shared),
+            input_types,
+        })
+    }
+
+    /// The counters so far.
+    pub fn stats(&self) -> RemoteStats {
+        self.inner
+            .stats
+            .lock()
+            .map(|s| s.clone())
+            .unwrap_or_default()
+    }
+}
+
+/// Asks down nodes for their status until the backend is dropped.
+fn prober(inner: Weak<Inner>) {
+    loop {
+        std::thread::sleep(PROBE_EVERY);
+        let Some(inner) = inner.upgrade() else { return };
+        let down: Vec<usize> = match inner.nodes.lock() {
+            Ok(n) => (0..n.len()).filter(|&i| n[i].down.is_some()).collect(),
+            Err(_) => return,
+        };
+        if !down.is_empty() {
+            inner.probe(&down, Duration::from_secs(1));
+        }
+    }
+}
+
+impl Inner {
+    /// Sends `Hello` to every node and records who is ready; returns each node's state as
+    /// text.
+    fn probe_all(&self, timeout: Duration) -> Vec<(String, String)> {
+        let all: Vec<usize> = (0..self.placement.nodes.len()).collect();
+        self.probe(&all, timeout)
+    }
+
+    fn probe(&self, which: &[usize], timeout: Duration) -> Vec<(String, String)> {
+        let hello = match (Frame::Hello {
+            id: self.me.clone(),
+        })
+        .encode()
+        {
+            Ok(b) => Arc::new(b),
+            Err(_) => return Vec::new(),
+        };
+        let deadline = Instant::now() + timeout;
+        let rxs: Vec<(usize, Receiver<_>)> = which
+            .iter()
+            .map(|&i| (i, self.transport.send(i, hello.clone(), deadline)))
+            .collect();
+        let mut out = Vec::new();
+        for (i, rx) in rxs {
+            let wait =
+                deadline.saturating_duration_since(Instant::now()) + Duration::from_millis(50);
+            let (ready, text) = match rx.recv_timeout(wait) {
+                Ok(Ok(Frame::Status {
+                    state,
+                    kernels,
+                    exact,
+                    ..
+                })) => {
+                    let text = match &state {
+                        NodeState::Ready => "ready".to_string(),
+                        NodeState::Loading { done, total } => format!(
+                            "loading {:.1} of {:.1} MB",
+                            *done as f64 / 1e6,
+                            *total as f64 / 1e6
+                        ),
+                        NodeState::Unavailable(why) => format!("unavailable: {why}"),
+                    };
+                    if state == NodeState::Ready && !exact {
+                        (false, format!("kernels {kernels} are not bit-equal to the reference: replicas would change the output"))
+                    } else {
+                        (state == NodeState::Ready, text)
+                    }
+                }
+                Ok(Ok(other)) => (false, format!("unexpected answer {other:?}")),
+                Ok(Err(e)) => (false, e.to_string()),
+                Err(_) => (false, "no answer".into()),
+            };
+            if let Ok(mut n) = self.nodes.lock() {
+                let h = &mut n[i];
+                if ready && h.down.is_some() {
+                    tracing::info!(node = %h.id, "node is ready: routing to it");
+                    h.down = None;
+                } else if !ready {
+                    h.why.clone_from(&text);
+                }
+            }
+            out.push((self.placement.nodes[i].id.clone(), text));
+        }
+        out
+    }
+
+    /// The first (layer, experts) with no ready holder.
+    fn uncovered(&self) -> Option<(usize, Vec<u32>)> {
+        let n = self.nodes.lock().ok()?;
+        for l in 0..self.placement.n_layer() {
+            let missing: Vec<u32> = (0..self.n_expert)
+                .filter(|&e| {
+                    self.placement
+                        .holders(l, e)
+                        .iter()
+                        .all(|&h| n[h].down.is_some())
+                })
+                .map(|e| e as u32)
+                .collect();
+            if !missing.is_empty() {
+                return Some((l, missing));
+            }
+        }
+        None
+    }
+
+    fn mark_down(&self, node: usize, why: &str) {
+        if let Ok(mut n) = self.nodes.lock() {
+            let h = &mut n[node];
+            if h.down.is_none() {
+                tracing::warn!(node = %h.id, "node marked down: {why}");
+                h.down = Some(Instant::now());
+            }
+            h.why = why.to_string();
+        }
+    }
+
+    /// The node to send `expert` of `layer` to: its first holder that is up and not in
+    /// `tried`.
+    fn pick(&self, layer: usize, expert: usize, tried: &[usize]) -> Option<usize> {
+        let n = self.nodes.lock().ok()?;
+        self.placement
+            .holders(layer, expert)
+            .iter()
+            .copied()
+            .find(|h| n[*h].down.is_none() && !tried.contains(h))
+    }
+
+    fn node_id(&self, i: usize) -> &str {
+        &self.placement.nodes[i].id
+    }
+}
+
+/// One call in flight: which routes of the batch it carries.
+struct Part {
+    node: usize,
+    /// Indices into the batch's routes.
+    routes: Vec<usize>,
+    rx: Receiver<Result<Frame, NetError>>,
+    sent: Instant,
+    /// When the first try of these routes went out (stall accounting across failovers).
+    first_sent: Instant,
+    deadline: Instant,
+    /// Nodes already tried for these routes.
+    tried: Vec<usize>,
+}
+
+/// A layer's calls in flight.
+pub struct RemoteInFlight {
+    inner: Arc<Inner>,
+    layer: usize,
+    numerics: Numerics,
+    input: Activations,
+    routes: Vec<Route>,
+    parts: Vec<Part>,
+    /// Routes to shared experts, computed here in `wait` while the calls are away.
+    local_routes: Vec<usize>,
+    local: Option<Result<Vec<f32>, ExpertError>>,
+    n_embd: usize,
+}
+
+/// Groups routes `which` by node (first live holder not in `tried`) and sends one call per
+/// node.
+#[allow(clippy::too_many_arguments)]
+fn send_parts(
+    inner: &Arc<Inner>,
+    layer: usize,
+    input: &Activations,
+    routes: &[Route],
+    numerics: Numerics,
+    which: &[usize],
+    tried: &[usize],
+    first_sent: Option<Instant>,
+) -> Result<Vec<Part>, ExpertError> {
+    let mut by_node: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+    let mut orphans: Vec<u32> = Vec::new();
+    for &r in which {
+        let e = routes[r].expert as usize;
+        match inner.pick(layer, e, tried) {
+            Some(n) => by_node.entry(n).or_default().push(r),
+            None => orphans.push(e as u32),
+        }
+    }
+    if !orphans.is_empty() {
+        orphans.sort_unstable();
+        orphans.dedup();
+        let n = inner.nodes.lock().ok();
+        let holders: Vec<String> = orphans
+            .iter()
+            .flat_map(|&e| inner.placement.holders(layer, e as usize).to_vec())
+            .collect::<std::collections::BTreeSet<_>>()
+            .into_iter()
+            .map(|h| match &n {
+                Some(n) => format!("{} ({})", n[h].id, n[h].why),
+                None => inner.node_id(h).to_string(),
+            })
+            .collect();
+        return Err(ExpertError::Unavailable {
+            layer,
+            reason: format!(
+                "experts {orphans:?} have no live replica: held by {}",
+                holders.join(", ")
+            ),
+        });
+    }
+    let mut parts = Vec::with_capacity(by_node.len());
+    for (node, rs) in by_node {
+        // The rows this node needs, once each, in first-use order.
+        let mut rows: Vec<usize> = Vec::new();
+        let mut slot: BTreeMap<u32, u32> = BTreeMap::new();
+        let mut wire = Vec::with_capacity(rs.len());
+        for &r in &rs {
+            let t = routes[r].token;
+            let s = *slot.entry(t).or_insert_with(|| {
+                rows.push(t as usize);
+                (rows.len() - 1) as u32
+            });
+            wire.push(WireRoute {
+                token: s,
+                expert: routes[r].expert,
+            });
+        }
+        let mut x = Activations::new();
+        x.gather(input, &rows);
+        let call = Frame::Call(Call {
+            layer: layer as u32,
+            numerics,
+            ty: x.ty(),
+            n_tokens: rows.len() as u32,
+            cols: x.cols() as u32,
+            routes: wire,
+            input: x.bytes().to_vec(),
+        });
+        let bytes = call.encode().map_err(|e| ExpertError::Unavailable {
+            layer,
+            reason: e.to_string(),
+        })?;
+        let deadline = inner.opts.call_deadline(rs.len());
+        if let Ok(mut s) = inner.stats.lock() {
+            s.calls += 1;
+            s.bytes_sent += bytes.len() as u64;
+            if !tried.is_empty() {
+                s.failovers += 1;
+            }
+        }
+        let now = Instant::now();
+        let rx = inner.transport.send(node, Arc::new(bytes), deadline);
+        inner.calls_in_flight.fetch_add(1, Ordering::Relaxed);
+        let mut t = tried.to_vec();
+        t.push(node);
+        parts.push(Part {
+            node,
+            routes: rs,
+            rx,
+            sent: now,
+            first_sent: first_sent.unwrap_or(now),
+            deadline,
+            tried: t,
+        });
+    }
+    Ok(parts)
+}
+
+impl ExpertBackend for RemoteExperts {
+    fn input_type(&self, layer: usize) -> Result<GgmlType, ExpertError> {
+        self.input_types
+            .get(layer)
+            .copied()
+            .ok_or(ExpertError::NoLayer {
+                layer,
+                n_layers: self.input_types.len(),
+            })
+    }
+
+    fn submit(&self, b: &ExpertBatch<'_>) -> Result<Box<dyn InFlight>, ExpertError> {
+        let layer = b.layer;
+        let want = self.input_type(layer)?;
+        let n_tokens = b.n_tokens();
+        let n_shared = self.local_count(layer);
+        let mut remote = Vec::new();
+        let mut local_routes = Vec::new();
+        for (i, r) in b.routes.iter().enumerate() {
+            if r.token as usize >= n_tokens {
+                return Err(ExpertError::BadToken {
+                    layer,
+                    token: r.token,
+                    n_tokens,
+                });
+            }
+            let e = r.expert as usize;
+            if e < self.inner.n_expert {
+                remote.push(i);
+            } else if e < self.inner.n_expert + n_shared {
+                local_routes.push(i);
+            } else {
+                return Err(ExpertError::NoExpert {
+                    layer,
+                    expert: r.expert,
+                    n_experts: self.inner.n_expert + n_shared,
+                });
+            }
+        }
+        if b.input.ty() != want {
+            return Err(ExpertError::BadInput {
+                layer,
+                n_tokens,
+                cols: b.input.cols(),
+                ty: b.input.ty(),
+                n_embd: b.input.cols(),
+                want,
+            });
+        }
+        let parts = send_parts(
+            &self.inner,
+            layer,
+            b.input,
+            b.routes,
+            b.numerics,
+            &remote,
+            &[],
+            None,
+        )?;
+        // Shared experts: computed now, while the calls are away.
+        let local = if local_routes.is_empty() {
+            None
+        } else {
+            let sub: Vec<Route> = local_routes
+                .iter()
+                .map(|&i| Route {
+                    expert: b.routes[i].expert - self.inner.n_expert as u32,
+                    ..b.routes[i]
+                })
+                .collect();
+            Some(self.local.run(&ExpertBatch {
+                layer,
+                input: b.input,
+                routes: &sub,
+                numerics: b.numerics,
+            }))
+        };
+        Ok(Box::new(RemoteInFlight {
+            inner: self.inner.clone(),
+            layer,
+            numerics: b.numerics,
+            input: b.input.clone(),
+            routes: b.routes.to_vec(),
+            parts,
+            local_routes,
+            local,
+            n_embd: b.input.cols(),
+        }))
+    }
+
+    fn prefetch(&self, layer: usize, experts: &[u32]) {
+        let mut by_node: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
+        for &e in experts {
+            if let Some(n) = self.inner.pick(layer, e as usize, &[]) {
+                by_node.entry(n).or_default().push(e);
+            }
+        }
+        for (n, es) in by_node {
+            if let Ok(f) = (Frame::Hint {
+                layer: layer as u32,
+                experts: es,
+            })
+            .encode()
+            {
+                self.inner.transport.hint(n, f);
+            }
+        }
+    }
+
+    fn wants_hints(&self) -> bool {
+        true
+    }
+
+    fn health(&self) -> Health {
+        match self.inner.uncovered() {
+            None => Health::Ready,
+            Some((l, es)) => {
+                Health::Unavailable(format!("experts {es:?} of layer {l} have no live node"))
+            }
+        }
+    }
+}
+
+impl RemoteExperts {
+    fn local_count(&self, layer: usize) -> usize {
+        self.local.layer_len(layer)
+    }
+}
+
+impl InFlight for RemoteInFlight {
+    fn wait(mut self: Box<Self>, deadline: Instant) -> Result<Vec<f32>, ExpertError> {
+        let d = self.n_embd;
+        let layer = self.layer;
+        let mut ys = vec![0f32; self.routes.len() * d];
+        if let Some(local) = self.local.take() {
+            let local = local?;
+            for (k, &r) in self.local_routes.iter().enumerate() {
+                ys[r * d..(r + 1) * d].copy_from_slice(&local[k * d..(k + 1) * d]);
+            }
+        }
+        let inner = self.inner.clone();
+        while let Some(p) = self.parts.pop() {
+            let until = p.deadline.min(deadline);
+            let got = match p
+                .rx
+                .recv_timeout(until.saturating_duration_since(Instant::now()))
+            {
+                Ok(r) => r,
+                Err(RecvTimeoutError::Timeout) => Err(NetError::Timeout {
+                    node: inner.node_id(p.node).to_string(),
+                    waited: p.sent.elapsed(),
+                }),
+                Err(RecvTimeoutError::Disconnected) => Err(NetError::Lost {
+                    node: inner.node_id(p.node).to_string(),
+                    msg: "the transport dropped the call".into(),
+                }),
+            };
+            inner.calls_in_flight.fetch_sub(1, Ordering::Relaxed);
+            let failure: (ErrorClass, String) = match got {
+                Ok(Frame::Result { rows, .. }) if rows.len() == p.routes.len() * d => {
+                    let rtt = p.sent.elapsed().as_nanos() as u64;
+                    if let Ok(mut s) = inner.stats.lock() {
+                        s.bytes_received += rows.len() as u64 * 4;
+                        s.rtt_ns += rtt;
+                        s.rtt_ns_max = s.rtt_ns_max.max(rtt);
+                        if p.tried.len() > 1 {
+                            let stall = p.first_sent.elapsed().as_nanos() as u64;
+                            s.stall_ns_max = s.stall_ns_max.max(stall);
+                        }
+                    }
+                    if p.tried.len() > 1 {
+                        tracing::warn!(
+                            layer,
+                            node = %inner.node_id(p.node),
+                            stall_ms = p.first_sent.elapsed().as_secs_f64() * 1e3,
+                            "failover: a replica answered"
+                        );
+                    }
+                    for (k, &r) in p.routes.iter().enumerate() {
+                        ys[r * d..(r + 1) * d].copy_from_slice(&rows[k * d..(k + 1) * d]);
+                    }
+                    continue;
+                }
+                Ok(Frame::Result { rows, .. }) => (
+                    ErrorClass::Unavailable,
+                    format!(
+                        "{} floats for {} routes of width {d}",
+                        rows.len(),
+                        p.routes.len()
+                    ),
+                ),
+                Ok(Frame::Error { class, message }) => (class, message),
+                Ok(other) => (ErrorClass::Unavailable, format!("answered {other:?}")),
+                Err(e) => (e.class(), e.to_string()),
+            };
+            let (class, msg) = failure;
+            let node = inner.node_id(p.node).to_string();
+            if Instant::now() >= deadline {
+                return Err(ExpertError::Timeout {
+                    layer,
+                    waited: p.first_sent.elapsed(),
+                });
+            }
+            // Worth a replica: the node is gone, stalled, or does not hold what the file
+            // says it holds. A bad request would fail anywhere.
+            if !(class.is_retryable() || class == ErrorClass::NotFound) {
+                return Err(ExpertError::Unavailable {
+                    layer,
+                    reason: format!("node {node}: {msg}"),
+                });
+            }
+            inner.mark_down(p.node, &msg);
+            let again = send_parts(
+                &inner,
+                layer,
+                &self.input,
+                &self.routes,
+                self.numerics,
+                &p.routes,
+                &p.tried,
+                Some(p.first_sent),
+            )
+            .map_err(|e| match e {
+                ExpertError::Unavailable { layer, reason } => ExpertError::Unavailable {
+                    layer,
+                    reason: format!("node {node} failed ({msg}); {reason}"),
+                },
+                e => e,
+            })?;
+            self.parts.extend(again);
+        }
+        Ok(ys)
+    }
+}

@@ -1,0 +1,328 @@
+//! `ternfleet node`: serves one shard of a bundle's routed experts over QUIC with mutual TLS.
+//!
+//! Start-up (../shared/CONVENTIONS.md): load the identity and the cluster file, bind, print the
+//! start-up line, then open the shard in the background — a node answers `Hello` with its load
+//! progress while it loads, so a slow load is never mistaken for a dead node. Every
+//! connection is authenticated before a byte of it is parsed: the TLS handshake checks the
+//! client's certificate against the cluster CA, then [`mtls::peer_id`] checks it names an
+//! allowed coordinator; a `Hello` must repeat that id. A malformed frame fails its stream only.
+//! SIGTERM or SIGINT: stop taking calls (`Unavailable: draining`), let running calls finish
+//! (at most [`DRAIN`]), exit.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use ternfleet_shared::bundle::{Gating, Manifest};
+use ternfleet_shared::cluster::ClusterFile;
+use ternfleet_shared::error::ErrorClass;
+use ternfleet_shared::expert::ExpertBackend;
+use ternfleet_shared::mtls::{self, Identity};
+use ternfleet_shared::net::{write_frame, CLOSE_IDENTITY, CLOSE_SHUTDOWN};
+use ternfleet_shared::wire::{Frame, NodeState, HEADER, MAX_FRAME};
+
+use crate::expert::{Activation, LocalExperts};
+use crate::service::{Service, Shard};
+use crate::shard::{open_experts, ExpertShape};
+use crate::store::{Evict, StoreExperts};
+
+/// How long a client has to send its request on a stream.
+pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long running calls may finish after SIGTERM.
+pub const DRAIN: Duration = Duration::from_secs(10);
+/// Calls computing at once (more wait for a permit; the rayon pool does the work).
+const MAX_CALLS: usize = 64;
+
+/// `ternfleet node`'s options.
+#[derive(Clone, Debug)]
+pub struct NodeOptions {
+    pub bundle: PathBuf,
+    pub id: String,
+    pub certs: PathBuf,
+    pub cluster: PathBuf,
+    /// Bind address; `None`: this node's address in the cluster file.
+    pub listen: Option<String>,
+    pub ram_budget: Option<u64>,
+    pub io_threads: usize,
+    pub evict: Evict,
+    /// The FFN activation of the bundle's architecture (the coordinator's model code knows
+    /// it; the manifest names the architecture).
+    pub act: Activation,
+}
+
+/// Errors starting a node (loading its shard later is reported through its status).
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error("{0}")]
+    Setup(String),
+}
+
+fn setup(e: impl std::fmt::Display) -> NodeError {
+    NodeError::Setup(e.to_string())
+}
+
+/// Runs a node until SIGTERM / SIGINT.
+pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
+    let me = Identity::load(&opts.certs, &opts.id).map_err(setup)?;
+    let cluster = ClusterFile::read(&opts.cluster).map_err(setup)?;
+    let man = Manifest::read(&opts.bundle).map_err(setup)?;
+    let placement = cluster
+        .placement(man.n_layer, man.moe.n_expert)
+        .map_err(setup)?;
+    let idx = placement.node(&opts.id).ok_or_else(|| {
+        setup(format!(
+            "--id {}: not a node of {} (its nodes: {})",
+            opts.id,
+            opts.cluster.display(),
+            placement
+                .nodes
+                .iter()
+                .map(|n| n.id.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))
+    })?;
+    let held: Vec<Vec<usize>> = placement.nodes[idx]
+        .experts
+        .iter()
+        .map(|s| s.iter().copied().collect())
+        .collect();
+    let listen = opts
+        .listen
+        .clone()
+        .unwrap_or_else(|| placement.nodes[idx].addr.clone());
+    let addr: SocketAddr = listen
+        .parse()
+        .map_err(|_| setup(format!("--listen {listen:?}: not an IP:port address")))?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("ternfleet-node-net")
+        .enable_all()
+        .build()
+        .map_err(setup)?;
+    let server_cfg = me.server_config().map_err(setup)?;
+    let endpoint = {
+        let _g = rt.enter();
+        quinn::Endpoint::server(server_cfg, addr)
+            .map_err(|e| setup(format!("binding QUIC on {addr}: {e}")))?
+    };
+    let bound = endpoint.local_addr().map_err(setup)?;
+    println!(
+        "{}",
+        serde_json::json!({"ternfleet": "listening", "role": "node", "id": opts.id, "quic": bound.to_string()})
+    );
+    let total: u64 = man
+        .experts
+        .iter()
+        .filter(|e| held.get(e.layer).is_some_and(|h| h.contains(&e.expert)))
+        .map(|e| e.part.bytes)
+        .sum();
+    let svc = Arc::new(Service::new(
+        &opts.id,
+        ternfleet_kernels::isa_name(),
+        true,
+        total,
+    ));
+    tracing::info!(id = %opts.id, quic = %bound, experts = held.iter().map(Vec::len).sum::<usize>(), bytes = total, "node: serving placement from {}", opts.cluster.display());
+    let allowed = Arc::new(placement.coordinators.clone());
+    rt.spawn(accept_loop(endpoint.clone(), svc.clone(), allowed));
+    {
+        let svc = svc.clone();
+        let opts = opts.clone();
+        std::thread::Builder::new()
+            .name("shard-load".into())
+            .spawn(move || load(&svc, &opts, &man, held, total))
+            .map_err(setup)?;
+    }
+    rt.block_on(async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .map_err(setup)?;
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        tracing::info!("node: draining");
+        svc.set_state(NodeState::Unavailable("draining".into()));
+        let t = Instant::now();
+        endpoint.close(CLOSE_SHUTDOWN.into(), b"node stopping");
+        let _ = tokio::time::timeout(DRAIN, endpoint.wait_idle()).await;
+        tracing::info!("node: stopped after {:.2}s", t.elapsed().as_secs_f64());
+        Ok::<_, NodeError>(())
+    })?;
+    rt.shutdown_timeout(Duration::from_millis(500));
+    Ok(())
+}
+
+/// Opens the shard's experts layer by layer (progress after each), then serves them.
+fn load(svc: &Service, opts: &NodeOptions, man: &Manifest, held: Vec<Vec<usize>>, total: u64) {
+    let t = Instant::now();
+    // Hidden width: an expert's up matrix reads rows of it (ggml ne[0]).
+    let n_embd = man
+        .experts
+        .first()
+        .and_then(|e| {
+            e.tensors
+                .iter()
+                .find(|t| t.name == crate::shard::BLOB_TENSORS[1])
+        })
+        .and_then(|t| t.dims.first())
+        .map_or(0, |&d| d as usize);
+    let shape = ExpertShape {
+        n_embd,
+        n_ff: man.moe.n_ff_exp,
+        act: opts.act,
+        routed: man.moe.gating != Gating::TopKUnit,
+    };
+    let mut layers = Vec::with_capacity(held.len());
+    let mut done = 0u64;
+    for (l, es) in held.iter().enumerate() {
+        let r = open_experts(&opts.bundle, man, shape, |ll, e| {
+            ll == l && es.binary_search(&e).is_ok()
+        });
+        match r {
+            Ok(v) => {
+                done += man
+                    .experts
+                    .iter()
+                    .filter(|p| p.layer == l && es.binary_search(&p.expert).is_ok())
+                    .map(|p| p.part.bytes)
+                    .sum::<u64>();
+                layers.push(v.into_iter().map(|(_, _, w)| w).collect::<Vec<_>>());
+                svc.progress(done, total);
+            }
+            Err(e) => {
+                tracing::error!("node: loading the shard failed: {e}");
+                svc.set_state(NodeState::Unavailable(format!("loading failed: {e}")));
+                return;
+            }
+        }
+    }
+    let backend: Box<dyn ExpertBackend> = match opts.ram_budget {
+        None => Box::new(LocalExperts::new(layers)),
+        Some(b) => {
+            match StoreExperts::new(layers, usize::MAX, b, opts.evict, opts.io_threads.max(1)) {
+                Ok(s) => Box::new(s),
+                Err(e) => {
+                    tracing::error!("node: expert store: {e}");
+                    svc.set_state(NodeState::Unavailable(format!("expert store: {e}")));
+                    return;
+                }
+            }
+        }
+    };
+    svc.ready(Shard::new(backend, &held, man.moe.n_expert));
+    tracing::info!(
+        bytes = total,
+        "node: ready in {:.2}s",
+        t.elapsed().as_secs_f64()
+    );
+}
+
+async fn accept_loop(endpoint: quinn::Endpoint, svc: Arc<Service>, allowed: Arc<Vec<String>>) {
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CALLS));
+    while let Some(incoming) = endpoint.accept().await {
+        let (svc, allowed, permits) = (svc.clone(), allowed.clone(), permits.clone());
+        tokio::spawn(async move {
+            let remote = incoming.remote_address();
+            let conn = match tokio::time::timeout(READ_TIMEOUT, incoming).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    tracing::warn!(%remote, "node: handshake refused: {e}");
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!(%remote, "node: handshake timed out");
+                    return;
+                }
+            };
+            // Authenticated before any stream is read.
+            let peer = match mtls::peer_id(&conn, &allowed) {
+                Ok(p) => p,
+                Err(why) => {
+                    tracing::warn!(%remote, "node: connection refused: {why}");
+                    conn.close(CLOSE_IDENTITY.into(), why.as_bytes());
+                    return;
+                }
+            };
+            tracing::info!(%remote, %peer, "node: connection");
+            connection(conn, peer, svc, permits).await;
+        });
+    }
+}
+
+async fn connection(
+    conn: quinn::Connection,
+    peer: String,
+    svc: Arc<Service>,
+    permits: Arc<tokio::sync::Semaphore>,
+) {
+    loop {
+        tokio::select! {
+            bi = conn.accept_bi() => match bi {
+                Ok((mut send, mut recv)) => {
+                    let (svc, peer, conn, permits) = (svc.clone(), peer.clone(), conn.clone(), permits.clone());
+                    tokio::spawn(async move {
+                        let req = match tokio::time::timeout(READ_TIMEOUT, recv.read_to_end(HEADER + MAX_FRAME)).await {
+                            Ok(Ok(b)) => b,
+                            Ok(Err(e)) => {
+                                tracing::debug!(%peer, "node: stream read: {e}");
+                                return;
+                            }
+                            Err(_) => {
+                                let _ = send.reset(0u32.into());
+                                return;
+                            }
+                        };
+                        let answer = match Frame::decode(&req) {
+                            Err(e) => Ok(Frame::Error { class: ErrorClass::BadRequest, message: e.to_string() }),
+                            Ok(f) => {
+                                let Ok(_permit) = permits.acquire_owned().await else { return };
+                                let svc2 = svc.clone();
+                                let peer2 = peer.clone();
+                                match tokio::task::spawn_blocking(move || svc2.handle(&peer2, f)).await {
+                                    Ok(a) => a,
+                                    Err(e) => Ok(Frame::Error { class: ErrorClass::Internal, message: format!("node {}: call panicked: {e}", svc.id) }),
+                                }
+                            }
+                        };
+                        let (frame, close) = match answer {
+                            Ok(f) => (f, false),
+                            Err(f) => (f, true),
+                        };
+                        let bytes = frame.encode().unwrap_or_else(|e| {
+                            Frame::Error { class: ErrorClass::Internal, message: e.to_string() }
+                                .encode()
+                                .unwrap_or_default()
+                        });
+                        if let Err(e) = write_frame(&mut send, &bytes).await {
+                            tracing::debug!(%peer, "node: stream write: {e}");
+                        }
+                        if close {
+                            tracing::warn!(%peer, "node: closing a connection that broke the protocol");
+                            let _ = send.stopped().await;
+                            conn.close(CLOSE_IDENTITY.into(), b"protocol violation");
+                        }
+                    });
+                }
+                Err(e) => {
+                    tracing::debug!(%peer, "node: connection closed: {e}");
+                    return;
+                }
+            },
+            uni = conn.accept_uni() => match uni {
+                Ok(mut recv) => {
+                    let (svc, peer) = (svc.clone(), peer.clone());
+                    tokio::spawn(async move {
+                        if let Ok(Ok(b)) = tokio::time::timeout(READ_TIMEOUT, recv.read_to_end(HEADER + MAX_FRAME)).await {
+                            if let Ok(f @ Frame::Hint { .. }) = Frame::decode(&b) {
+                                let _ = svc.handle(&peer, f);
+                            }
+                        }
+                    });
+                }
+                Err(_) => return,
+            },
+        }
+    }
+}

@@ -1,0 +1,334 @@
+//! Cluster networking: frames over QUIC streams, and the [`Transport`] through which the
+//! coordinator's remote expert backend reaches its nodes.
+//!
+//! The transport is a trait so the failover logic above it is tested without sockets (an
+//! in-memory implementation that drops, delays and partitions, seeded, lives with those
+//! tests); [`QuicTransport`] is the real one: one QUIC connection per node (mutual TLS,
+//! [`crate::mtls`]), opened on first use and again after it breaks, one bi-stream per call.
+//! Each connection starts with a `Hello` whose answer must come from the node's own id.
+//! Nothing here blocks a caller: [`Transport::send`] returns a channel at once, and every
+//! network wait is bounded (connect, handshake, the call's own deadline).
+
+use std::net::SocketAddr;
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use crate::error::ErrorClass;
+use crate::mtls::Identity;
+use crate::wire::{Frame, NodeState, WireError, HEADER, MAX_FRAME};
+
+/// How long opening a connection (resolve, QUIC + TLS handshake, `Hello`) may take.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(3);
+/// QUIC application error codes a node closes a connection with.
+pub const CLOSE_IDENTITY: u32 = 1;
+pub const CLOSE_SHUTDOWN: u32 = 2;
+
+/// Why a call to a node did not return a result frame.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum NetError {
+    #[error("node {node} ({addr}): cannot connect: {msg}")]
+    Connect {
+        node: String,
+        addr: String,
+        msg: String,
+    },
+    #[error("node {node}: connection lost: {msg}")]
+    Lost { node: String, msg: String },
+    #[error("node {node}: no answer within {waited:?}")]
+    Timeout { node: String, waited: Duration },
+    #[error("node {node}: {err}")]
+    Wire { node: String, err: WireError },
+    #[error("node {node}: unexpected answer: {msg}")]
+    Protocol { node: String, msg: String },
+}
+
+impl NetError {
+    /// Every transport failure is worth a retry on a replica.
+    pub fn class(&self) -> ErrorClass {
+        match self {
+            NetError::Timeout { .. } => ErrorClass::Timeout,
+            _ => ErrorClass::Unavailable,
+        }
+    }
+}
+
+/// The answer to one request: a frame from the node (a `Result`, `Status` or `Error`), or
+/// why none came.
+pub type Reply = Result<Frame, NetError>;
+
+/// How the coordinator reaches nodes `0..n` (indices into its placement).
+pub trait Transport: Send + Sync {
+    /// Sends an encoded request frame to `node` on a stream of its own; the answer arrives
+    /// on the returned channel (one message), or an error by `deadline` at the latest.
+    /// Returns at once.
+    fn send(&self, node: usize, request: Arc<Vec<u8>>, deadline: Instant) -> Receiver<Reply>;
+    /// Fire and forget (prefetch hints): no answer, failures ignored.
+    fn hint(&self, node: usize, frame: Vec<u8>);
+}
+
+/// Reads one frame: the stream's bytes up to its end (the sender finishes after one frame),
+/// at most a header plus [`MAX_FRAME`].
+pub async fn read_frame(recv: &mut quinn::RecvStream) -> Result<Frame, String> {
+    let bytes = recv
+        .read_to_end(HEADER + MAX_FRAME)
+        .await
+        .map_err(|e| e.to_string())?;
+    Frame::decode(&bytes).map_err(|e| e.to_string())
+}
+
+/// Writes one frame and finishes the stream.
+pub async fn write_frame(send: &mut quinn::SendStream, bytes: &[u8]) -> Result<(), String> {
+    send.write_all(bytes).await.map_err(|e| e.to_string())?;
+    send.finish().map_err(|e| e.to_string())
+}
+
+/// What a node said about itself at its last `Hello`.
+#[derive(Clone, Debug, PartialEq)]
+pub struct NodeStatus {
+    pub kernels: String,
+    pub exact: bool,
+    pub state: NodeState,
+}
+
+struct Peer {
+    id: String,
+    addr: String,
+    conn: tokio::sync::Mutex<Option<quinn::Connection>>,
+    status: Mutex<Option<NodeStatus>>,
+}
+
+struct Inner {
+    endpoint: quinn::Endpoint,
+    client: quinn::ClientConfig,
+    me: String,
+    peers: Vec<Peer>,
+}
+
+/// The QUIC transport (see the module docs).
+pub struct QuicTransport {
+    rt: Option<tokio::runtime::Runtime>,
+    inner: Arc<Inner>,
+}
+
+impl QuicTransport {
+    /// A client endpoint for `me` reaching `nodes` (id, `host:port`). Opens nothing yet.
+    pub fn new(me: &Identity, nodes: &[(String, String)]) -> Result<QuicTransport, String> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .thread_name("ternfleet-net")
+            .enable_all()
+            .build()
+            .map_err(|e| format!("network runtime: {e}"))?;
+        let client = me.client_config().map_err(|e| e.to_string())?;
+        let endpoint = {
+            let _g = rt.enter();
+            quinn::Endpoint::client(SocketAddr::from(([0, 0, 0, 0], 0)))
+                .map_err(|e| format!("QUIC client endpoint: {e}"))?
+        };
+        let peers = nodes
+            .iter()
+            .map(|(id, addr)| Peer {
+                id: id.clone(),
+                addr: addr.clone(),
+                conn: tokio::sync::Mutex::new(None),
+                status: Mutex::new(None),
+            })
+            .collect();
+        Ok(QuicTransport {
+            rt: Some(rt),
+            inner: Arc::new(Inner {
+                endpoint,
+                client,
+                me: me.id.clone(),
+                peers,
+            }),
+        })
+    }
+
+    fn rt(&self) -> &tokio::runtime::Runtime {
+        self.rt.as_ref().expect("the runtime lives until drop")
+    }
+
+    /// What node `i` reported at its last `Hello` (connect or [`QuicTransport::poll`]).
+    pub fn status(&self, node: usize) -> Option<NodeStatus> {
+        self.inner.peers.get(node)?.status.lock().ok()?.clone()
+    }
+
+    /// Asks node `i` for its status now (connecting if needed), waiting at most `timeout`.
+    pub fn poll(&self, node: usize, timeout: Duration) -> Result<NodeStatus, NetError> {
+        let inner = self.inner.clone();
+        let fut = async move {
+            let conn = inner.connection(node).await?;
+            inner.hello(node, &conn).await
+        };
+        let peer = &self.inner.peers[node];
+        self.rt()
+            .block_on(async { tokio::time::timeout(timeout, fut).await })
+            .unwrap_or_else(|_| {
+                Err(NetError::Timeout {
+                    node: peer.id.clone(),
+                    waited: timeout,
+                })
+            })
+    }
+}
+
+impl Drop for QuicTransport {
+    fn drop(&mut self) {
+        self.inner
+            .endpoint
+            .close(0u32.into(), b"coordinator stopping");
+        if let Some(rt) = self.rt.take() {
+            rt.shutdown_timeout(Duration::from_millis(200));
+        }
+    }
+}
+
+impl Inner {
+    /// The open connection to `i`, or a new one (handshake and `Hello` checked).
+    async fn connection(&self, i: usize) -> Result<quinn::Connection, NetError> {
+        let p = &self.peers[i];
+        let mut slot = p.conn.lock().await;
+        if let Some(c) = slot.as_ref() {
+            if c.close_reason().is_none() {
+                return Ok(c.clone());
+            }
+        }
+        *slot = None;
+        let err = |msg: String| NetError::Connect {
+            node: p.id.clone(),
+            addr: p.addr.clone(),
+            msg,
+        };
+        let connect = async {
+            let addr = tokio::net::lookup_host(&p.addr)
+                .await
+                .map_err(|e| err(format!("resolving: {e}")))?
+                .next()
+                .ok_or_else(|| err("the name resolves to no address".into()))?;
+            let conn = self
+                .endpoint
+                .connect_with(self.client.clone(), addr, &p.id)
+                .map_err(|e| err(e.to_string()))?
+                .await
+                .map_err(|e| err(e.to_string()))?;
+            self.hello(i, &conn).await?;
+            Ok::<_, NetError>(conn)
+        };
+        let conn = tokio::time::timeout(CONNECT_TIMEOUT, connect)
+            .await
+            .map_err(|_| err(format!("no handshake within {CONNECT_TIMEOUT:?}")))??;
+        tracing::info!(node = %p.id, addr = %p.addr, "connected");
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// `Hello` on `conn`: the answer must be a `Status` from node `i`'s own id.
+    async fn hello(&self, i: usize, conn: &quinn::Connection) -> Result<NodeStatus, NetError> {
+        let p = &self.peers[i];
+        let hello = Frame::Hello {
+            id: self.me.clone(),
+        }
+        .encode()
+        .map_err(|err| NetError::Wire {
+            node: p.id.clone(),
+            err,
+        })?;
+        match exchange(conn, &p.id, &hello).await? {
+            Frame::Status {
+                id,
+                kernels,
+                exact,
+                state,
+            } if id == p.id => {
+                let s = NodeStatus {
+                    kernels,
+                    exact,
+                    state,
+                };
+                if let Ok(mut g) = p.status.lock() {
+                    *g = Some(s.clone());
+                }
+                Ok(s)
+            }
+            Frame::Status { id, .. } => Err(NetError::Protocol {
+                node: p.id.clone(),
+                msg: format!("it says it is {id:?}"),
+            }),
+            Frame::Error { message, .. } => Err(NetError::Protocol {
+                node: p.id.clone(),
+                msg: format!("hello refused: {message}"),
+            }),
+            other => Err(NetError::Protocol {
+                node: p.id.clone(),
+                msg: format!("{other:?} in answer to hello"),
+            }),
+        }
+    }
+}
+
+/// One request / answer on a new bi-stream of `conn`.
+async fn exchange(conn: &quinn::Connection, node: &str, req: &[u8]) -> Reply {
+    let lost = |msg: String| NetError::Lost {
+        node: node.to_string(),
+        msg,
+    };
+    let (mut send, mut recv) = conn.open_bi().await.map_err(|e| lost(e.to_string()))?;
+    write_frame(&mut send, req).await.map_err(lost)?;
+    let bytes = recv
+        .read_to_end(HEADER + MAX_FRAME)
+        .await
+        .map_err(|e| lost(e.to_string()))?;
+    Frame::decode(&bytes).map_err(|err| NetError::Wire {
+        node: node.to_string(),
+        err,
+    })
+}
+
+impl Transport for QuicTransport {
+    fn send(&self, node: usize, request: Arc<Vec<u8>>, deadline: Instant) -> Receiver<Reply> {
+        let (tx, rx): (SyncSender<Reply>, _) = sync_channel(1);
+        let inner = self.inner.clone();
+        let id = inner.peers[node].id.clone();
+        self.rt().spawn(async move {
+            let waited = deadline.saturating_duration_since(Instant::now());
+            let call = async {
+                let conn = inner.connection(node).await?;
+                let r = exchange(&conn, &inner.peers[node].id, &request).await;
+                if let Err(NetError::Lost { .. }) = &r {
+                    // The connection broke: drop it so the next call reconnects.
+                    let mut slot = inner.peers[node].conn.lock().await;
+                    if slot
+                        .as_ref()
+                        .is_some_and(|c| c.stable_id() == conn.stable_id())
+                    {
+                        *slot = None;
+                    }
+                }
+                r
+            };
+            let r = tokio::time::timeout(waited, call)
+                .await
+                .unwrap_or(Err(NetError::Timeout { node: id, waited }));
+            let _ = tx.send(r);
+        });
+        rx
+    }
+
+    fn hint(&self, node: usize, frame: Vec<u8>) {
+        let inner = self.inner.clone();
+        self.rt().spawn(async move {
+            // Only on an open connection: a hint is not worth a connect.
+            let conn = match inner.peers[node].conn.try_lock() {
+                Ok(g) => g.clone(),
+                Err(_) => None,
+            };
+            if let Some(conn) = conn {
+                if let Ok(mut s) = conn.open_uni().await {
+                    let _ = write_frame(&mut s, &frame).await;
+                }
+            }
+        });
+    }
+}
