@@ -1,0 +1,854 @@
+//! The distributed runtime end to end: real `ternfleet node` processes on loopback (port 0,
+//! addresses read from their start-up lines, killed by pid on every exit path) serving a
+//! bundle's experts over QUIC with mutual TLS, and a coordinator (`generate` or `serve`) that
+//! must give the single process's tokens and logits bit for bit — through node deaths and
+//! stalls when replicas exist, with a clear `UNAVAILABLE` when none is left. And the nodes'
+//! door: no certificate, another CA's certificate, a certificate for another id, a hello that
+//! lies about its id and garbage frames are all refused, and the node keeps serving.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
+use ternfleet_shared::bundle::Manifest;
+use ternfleet_shared::cluster::ClusterFile;
+use ternfleet_shared::error::ErrorClass;
+use ternfleet_shared::mtls::{self, Identity};
+use ternfleet_shared::testing::skip;
+use ternfleet_shared::wire::{Frame, NodeState};
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_ternfleet")
+}
+
+fn log_dir() -> PathBuf {
+    let d = root().join("target/cluster-test");
+    let _ = std::fs::create_dir_all(&d);
+    d
+}
+
+/// Reads a child's first stdout line within `secs` (its start-up line), as JSON.
+fn startup_line(child: &mut Child, secs: u64) -> Value {
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(stdout);
+        let mut line = String::new();
+        let _ = r.read_line(&mut line);
+        let _ = tx.send(line);
+        // Keep draining so the child never blocks on a full pipe.
+        let mut sink = Vec::new();
+        let _ = r.read_to_end(&mut sink);
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(secs))
+        .expect("a start-up line in time");
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    assert_eq!(v["ternfleet"], "listening", "{line}");
+    v
+}
+
+fn signal(child: &Child, sig: i32) {
+    // SAFETY: kill(2) on our own child's pid; no memory is touched.
+    unsafe {
+        libc::kill(child.id() as i32, sig);
+    }
+}
+
+/// A process killed (and reaped) when dropped, whatever the test's outcome.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        signal(&self.0, libc::SIGCONT);
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+struct Node {
+    id: String,
+    addr: String,
+    proc: Option<Proc>,
+}
+
+/// Certificates, a cluster file and `n` node processes serving a bundle.
+struct Cluster {
+    dir: tempfile::TempDir,
+    bundle: PathBuf,
+    file: PathBuf,
+    certs: PathBuf,
+    nodes: Vec<Node>,
+    name: String,
+}
+
+impl Cluster {
+    /// Starts `n` nodes on loopback with each expert on `replicas` of them.
+    fn start(name: &str, bundle: &Path, n: usize, replicas: usize) -> Cluster {
+        let dir = tempfile::tempdir().unwrap();
+        let certs = dir.path().join("certs");
+        mtls::init_ca(&certs).unwrap();
+        mtls::issue(&certs, "coordinator").unwrap();
+        let ids: Vec<String> = (1..=n).map(|i| format!("n{i}")).collect();
+        for id in &ids {
+            mtls::issue(&certs, id).unwrap();
+        }
+        let man = Manifest::read(bundle).unwrap();
+        // Placeholder addresses: the nodes bind port 0, the real ones are written below.
+        let list: Vec<(String, String)> = ids
+            .iter()
+            .map(|id| (id.clone(), "127.0.0.1:1".to_string()))
+            .collect();
+        let plan = ClusterFile::plan(&man, &list, replicas).unwrap();
+        let file = dir.path().join("cluster.toml");
+        std::fs::write(&file, plan.to_toml()).unwrap();
+        let mut c = Cluster {
+            dir,
+            bundle: bundle.to_owned(),
+            file,
+            certs,
+            nodes: ids
+                .iter()
+                .map(|id| Node {
+                    id: id.clone(),
+                    addr: String::new(),
+                    proc: None,
+                })
+                .collect(),
+            name: name.to_string(),
+        };
+        for i in 0..n {
+            c.spawn_node(i, "127.0.0.1:0");
+        }
+        c.write_file();
+        c
+    }
+
+    fn spawn_node(&mut self, i: usize, listen: &str) {
+        let id = self.nodes[i].id.clone();
+        let log = log_dir().join(format!("{}-{id}.log", self.name));
+        if listen.ends_with(":0") {
+            let _ = std::fs::remove_file(&log);
+        }
+        let mut child = Command::new(bin())
+            .args(["node", "-m"])
+            .arg(&self.bundle)
+            .args(["--id", &id, "--certs"])
+            .arg(&self.certs)
+            .arg("--cluster")
+            .arg(&self.file)
+            .args(["--listen", listen, "-t", "1"])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .map_or(Stdio::null(), Stdio::from),
+            )
+            .spawn()
+            .expect("spawning ternfleet node");
+        let v = startup_line(&mut child, 30);
+        assert_eq!(v["role"], "node");
+        assert_eq!(v["id"], id.as_str());
+        self.nodes[i].addr = v["quic"].as_str().expect("quic address").to_string();
+        self.nodes[i].proc = Some(Proc(child));
+    }
+
+    /// The cluster file with the nodes' real addresses.
+    fn write_file(&self) {
+        let mut f = ClusterFile::read(&self.file).unwrap();
+        for (e, n) in f.nodes.iter_mut().zip(&self.nodes) {
+            e.addr.clone_from(&n.addr);
+        }
+        std::fs::write(&self.file, f.to_toml()).unwrap();
+    }
+
+    fn kill(&mut self, i: usize) {
+        if let Some(mut p) = self.nodes[i].proc.take() {
+            let _ = p.0.kill();
+            let _ = p.0.wait();
+        }
+    }
+
+    fn child(&self, i: usize) -> &Child {
+        &self.nodes[i].proc.as_ref().expect("node is running").0
+    }
+
+    /// Restarts a killed node on its old address.
+    fn restart(&mut self, i: usize) {
+        let addr = self.nodes[i].addr.clone();
+        self.spawn_node(i, &addr);
+        assert_eq!(self.nodes[i].addr, addr, "restarted on its old address");
+    }
+
+    fn cluster_args(&self) -> Vec<String> {
+        vec![
+            "--cluster".into(),
+            self.file.display().to_string(),
+            "--certs".into(),
+            self.certs.display().to_string(),
+        ]
+    }
+}
+
+fn wait_bounded(child: &mut Child, secs: u64, what: &str) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            return s;
+        }
+        if t.elapsed() > Duration::from_secs(secs) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} ran over {secs} s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `ternfleet generate --json --logits-digest` on `model` with `extra` flags: (tokens, digest).
+fn generate(model: &Path, prompt: &str, n: usize, extra: &[String]) -> (Vec<u64>, String) {
+    let mut child = Command::new(bin())
+        .args(["generate", "-m"])
+        .arg(model)
+        .args(["-p", prompt, "-n", &n.to_string(), "-t", "2"])
+        .args(["--json", "--logits-digest", "--ignore-eos"])
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning ternfleet generate");
+    let mut out = String::new();
+    let mut err = String::new();
+    let mut so = child.stdout.take().expect("piped");
+    let mut se = child.stderr.take().expect("piped");
+    let t_err = std::thread::spawn(move || {
+        let _ = se.read_to_string(&mut err);
+        err
+    });
+    let _ = so.read_to_string(&mut out);
+    let st = wait_bounded(&mut child, 120, "generate");
+    let err = t_err.join().unwrap_or_default();
+    assert!(st.success(), "generate {extra:?} failed:\n{err}");
+    let v: Value = serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{out}: {e}"));
+    let toks = v["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_u64().unwrap_or(u64::MAX))
+        .collect();
+    (
+        toks,
+        v["logits_sha256"].as_str().expect("digest").to_string(),
+    )
+}
+
+/// Converts a test model (or Gemma) into a bundle under target/ (reused: convert resumes).
+fn bundle(src: &Path, name: &str, experts: Option<usize>, ty: &str) -> PathBuf {
+    let out = log_dir().join(format!("bundle-{name}"));
+    convert(
+        &ConvertOptions {
+            model: src.to_owned(),
+            out: out.clone(),
+            experts,
+            top_k: None,
+            calib: experts.map(|_| root().join("tests/data/text/python-reference.txt")),
+            calib_tokens: 1024,
+            expert_type: ExpertType::parse(ty).unwrap(),
+            seed: 0,
+            grouping: Default::default(),
+        },
+        &|_: &str, _: u64, _: u64| {},
+    )
+    .unwrap_or_else(|e| panic!("{}: {e}", src.display()));
+    out
+}
+
+fn tiny(name: &str) -> PathBuf {
+    root().join("tests/data/models").join(name)
+}
+
+fn gemma() -> Option<PathBuf> {
+    let p = root().join("models/gemma-3-270m-q4_k_m.gguf");
+    if p.exists() {
+        Some(p)
+    } else {
+        skip(
+            "cluster tests on Gemma",
+            "models/gemma-3-270m-q4_k_m.gguf missing (scripts/fetch-model.sh)",
+        );
+        None
+    }
+}
+
+const PROMPT: &str = "The capital of France is";
+
+#[test]
+fn three_nodes_give_the_single_process_tokens_and_logits_bit_for_bit() {
+    let mut cases: Vec<(String, PathBuf, Vec<String>)> = Vec::new();
+    for (m, name) in [
+        ("tiny-qwen3moe-q8_0.gguf", "qwen3moe"),
+        ("tiny-qwen2moe-q8_0.gguf", "qwen2moe-shared-expert"),
+        ("tiny-mixtral-q8_0.gguf", "mixtral"),
+        ("tiny-qwen3moe-tq2_0.gguf", "qwen3moe-tq2_0"),
+    ] {
+        cases.push((name.into(), bundle(&tiny(m), name, None, "keep"), vec![]));
+    }
+    if let Some(g) = gemma() {
+        let moe = bundle(&g, "gemma-moe8", Some(8), "keep");
+        cases.push(("gemma-moe8 top-4".into(), moe.clone(), vec![]));
+        cases.push((
+            "gemma-moe8 every expert".into(),
+            moe,
+            vec!["--top-experts".into(), "8".into()],
+        ));
+        cases.push((
+            "gemma-moe8 ternary experts".into(),
+            bundle(&g, "gemma-moe8-tq2_0", Some(8), "tq2_0"),
+            vec![],
+        ));
+    }
+    for (name, b, extra) in &cases {
+        let replicas = if name == "qwen3moe" { 2 } else { 1 };
+        let c = Cluster::start(&format!("bits-{}", name.replace(' ', "-")), b, 3, replicas);
+        for numerics in ["parity", "invariant"] {
+            let mut args = extra.clone();
+            args.extend(["--numerics".to_string(), numerics.to_string()]);
+            let one = generate(b, PROMPT, 24, &args);
+            args.extend(c.cluster_args());
+            let three = generate(b, PROMPT, 24, &args);
+            assert_eq!(one.0.len(), 24, "{name} {numerics}");
+            assert_eq!(
+                one, three,
+                "{name} {numerics}: 3 nodes differ from one process"
+            );
+        }
+    }
+}
+
+/// A `ternfleet serve` process with its HTTP address; its stderr goes to `log`.
+struct Server {
+    _proc: Proc,
+    url: String,
+    log: PathBuf,
+}
+
+impl Server {
+    fn start(model: &Path, extra: &[String], name: &str) -> Server {
+        let log = log_dir().join(format!("{name}.log"));
+        let mut child = Command::new(bin())
+            .args(["serve", "-m"])
+            .arg(model)
+            .args(["--http", "127.0.0.1:0", "--grpc", "", "-t", "2"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).map_or(Stdio::null(), Stdio::from))
+            .spawn()
+            .expect("spawning ternfleet serve");
+        let v = startup_line(&mut child, 60);
+        let url = format!("http://{}", v["http"].as_str().expect("http"));
+        let s = Server {
+            _proc: Proc(child),
+            url,
+            log,
+        };
+        let t = Instant::now();
+        while get(&s.url, "/ready").0 != 200 {
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "{name}: not ready in 120 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        s
+    }
+
+    /// The log without colour codes.
+    fn log_text(&self) -> String {
+        let raw = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let mut out = String::with_capacity(raw.len());
+        let mut it = raw.chars();
+        while let Some(ch) = it.next() {
+            if ch == '\u{1b}' {
+                // CSI: ESC [ ... final byte in @..~
+                for c in it.by_ref() {
+                    if ('@'..='~').contains(&c) && c != '[' {
+                        break;
+                    }
+                }
+            } else {
+                out.push(ch);
+            }
+        }
+        out
+    }
+
+    fn log_count(&self, needle: &str) -> usize {
+        self.log_text().matches(needle).count()
+    }
+}
+
+fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(120))
+        .build()
+}
+
+fn get(url: &str, path: &str) -> (u16, String) {
+    match agent().get(&format!("{url}{path}")).call() {
+        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap_or_default()),
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+fn post(url: &str, body: &Value) -> (u16, Value) {
+    let r = agent()
+        .post(&format!("{url}/v1/completions"))
+        .set("Content-Type", "application/json")
+        .send_string(&body.to_string());
+    let (s, b) = match r {
+        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap_or_default()),
+        Err(e) => (0, e.to_string()),
+    };
+    (s, serde_json::from_str(&b).unwrap_or(Value::String(b)))
+}
+
+fn metric(url: &str, name: &str) -> f64 {
+    let (_, text) = get(url, "/metrics");
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+fn request(prompt: &str, max_tokens: usize, seed: u64) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
+           "logprobs": 0, "ignore_eos": true})
+}
+
+/// (token pieces, logprobs as f32 bits) of a completion.
+fn completion(url: &str, body: &Value) -> (Vec<String>, Vec<u32>) {
+    let (s, v) = post(url, body);
+    assert_eq!(s, 200, "{v}");
+    let lp = &v["choices"][0]["logprobs"];
+    let toks = lp["tokens"]
+        .as_array()
+        .expect("tokens")
+        .iter()
+        .map(|t| t.as_str().unwrap_or_default().to_string())
+        .collect();
+    let lps = lp["token_logprobs"]
+        .as_array()
+        .expect("token_logprobs")
+        .iter()
+        .map(|x| (x.as_f64().unwrap_or(f64::NAN) as f32).to_bits())
+        .collect();
+    (toks, lps)
+}
+
+/// Streams a completion; after `after` tokens calls `fault` once. Returns the tokens,
+/// logprobs and the longest gap between two events.
+fn stream_with_fault(
+    url: &str,
+    body: &Value,
+    after: usize,
+    fault: impl FnOnce(),
+) -> (Vec<String>, Vec<u32>, Duration) {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let r = agent()
+        .post(&format!("{url}/v1/completions"))
+        .set("Content-Type", "application/json")
+        .send_string(&body.to_string())
+        .expect("the stream starts");
+    let mut reader = BufReader::new(r.into_reader());
+    let (mut toks, mut lps) = (Vec::new(), Vec::new());
+    let mut fault = Some(fault);
+    let mut last = Instant::now();
+    let mut gap = Duration::ZERO;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).expect("reading the stream") == 0 {
+            break;
+        }
+        let Some(data) = line.trim().strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("{data}: {e}"));
+        assert!(v.get("error").is_none(), "stream error: {v}");
+        let lp = &v["choices"][0]["logprobs"];
+        if let (Some(t), Some(l)) = (lp["tokens"].as_array(), lp["token_logprobs"].as_array()) {
+            let now = Instant::now();
+            if !toks.is_empty() {
+                gap = gap.max(now - last);
+            }
+            last = now;
+            toks.extend(t.iter().map(|x| x.as_str().unwrap_or_default().to_string()));
+            lps.extend(
+                l.iter()
+                    .map(|x| (x.as_f64().unwrap_or(f64::NAN) as f32).to_bits()),
+            );
+        }
+        if toks.len() >= after {
+            if let Some(f) = fault.take() {
+                f();
+            }
+        }
+    }
+    assert!(
+        fault.is_none(),
+        "the stream ended before the fault was injected"
+    );
+    (toks, lps, gap)
+}
+
+/// Waits until `needle` appears in the coordinator's log at least `n` times.
+fn wait_for_log(s: &Server, needle: &str, n: usize, secs: u64) {
+    let t = Instant::now();
+    while s.log_count(needle) < n {
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "no {needle:?} in the coordinator's log within {secs} s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_served_cluster_batches_requests_and_survives_sigkill_and_sigstop_with_identical_output() {
+    let Some(g) = gemma() else { return };
+    let b = bundle(&g, "gemma-moe8", Some(8), "keep");
+    let mut c = Cluster::start("serve-faults", &b, 3, 2);
+    let single = Server::start(&b, &[], "serve-faults-single");
+    let coord = Server::start(&b, &c.cluster_args(), "serve-faults-coordinator");
+
+    // Concurrent requests, batched into the same steps across the nodes.
+    let prompts = [
+        "The capital of France is",
+        "def fibonacci(n):",
+        "Once upon a time",
+        "1, 1, 2, 3, 5, 8,",
+    ];
+    let want: Vec<_> = prompts
+        .iter()
+        .enumerate()
+        .map(|(i, p)| completion(&single.url, &request(p, 16, i as u64)))
+        .collect();
+    let got: Vec<_> = std::thread::scope(|s| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let u = coord.url.clone();
+                s.spawn(move || completion(&u, &request(p, 16, i as u64)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("client")).collect()
+    });
+    assert_eq!(got, want, "concurrent requests on 3 nodes vs one process");
+
+    // SIGKILL a node mid-generation: its replicas take over, nothing changes.
+    let body = request("Explain photosynthesis in simple terms:", 64, 7);
+    let reference = completion(&single.url, &body);
+    let (toks, lps, gap) = stream_with_fault(&coord.url, &body, 8, || c.kill(0));
+    assert_eq!((toks, lps), reference, "output after SIGKILL of n1 differs");
+    assert!(
+        coord.log_text().contains("node marked down: node n1"),
+        "n1's death was not noticed"
+    );
+    eprintln!("SIGKILL n1: longest gap between tokens {gap:?}");
+    assert!(gap < Duration::from_secs(5), "stall {gap:?}");
+
+    // It comes back on its address: used again.
+    let back = "node is ready: routing to it node=n1";
+    let seen = coord.log_count(back);
+    c.restart(0);
+    wait_for_log(&coord, back, seen + 1, 15);
+
+    // SIGSTOP a node past the step deadline: detected, rerouted, same output.
+    let body = request("Le café de la gare était", 64, 9);
+    let reference = completion(&single.url, &body);
+    let stopped = c.child(1).id();
+    let (toks, lps, gap) = stream_with_fault(&coord.url, &body, 8, || {
+        // SAFETY: kill(2) on our own child's pid.
+        unsafe {
+            libc::kill(stopped as i32, libc::SIGSTOP);
+        }
+    });
+    signal(c.child(1), libc::SIGCONT);
+    assert_eq!((toks, lps), reference, "output after SIGSTOP of n2 differs");
+    wait_for_log(&coord, "node marked down: node n2", 1, 1);
+    eprintln!("SIGSTOP n2: longest gap between tokens {gap:?}");
+    assert!(gap < Duration::from_secs(5), "stall {gap:?}");
+    assert_eq!(metric(&coord.url, "ternfleet_kv_blocks_used"), 0.0);
+    drop(coord);
+    drop(single);
+}
+
+#[test]
+fn losing_the_last_replica_fails_requests_with_unavailable_within_5s_and_serving_resumes() {
+    let b = bundle(&tiny("tiny-qwen3moe-q8_0.gguf"), "qwen3moe", None, "keep");
+    let mut c = Cluster::start("last-replica", &b, 3, 1);
+    let coord = Server::start(&b, &c.cluster_args(), "last-replica-coordinator");
+    let body = request("The capital of France is", 16, 3);
+    let before = completion(&coord.url, &body);
+    c.kill(0);
+    let t = Instant::now();
+    let (s, v) = post(&coord.url, &body);
+    let took = t.elapsed();
+    eprintln!("last replica lost: {s} after {took:?}: {v}");
+    assert_eq!(s, ErrorClass::Unavailable.http_status(), "{v}");
+    let msg = v.to_string();
+    assert!(
+        msg.contains("n1") && msg.contains("no live replica"),
+        "{msg}"
+    );
+    assert!(took < Duration::from_secs(5), "error after {took:?}");
+    assert_eq!(get(&coord.url, "/health").0, 200);
+    assert_eq!(
+        metric(&coord.url, "ternfleet_kv_blocks_used"),
+        0.0,
+        "leaked KV"
+    );
+    // The node returns: the same request gives the same answer as before.
+    let back = "node is ready: routing to it node=n1";
+    let seen = coord.log_count(back);
+    c.restart(0);
+    wait_for_log(&coord, back, seen + 1, 15);
+    assert_eq!(completion(&coord.url, &body), before);
+}
+
+// ---- the nodes' door -------------------------------------------------------------------
+
+fn rt() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// One exchange with a node as `cfg`'s client, under TLS server name `name`: the answer, or
+/// why there was none.
+async fn exchange(
+    addr: &str,
+    name: &str,
+    cfg: quinn::ClientConfig,
+    payloads: &[Vec<u8>],
+) -> Vec<Result<Frame, String>> {
+    let ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+    let mut out = Vec::new();
+    let conn = match ep
+        .connect_with(cfg, addr.parse().unwrap(), name)
+        .map_err(|e| e.to_string())
+    {
+        Ok(c) => match tokio::time::timeout(Duration::from_secs(5), c).await {
+            Ok(Ok(c)) => c,
+            Ok(Err(e)) => return vec![Err(e.to_string())],
+            Err(_) => return vec![Err("handshake timed out".into())],
+        },
+        Err(e) => return vec![Err(e)],
+    };
+    for p in payloads {
+        let r = async {
+            let (mut s, mut r) = conn.open_bi().await.map_err(|e| e.to_string())?;
+            s.write_all(p).await.map_err(|e| e.to_string())?;
+            s.finish().map_err(|e| e.to_string())?;
+            let b = r.read_to_end(1 << 20).await.map_err(|e| e.to_string())?;
+            Frame::decode(&b).map_err(|e| e.to_string())
+        };
+        out.push(
+            tokio::time::timeout(Duration::from_secs(5), r)
+                .await
+                .unwrap_or(Err("no answer in 5 s".into())),
+        );
+    }
+    out
+}
+
+fn hello(id: &str) -> Vec<u8> {
+    Frame::Hello { id: id.into() }.encode().unwrap()
+}
+
+/// A client configuration trusting `ca_dir`'s CA and presenting no certificate.
+fn no_client_cert(ca_dir: &Path) -> quinn::ClientConfig {
+    use rustls::pki_types::pem::PemObject;
+    let mut roots = rustls::RootCertStore::empty();
+    for c in rustls::pki_types::CertificateDer::pem_file_iter(ca_dir.join("ca.pem")).unwrap() {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    cfg.alpn_protocols = vec![mtls::ALPN.to_vec()];
+    quinn::ClientConfig::new(Arc::new(
+        quinn::crypto::rustls::QuicClientConfig::try_from(cfg).unwrap(),
+    ))
+}
+
+#[test]
+fn nodes_refuse_unauthenticated_and_mismatched_peers_and_survive_bad_frames() {
+    let b = bundle(&tiny("tiny-qwen3moe-q8_0.gguf"), "qwen3moe", None, "keep");
+    let c = Cluster::start("door", &b, 2, 1);
+    let addr = c.nodes[0].addr.clone();
+    let rt = rt();
+    let ok = |r: &Result<Frame, String>| {
+        matches!(
+            r,
+            Ok(Frame::Status { id, state: NodeState::Ready, .. }) if id == "n1"
+        )
+    };
+    let coordinator = Identity::load(&c.certs, "coordinator").unwrap();
+
+    // The real coordinator identity: a status from n1.
+    let r = rt.block_on(exchange(
+        &addr,
+        "n1",
+        coordinator.client_config().unwrap(),
+        &[hello("coordinator")],
+    ));
+    assert!(ok(&r[0]), "{r:?}");
+
+    // No client certificate.
+    let r = rt.block_on(exchange(
+        &addr,
+        "n1",
+        no_client_cert(&c.certs),
+        &[hello("coordinator")],
+    ));
+    eprintln!(
+        "refused ({})",
+        r[0].as_ref().err().map_or("NOT REFUSED", |e| e.as_str())
+    );
+    assert!(r[0].is_err(), "no client certificate was accepted: {r:?}");
+
+    // A certificate from another CA, for the right id.
+    let other = c.dir.path().join("other-ca");
+    mtls::init_ca(&other).unwrap();
+    mtls::issue(&other, "coordinator").unwrap();
+    // Trust our CA for the server, present the other CA's certificate.
+    let mixed = c.dir.path().join("mixed");
+    std::fs::create_dir_all(&mixed).unwrap();
+    std::fs::copy(c.certs.join("ca.pem"), mixed.join("ca.pem")).unwrap();
+    std::fs::copy(other.join("coordinator.pem"), mixed.join("coordinator.pem")).unwrap();
+    std::fs::copy(other.join("coordinator.key"), mixed.join("coordinator.key")).unwrap();
+    let foreign = Identity::load(&mixed, "coordinator").unwrap();
+    let r = rt.block_on(exchange(
+        &addr,
+        "n1",
+        foreign.client_config().unwrap(),
+        &[hello("coordinator")],
+    ));
+    eprintln!(
+        "refused ({})",
+        r[0].as_ref().err().map_or("NOT REFUSED", |e| e.as_str())
+    );
+    assert!(
+        r[0].is_err(),
+        "another CA's certificate was accepted: {r:?}"
+    );
+
+    // A valid certificate whose identity is not an allowed coordinator (a node's).
+    let n2 = Identity::load(&c.certs, "n2").unwrap();
+    let r = rt.block_on(exchange(
+        &addr,
+        "n1",
+        n2.client_config().unwrap(),
+        &[hello("n2")],
+    ));
+    eprintln!(
+        "refused ({})",
+        r[0].as_ref().err().map_or("NOT REFUSED", |e| e.as_str())
+    );
+    assert!(
+        r[0].is_err(),
+        "a node's certificate was let in as a coordinator: {r:?}"
+    );
+
+    // The right certificate, a hello that claims another id.
+    let r = rt.block_on(exchange(
+        &addr,
+        "n1",
+        coordinator.client_config().unwrap(),
+        &[hello("n2")],
+    ));
+    assert!(
+        matches!(
+            &r[0],
+            Ok(Frame::Error {
+                class: ErrorClass::Unauthenticated,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+
+    // A node presenting a certificate for another id than the one the coordinator dialled.
+    let r = rt.block_on(exchange(
+        &addr,
+        "n2",
+        coordinator.client_config().unwrap(),
+        &[hello("coordinator")],
+    ));
+    eprintln!(
+        "refused ({})",
+        r[0].as_ref().err().map_or("NOT REFUSED", |e| e.as_str())
+    );
+    assert!(r[0].is_err(), "n1's certificate passed for n2: {r:?}");
+
+    // Garbage and oversized frames fail their stream only; the connection and node go on.
+    let mut huge = hello("coordinator");
+    huge[4..8].copy_from_slice(&u32::MAX.to_le_bytes());
+    let r = rt.block_on(exchange(
+        &addr,
+        "n1",
+        coordinator.client_config().unwrap(),
+        &[b"not a frame at all".to_vec(), huge, hello("coordinator")],
+    ));
+    assert!(
+        matches!(
+            &r[0],
+            Ok(Frame::Error {
+                class: ErrorClass::BadRequest,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(
+        matches!(
+            &r[1],
+            Ok(Frame::Error {
+                class: ErrorClass::BadRequest,
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    assert!(ok(&r[2]), "{r:?}");
+    // The node says why it refused each one.
+    let log = std::fs::read_to_string(log_dir().join("door-n1.log")).unwrap_or_default();
+    assert!(log.matches("handshake refused").count() >= 2, "{log}");
+    assert!(log.contains("names none of the allowed ids"), "{log}");
+}
