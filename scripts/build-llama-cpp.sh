@@ -5,13 +5,24 @@
 # Only used to make reference outputs and benchmark baselines; none of its code is committed.
 # With --source-only it only downloads and unpacks the source (the tokenizer tests read the
 # vocabulary files models/ggml-vocab-*.gguf that ship in it).
+# With --rpc it builds, in the separate dir target/llama.cpp/build-rpc with the same instruction
+# sets plus -DGGML_RPC=ON, only ggml-rpc-server and llama-bench (the baseline of
+# benches/cluster-vs-llama-rpc.sh); the default build is left as it is.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir="$root/target/llama.cpp"
 bin="$dir/build/bin"
-source_only=0
-[ "${1:-}" = "--source-only" ] && source_only=1
-if [ "$source_only" = 0 ] && [ -x "$bin/llama-simple" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/test-backend-ops" ] && [ -x "$bin/llama-batched-bench" ] && [ -x "$bin/llama-server" ]; then
+source_only=0 rpc=0
+case "${1:-}" in
+  --source-only) source_only=1 ;;
+  --rpc) rpc=1 ;;
+  "") ;;
+  *) echo "usage: $0 [--source-only | --rpc]" >&2; exit 2 ;;
+esac
+if [ "$rpc" = 1 ] && [ -x "$dir/build-rpc/bin/ggml-rpc-server" ] && [ -x "$dir/build-rpc/bin/llama-bench" ]; then
+  echo "llama.cpp (RPC): $dir/build-rpc/bin"; exit 0
+fi
+if [ "$source_only" = 0 ] && [ "$rpc" = 0 ] && [ -x "$bin/llama-simple" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/test-backend-ops" ] && [ -x "$bin/llama-batched-bench" ] && [ -x "$bin/llama-server" ]; then
   echo "llama.cpp: $bin"; exit 0
 fi
 mkdir -p "$dir"
@@ -39,6 +50,16 @@ if [ "$avx512" = ON ]; then
   isa="$isa -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=$(has avx512vbmi) -DGGML_AVX512_BF16=$(has avx512_bf16)"
 fi
 echo "llama.cpp: building for $isa (no AMX, no AVX-VNNI)" >&2
+if [ "$rpc" = 1 ]; then
+  # shellcheck disable=SC2086
+  cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/build-rpc" -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=OFF $isa -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \
+    -DGGML_AMX_BF16=OFF -DGGML_RPC=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=OFF \
+    -DBUILD_SHARED_LIBS=OFF >/dev/null
+  cmake --build "$dir/build-rpc" -j"$(nproc)" --target ggml-rpc-server llama-bench 2>&1 | tail -n 3
+  echo "llama.cpp (RPC): $dir/build-rpc/bin"; exit 0
+fi
 # shellcheck disable=SC2086
 cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/build" -DCMAKE_BUILD_TYPE=Release \
   -DGGML_NATIVE=OFF $isa -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF \

@@ -192,6 +192,11 @@ pub struct NodeArgs {
     /// Compute threads (default: all cores).
     #[arg(short = 't', long)]
     pub threads: Option<usize>,
+    /// Where the node remembers the expert blobs whose checksums it verified, so a restart
+    /// does not hash them again (default: $XDG_STATE_HOME/ternfleet or
+    /// ~/.local/state/ternfleet).
+    #[arg(long = "state-dir")]
+    pub state_dir: Option<PathBuf>,
 }
 
 /// `ternfleet serve` (flags override --config).
@@ -998,6 +1003,13 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
         io_threads: a.io_threads.clamp(1, 256),
         evict: a.evict,
         act: crate::model::weights::activation(arch),
+        state_dir: match a.state_dir {
+            Some(d) => Some(d),
+            None => std::env::var_os("XDG_STATE_HOME")
+                .map(PathBuf::from)
+                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")))
+                .map(|d| d.join("ternfleet")),
+        },
     })?;
     Ok(())
 }

@@ -146,7 +146,8 @@ impl Cluster {
             .arg(&self.certs)
             .arg("--cluster")
             .arg(&self.file)
-            .args(["--listen", listen, "-t", "1"])
+            .args(["--listen", listen, "-t", "1", "--state-dir"])
+            .arg(self.dir.path().join("state"))
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(
@@ -635,6 +636,9 @@ fn losing_the_last_replica_fails_requests_with_unavailable_within_5s_and_serving
     c.restart(0);
     wait_for_log(&coord, back, seen + 1, 15);
     assert_eq!(completion(&coord.url, &body), before);
+    // Its blobs were verified at its first start: not hashed again.
+    let log = std::fs::read_to_string(log_dir().join("last-replica-n1.log")).unwrap_or_default();
+    assert!(log.contains("(0 blobs hashed, "), "{log}");
 }
 
 // ---- the nodes' door -------------------------------------------------------------------
@@ -851,4 +855,418 @@ fn nodes_refuse_unauthenticated_and_mismatched_peers_and_survive_bad_frames() {
     let log = std::fs::read_to_string(log_dir().join("door-n1.log")).unwrap_or_default();
     assert!(log.matches("handshake refused").count() >= 2, "{log}");
     assert!(log.contains("names none of the allowed ids"), "{log}");
+}
+
+// ---- impaired links ----------------------------------------------------------------------
+
+/// A seeded userspace UDP fault proxy between one client and one upstream address (`tc
+/// netem` does not exist here): every datagram, either way, is dropped with probability
+/// `loss`, else delivered after `delay` plus a uniform `jitter` (which reorders). Decisions
+/// come from one xorshift stream seeded per proxy.
+struct UdpProxy {
+    addr: std::net::SocketAddr,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+    stats: Arc<std::sync::Mutex<(u64, u64)>>,
+}
+
+struct Pending {
+    at: Instant,
+    seq: u64,
+    up: bool,
+    data: Vec<u8>,
+}
+
+impl PartialEq for Pending {
+    fn eq(&self, o: &Self) -> bool {
+        (self.at, self.seq) == (o.at, o.seq)
+    }
+}
+impl Eq for Pending {}
+impl PartialOrd for Pending {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Pending {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        (o.at, o.seq).cmp(&(self.at, self.seq)) // min-heap on (time, arrival)
+    }
+}
+
+struct Queue {
+    heap: std::collections::BinaryHeap<Pending>,
+    rng: u64,
+    seq: u64,
+    client: Option<std::net::SocketAddr>,
+}
+
+impl UdpProxy {
+    fn start(
+        upstream: std::net::SocketAddr,
+        seed: u64,
+        delay: Duration,
+        jitter: Duration,
+        loss: f64,
+    ) -> UdpProxy {
+        use std::net::UdpSocket;
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::{Condvar, Mutex};
+        let front = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let back = UdpSocket::bind("127.0.0.1:0").unwrap();
+        back.connect(upstream).unwrap();
+        for s in [&front, &back] {
+            s.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+        }
+        let addr = front.local_addr().unwrap();
+        let (front, back) = (Arc::new(front), Arc::new(back));
+        let stop = Arc::new(AtomicBool::new(false));
+        let stats = Arc::new(Mutex::new((0u64, 0u64)));
+        let q = Arc::new((
+            Mutex::new(Queue {
+                heap: Default::default(),
+                rng: seed | 1,
+                seq: 0,
+                client: None,
+            }),
+            Condvar::new(),
+        ));
+        let mut threads = Vec::new();
+        for up in [true, false] {
+            let (sock, q, stop, stats) = (
+                if up { front.clone() } else { back.clone() },
+                q.clone(),
+                stop.clone(),
+                stats.clone(),
+            );
+            threads.push(std::thread::spawn(move || {
+                let mut buf = vec![0u8; 65536];
+                while !stop.load(Ordering::Relaxed) {
+                    let (n, from) = match sock.recv_from(&mut buf) {
+                        Ok(x) => x,
+                        Err(_) => continue,
+                    };
+                    let mut g = q.0.lock().unwrap();
+                    if up {
+                        g.client = Some(from);
+                    }
+                    // xorshift64*
+                    let mut next = || {
+                        g.rng ^= g.rng >> 12;
+                        g.rng ^= g.rng << 25;
+                        g.rng ^= g.rng >> 27;
+                        (g.rng.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64
+                            / (1u64 << 53) as f64
+                    };
+                    let (drop_it, j) = (next() < loss, next());
+                    let mut s = stats.lock().unwrap();
+                    s.0 += 1;
+                    if drop_it {
+                        s.1 += 1;
+                        continue;
+                    }
+                    g.seq += 1;
+                    let seq = g.seq;
+                    g.heap.push(Pending {
+                        at: Instant::now() + delay + jitter.mul_f64(j),
+                        seq,
+                        up,
+                        data: buf[..n].to_vec(),
+                    });
+                    q.1.notify_one();
+                }
+            }));
+        }
+        {
+            let (q, stop) = (q.clone(), stop.clone());
+            threads.push(std::thread::spawn(move || {
+                let mut g = q.0.lock().unwrap();
+                while !stop.load(Ordering::Relaxed) {
+                    let now = Instant::now();
+                    match g.heap.peek() {
+                        Some(p) if p.at <= now => {
+                            let p = g.heap.pop().expect("peeked");
+                            let client = g.client;
+                            drop(g);
+                            if p.up {
+                                let _ = back.send(&p.data);
+                            } else if let Some(c) = client {
+                                let _ = front.send_to(&p.data, c);
+                            }
+                            g = q.0.lock().unwrap();
+                        }
+                        Some(p) => {
+                            let wait = p.at - now;
+                            g = q.1.wait_timeout(g, wait).unwrap().0;
+                        }
+                        None => {
+                            g = q.1.wait_timeout(g, Duration::from_millis(20)).unwrap().0;
+                        }
+                    }
+                }
+            }));
+        }
+        UdpProxy {
+            addr,
+            stop,
+            threads,
+            stats,
+        }
+    }
+}
+
+impl Drop for UdpProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Tokens/s of a `generate` run, from its log line.
+fn generate_rate(
+    model: &Path,
+    prompt: &str,
+    n: usize,
+    extra: &[String],
+) -> ((Vec<u64>, String), f64) {
+    let t = Instant::now();
+    let out = generate(model, prompt, n, extra);
+    (out, n as f64 / t.elapsed().as_secs_f64())
+}
+
+#[test]
+fn a_lossy_delayed_link_completes_with_identical_output() {
+    let Some(g) = gemma() else { return };
+    let b = bundle(&g, "gemma-moe8", Some(8), "keep");
+    let c = Cluster::start("lossy", &b, 3, 2);
+    // The coordinator's view: every node behind its own proxy (1 ms, 0.5 ms jitter, 1 % loss).
+    let proxies: Vec<UdpProxy> = c
+        .nodes
+        .iter()
+        .enumerate()
+        .map(|(i, n)| {
+            UdpProxy::start(
+                n.addr.parse().unwrap(),
+                0x5eed + i as u64,
+                Duration::from_millis(1),
+                Duration::from_micros(500),
+                0.01,
+            )
+        })
+        .collect();
+    let mut f = ClusterFile::read(&c.file).unwrap();
+    for (e, p) in f.nodes.iter_mut().zip(&proxies) {
+        e.addr = p.addr.to_string();
+    }
+    let proxied = c.dir.path().join("proxied.toml");
+    std::fs::write(&proxied, f.to_toml()).unwrap();
+    let args = |file: &Path| {
+        vec![
+            "--numerics".to_string(),
+            "invariant".into(),
+            "--cluster".into(),
+            file.display().to_string(),
+            "--certs".into(),
+            c.certs.display().to_string(),
+        ]
+    };
+    let one = generate(&b, PROMPT, 48, &["--numerics".into(), "invariant".into()]);
+    let (clean, clean_rate) = generate_rate(&b, PROMPT, 48, &args(&c.file));
+    let (lossy, lossy_rate) = generate_rate(&b, PROMPT, 48, &args(&proxied));
+    let (sent, dropped) = proxies
+        .iter()
+        .map(|p| *p.stats.lock().unwrap())
+        .fold((0, 0), |a, b| (a.0 + b.0, a.1 + b.1));
+    eprintln!(
+        "impaired link (1 ms + 0.5 ms jitter, 1 % loss; {dropped} of {sent} datagrams dropped): \
+         {lossy_rate:.1} tok/s vs {clean_rate:.1} clean (whole runs, load included)"
+    );
+    assert!(
+        dropped > 0,
+        "the proxy dropped nothing: the loss was not exercised"
+    );
+    assert_eq!(clean, one, "3 clean nodes differ from one process");
+    assert_eq!(
+        lossy, one,
+        "3 nodes behind a lossy link differ from one process"
+    );
+}
+
+/// Network namespaces joined by veth pairs (deleted on drop, with everything in them).
+struct Netns {
+    names: Vec<String>,
+}
+
+impl Netns {
+    fn ip(args: &[&str]) -> Result<(), String> {
+        let out = Command::new("ip")
+            .args(args)
+            .output()
+            .map_err(|e| format!("ip: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "ip {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Netns::ip(&["netns", "del", n]);
+        }
+    }
+}
+
+#[test]
+fn coordinator_and_two_nodes_in_their_own_network_namespaces() {
+    let b = bundle(&tiny("tiny-qwen3moe-q8_0.gguf"), "qwen3moe", None, "keep");
+    let tag = std::process::id() % 100_000;
+    let mut ns = Netns { names: Vec::new() };
+    let mut setup = || -> Result<(), String> {
+        for who in ["c", "a", "b"] {
+            let name = format!("tf{who}{tag}");
+            Netns::ip(&["netns", "add", &name])?;
+            ns.names.push(name.clone());
+            Netns::ip(&["-n", &name, "link", "set", "lo", "up"])?;
+        }
+        for (k, who) in ["a", "b"].iter().enumerate() {
+            let (vc, vn) = (format!("tfv{who}{tag}c"), format!("tfv{who}{tag}n"));
+            let (cns, nns) = (format!("tfc{tag}"), format!("tf{who}{tag}"));
+            Netns::ip(&["link", "add", &vc, "type", "veth", "peer", "name", &vn])?;
+            Netns::ip(&["link", "set", &vc, "netns", &cns])?;
+            Netns::ip(&["link", "set", &vn, "netns", &nns])?;
+            let net = format!("10.231.{}", k + 1);
+            Netns::ip(&[
+                "-n",
+                &cns,
+                "addr",
+                "add",
+                &format!("{net}.1/24"),
+                "dev",
+                &vc,
+            ])?;
+            Netns::ip(&[
+                "-n",
+                &nns,
+                "addr",
+                "add",
+                &format!("{net}.2/24"),
+                "dev",
+                &vn,
+            ])?;
+            Netns::ip(&["-n", &cns, "link", "set", &vc, "up"])?;
+            Netns::ip(&["-n", &nns, "link", "set", &vn, "up"])?;
+        }
+        Ok(())
+    };
+    if let Err(e) = setup() {
+        skip(
+            "network-namespace cluster test",
+            &format!("cannot make namespaces: {e}"),
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let certs = dir.path().join("certs");
+    mtls::init_ca(&certs).unwrap();
+    for id in ["coordinator", "n1", "n2"] {
+        mtls::issue(&certs, id).unwrap();
+    }
+    let man = Manifest::read(&b).unwrap();
+    let file = dir.path().join("cluster.toml");
+    let mut plan = ClusterFile::plan(
+        &man,
+        &[
+            ("n1".into(), "10.231.1.2:1".into()),
+            ("n2".into(), "10.231.2.2:1".into()),
+        ],
+        1,
+    )
+    .unwrap();
+    std::fs::write(&file, plan.to_toml()).unwrap();
+    let mut nodes = Vec::new();
+    for (i, who) in ["a", "b"].iter().enumerate() {
+        let id = format!("n{}", i + 1);
+        let mut child = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &format!("tf{who}{tag}"),
+                bin(),
+                "node",
+                "-m",
+            ])
+            .arg(&b)
+            .args(["--id", &id, "--certs"])
+            .arg(&certs)
+            .arg("--cluster")
+            .arg(&file)
+            .args([
+                "--listen",
+                &format!("10.231.{}.2:0", i + 1),
+                "-t",
+                "1",
+                "--state-dir",
+            ])
+            .arg(dir.path().join("state"))
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("ip netns exec ternfleet node");
+        let v = startup_line(&mut child, 30);
+        plan.nodes[i].addr = v["quic"].as_str().expect("quic").to_string();
+        nodes.push(Proc(child));
+    }
+    std::fs::write(&file, plan.to_toml()).unwrap();
+    let run = |inside: bool| -> String {
+        let mut cmd = if inside {
+            let mut c = Command::new("ip");
+            c.args(["netns", "exec", &format!("tfc{tag}"), bin()]);
+            c
+        } else {
+            Command::new(bin())
+        };
+        cmd.args(["generate", "-m"]).arg(&b).args([
+            "-p",
+            PROMPT,
+            "-n",
+            "16",
+            "--json",
+            "--logits-digest",
+            "--ignore-eos",
+            "-t",
+            "2",
+        ]);
+        if inside {
+            cmd.arg("--cluster").arg(&file).arg("--certs").arg(&certs);
+        }
+        let mut child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("generate");
+        let mut out = String::new();
+        let _ = child.stdout.take().expect("piped").read_to_string(&mut out);
+        let st = wait_bounded(&mut child, 60, "generate in a namespace");
+        let mut err = String::new();
+        let _ = child.stderr.take().expect("piped").read_to_string(&mut err);
+        assert!(
+            st.success(),
+            "generate (namespace: {inside}) failed:\n{err}"
+        );
+        out
+    };
+    let local = run(false);
+    let across = run(true);
+    assert!(local.contains("logits_sha256"), "{local}");
+    assert_eq!(across, local, "over veth between namespaces vs one process");
+    drop(nodes);
 }

@@ -24,8 +24,9 @@ use ternfleet_shared::wire::{Frame, NodeState, HEADER, MAX_FRAME};
 
 use crate::expert::{Activation, LocalExperts};
 use crate::service::{Service, Shard};
-use crate::shard::{open_experts, ExpertShape};
+use crate::shard::{open_experts_with, ExpertShape};
 use crate::store::{Evict, StoreExperts};
+use ternfleet_shared::bundle::VerifiedParts;
 
 /// How long a client has to send its request on a stream.
 pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
@@ -49,6 +50,8 @@ pub struct NodeOptions {
     /// The FFN activation of the bundle's architecture (the coordinator's model code knows
     /// it; the manifest names the architecture).
     pub act: Activation,
+    /// Where the node remembers which blobs it verified (`None`: hash every start).
+    pub state_dir: Option<PathBuf>,
 }
 
 /// Errors starting a node (loading its shard later is reported through its status).
@@ -176,10 +179,15 @@ fn load(svc: &Service, opts: &NodeOptions, man: &Manifest, held: Vec<Vec<usize>>
     };
     let mut layers = Vec::with_capacity(held.len());
     let mut done = 0u64;
+    let verified = VerifiedParts::open(opts.state_dir.as_deref(), &opts.bundle);
     for (l, es) in held.iter().enumerate() {
-        let r = open_experts(&opts.bundle, man, shape, |ll, e| {
-            ll == l && es.binary_search(&e).is_ok()
-        });
+        let r = open_experts_with(
+            &opts.bundle,
+            man,
+            shape,
+            |ll, e| ll == l && es.binary_search(&e).is_ok(),
+            &verified,
+        );
         match r {
             Ok(v) => {
                 done += man
@@ -198,6 +206,9 @@ fn load(svc: &Service, opts: &NodeOptions, man: &Manifest, held: Vec<Vec<usize>>
             }
         }
     }
+    if let Err(e) = verified.save() {
+        tracing::warn!("node: could not remember the verified blobs (they are hashed again at the next start): {e}");
+    }
     let backend: Box<dyn ExpertBackend> = match opts.ram_budget {
         None => Box::new(LocalExperts::new(layers)),
         Some(b) => {
@@ -212,9 +223,10 @@ fn load(svc: &Service, opts: &NodeOptions, man: &Manifest, held: Vec<Vec<usize>>
         }
     };
     svc.ready(Shard::new(backend, &held, man.moe.n_expert));
+    let (hashed, remembered) = verified.counts();
     tracing::info!(
         bytes = total,
-        "node: ready in {:.2}s",
+        "node: ready in {:.2}s ({hashed} blobs hashed, {remembered} verified at an earlier start)",
         t.elapsed().as_secs_f64()
     );
 }

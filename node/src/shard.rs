@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use rayon::prelude::*;
-use ternfleet_shared::bundle::{BundleError, ExpertPart, Manifest};
+use ternfleet_shared::bundle::{BundleError, ExpertPart, Manifest, VerifiedParts};
 use ternfleet_shared::compute::{ComputeError, Linear};
 use ternfleet_shared::gguf::{GgufError, GgufFile};
 
@@ -56,7 +56,17 @@ pub fn open_expert(
     e: &ExpertPart,
     shape: ExpertShape,
 ) -> Result<FfnWeights, ShardError> {
-    let path = Manifest::verify_part(dir, &e.part)?;
+    open_expert_with(dir, e, shape, &VerifiedParts::open(None, dir))
+}
+
+/// [`open_expert`], hashing the blob only when `verified` does not remember it unchanged.
+pub fn open_expert_with(
+    dir: &Path,
+    e: &ExpertPart,
+    shape: ExpertShape,
+    verified: &VerifiedParts,
+) -> Result<FfnWeights, ShardError> {
+    let (path, _) = verified.verify(dir, &e.part)?;
     let f = Arc::new(GgufFile::open(&path).map_err(|err| ShardError::Gguf {
         path: path.clone(),
         err,
@@ -124,9 +134,20 @@ pub fn open_experts(
     shape: ExpertShape,
     mine: impl Fn(usize, usize) -> bool + Sync,
 ) -> Result<Vec<(usize, usize, FfnWeights)>, ShardError> {
+    open_experts_with(dir, man, shape, mine, &VerifiedParts::open(None, dir))
+}
+
+/// [`open_experts`] with a memory of verified blobs (a node's `--state-dir`).
+pub fn open_experts_with(
+    dir: &Path,
+    man: &Manifest,
+    shape: ExpertShape,
+    mine: impl Fn(usize, usize) -> bool + Sync,
+    verified: &VerifiedParts,
+) -> Result<Vec<(usize, usize, FfnWeights)>, ShardError> {
     man.experts
         .par_iter()
         .filter(|e| mine(e.layer, e.expert))
-        .map(|e| open_expert(dir, e, shape).map(|w| (e.layer, e.expert, w)))
+        .map(|e| open_expert_with(dir, e, shape, verified).map(|w| (e.layer, e.expert, w)))
         .collect()
 }

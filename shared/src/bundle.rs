@@ -329,6 +329,117 @@ fn check_rel(file: &str) -> Result<(), String> {
     }
 }
 
+/// One part as it was when its checksum was last verified.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+struct Stamp {
+    bytes: u64,
+    mtime_ns: i128,
+    inode: u64,
+    sha256: String,
+}
+
+impl Stamp {
+    fn of(meta: &std::fs::Metadata, sha256: &str) -> Stamp {
+        use std::os::unix::fs::MetadataExt;
+        Stamp {
+            bytes: meta.len(),
+            mtime_ns: meta.mtime() as i128 * 1_000_000_000 + meta.mtime_nsec() as i128,
+            inode: meta.ino(),
+            sha256: sha256.to_string(),
+        }
+    }
+}
+
+/// Parts whose checksums were verified, remembered across restarts by file size, modification
+/// time and inode: a node restarting on the same bundle does not hash gigabytes again, and a
+/// part that was rewritten (any of the three changed) is hashed again. Kept as JSON in a state
+/// directory (the bundle itself may be a read-only mount).
+#[derive(Debug)]
+pub struct VerifiedParts {
+    file: Option<PathBuf>,
+    entries: std::sync::Mutex<std::collections::BTreeMap<String, Stamp>>,
+    hashed: std::sync::atomic::AtomicUsize,
+    remembered: std::sync::atomic::AtomicUsize,
+}
+
+impl VerifiedParts {
+    /// The memory of bundle `dir` under `state` (`None`: remember nothing). A missing or
+    /// unreadable file starts empty.
+    pub fn open(state: Option<&Path>, dir: &Path) -> VerifiedParts {
+        let file = state.map(|s| {
+            let canon = dir.canonicalize().unwrap_or_else(|_| dir.to_owned());
+            let h = Sha256::digest(canon.display().to_string().as_bytes());
+            let name: String = h.iter().take(8).map(|b| format!("{b:02x}")).collect();
+            s.join(format!("verified-{name}.json"))
+        });
+        let entries = file
+            .as_ref()
+            .and_then(|f| std::fs::read(f).ok())
+            .filter(|b| b.len() < MAX_MANIFEST_BYTES as usize)
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        VerifiedParts {
+            file,
+            entries: std::sync::Mutex::new(entries),
+            hashed: Default::default(),
+            remembered: Default::default(),
+        }
+    }
+
+    /// [`Manifest::verify_part`], skipping the hash when this part was verified before and
+    /// is unchanged since. Returns the path and whether it was hashed now.
+    pub fn verify(&self, dir: &Path, part: &Part) -> Result<(PathBuf, bool), BundleError> {
+        let path = dir.join(&part.file);
+        if let Ok(meta) = std::fs::metadata(&path) {
+            let now = Stamp::of(&meta, &part.sha256);
+            let known = self
+                .entries
+                .lock()
+                .ok()
+                .and_then(|e| e.get(&part.file).cloned());
+            if known.as_ref() == Some(&now) && meta.len() == part.bytes {
+                self.remembered
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                return Ok((path, false));
+            }
+        }
+        let path = Manifest::verify_part(dir, part)?;
+        self.hashed
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        if let (Ok(meta), Ok(mut e)) = (std::fs::metadata(&path), self.entries.lock()) {
+            e.insert(part.file.clone(), Stamp::of(&meta, &part.sha256));
+        }
+        Ok((path, true))
+    }
+
+    /// Parts hashed and parts remembered so far.
+    pub fn counts(&self) -> (usize, usize) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (self.hashed.load(Relaxed), self.remembered.load(Relaxed))
+    }
+
+    /// Writes what was verified (atomically: a temporary file renamed). Errors are returned
+    /// for the caller to log: forgetting only costs a re-hash at the next start.
+    pub fn save(&self) -> Result<(), std::io::Error> {
+        let Some(file) = &self.file else {
+            return Ok(());
+        };
+        if let Some(parent) = file.parent() {
+            std::fs::create_dir_all(parent)?;
+        }
+        let body = {
+            let e = self
+                .entries
+                .lock()
+                .map_err(|_| std::io::Error::other("verified parts lock poisoned"))?;
+            serde_json::to_vec(&*e).map_err(std::io::Error::other)?
+        };
+        let tmp = file.with_extension("json.tmp");
+        std::fs::write(&tmp, body)?;
+        std::fs::rename(&tmp, file)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -452,5 +563,44 @@ mod tests {
             Manifest::read(dir.path()),
             Err(BundleError::BadManifest { .. })
         ));
+    }
+
+    #[test]
+    fn verified_parts_are_not_hashed_again_until_they_change() {
+        let dir = tempfile::tempdir().unwrap();
+        let state = tempfile::tempdir().unwrap();
+        let f = dir.path().join("blob.gguf");
+        std::fs::write(&f, b"expert bytes").unwrap();
+        let (sha, bytes) = sha256_file(&f).unwrap();
+        let part = Part {
+            file: "blob.gguf".into(),
+            bytes,
+            sha256: sha,
+        };
+        let v = VerifiedParts::open(Some(state.path()), dir.path());
+        assert!(v.verify(dir.path(), &part).unwrap().1, "first time: hashed");
+        assert!(
+            !v.verify(dir.path(), &part).unwrap().1,
+            "second time: remembered"
+        );
+        v.save().unwrap();
+        // A restart remembers it.
+        let v = VerifiedParts::open(Some(state.path()), dir.path());
+        assert!(
+            !v.verify(dir.path(), &part).unwrap().1,
+            "after a restart: remembered"
+        );
+        // Rewritten with the same size: hashed again, and refused.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        std::fs::write(&f, b"EXPERT BYTES").unwrap();
+        assert!(matches!(
+            v.verify(dir.path(), &part),
+            Err(BundleError::ChecksumMismatch { .. })
+        ));
+        // No state directory: every start hashes.
+        let v = VerifiedParts::open(None, dir.path());
+        std::fs::write(&f, b"expert bytes").unwrap();
+        assert!(v.verify(dir.path(), &part).unwrap().1);
+        v.save().unwrap();
     }
 }
