@@ -66,7 +66,21 @@ stop_all() {
   done
   pids=()
 }
-cleanup() { stop_all; rm -rf "$work"; }
+# Run a command under the time limit in the background and wait for it: bash runs a trap only
+# after a foreground child ends, but interrupts `wait` at once; cleanup stops it.
+fg=""
+bounded() {
+  local rc=0
+  timeout "$limit" "$@" &
+  fg=$!
+  wait "$fg" || rc=$?
+  fg=""
+  return "$rc"
+}
+cleanup() {
+  if [ -n "$fg" ]; then pids+=("$fg"); fi
+  stop_all; rm -rf "$work"
+}
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
@@ -92,7 +106,7 @@ echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
 if [ ! -d "$bundle" ]; then
   echo "making the bundle: $tf convert -m $model -o $bundle" >&2
   mkdir -p "$(dirname "$bundle")"
-  timeout --foreground "$limit" "$tf" convert -m "$model" -o "$bundle" >"$work/convert.out" 2>"$work/convert.err" \
+  bounded "$tf" convert -m "$model" -o "$bundle" >"$work/convert.out" 2>"$work/convert.err" \
     || fail "ternfleet convert failed" "$work/convert.out" "$work/convert.err"
 fi
 
@@ -117,7 +131,7 @@ llama_run() {
   if [ -n "$list" ]; then rpc=(--rpc "$list" -ngl 99); fi
   echo "+ llama-bench -m $model ${rpc[*]} -t $threads -p $pp -n $tg -r $reps -o json" >&2
   # -v: its log says which device each layer was assigned to (printed below for the RPC runs).
-  timeout --foreground "$limit" "$lbin/llama-bench" -m "$model" "${rpc[@]}" -t "$threads" -p "$pp" -n "$tg" \
+  bounded "$lbin/llama-bench" -m "$model" "${rpc[@]}" -t "$threads" -p "$pp" -n "$tg" \
     -r "$reps" -o json -v >"$work/$label.json" 2>"$work/$label.err" \
     || fail "llama-bench ($label) failed" "$work/$label.err" "$work"/rpc.*.log
   if [ -n "$list" ]; then
@@ -163,7 +177,10 @@ tf_run() {
         kill -0 "$pid" 2>/dev/null || break
         sleep 0.2
       done
-      [ "$ok" = 1 ] || fail "node n$i printed no start-up line in 120 s" "$work/node.$label.n$i.err"
+      if [ "$ok" = 0 ]; then
+        kill -0 "$pid" 2>/dev/null || fail "node n$i exited before its start-up line" "$work/node.$label.n$i.err"
+        fail "node n$i printed no start-up line in 120 s" "$work/node.$label.n$i.err"
+      fi
       addr=$(python3 -c 'import json, sys; v = json.loads(open(sys.argv[1]).readline())
 assert v["ternfleet"] == "listening" and v["role"] == "node" and v["id"] == sys.argv[2], v
 print(v["quic"])' "$out" "n$i") || fail "node n$i: bad start-up line" "$out"
@@ -173,7 +190,7 @@ print(v["quic"])' "$out" "n$i") || fail "node n$i: bad start-up line" "$out"
     if [ -n "$deadline" ]; then cluster+=(--step-deadline "$deadline"); fi
   fi
   echo "+ ternfleet bench -m $bundle ${cluster[*]} ${tf_args[*]}" >&2
-  timeout --foreground "$limit" "$tf" bench -m "$bundle" "${cluster[@]}" "${tf_args[@]}" >"$work/$label.json" 2>"$work/$label.err" \
+  bounded "$tf" bench -m "$bundle" "${cluster[@]}" "${tf_args[@]}" >"$work/$label.json" 2>"$work/$label.err" \
     || fail "ternfleet bench ($label) failed" "$work/$label.err" "$work"/node."$label".*.err
   stop_all
 }

@@ -538,6 +538,14 @@ pub fn cluster_spec(
     }
     let man = ternfleet_shared::bundle::Manifest::read(model)?;
     let cf = ternfleet_shared::cluster::ClusterFile::read(file)?;
+    let digest = ternfleet_shared::bundle::manifest_digest(model)?;
+    if let Some(want) = cf.bundle.as_deref().filter(|w| *w != digest) {
+        bail!(
+            "{}: the placement is for bundle {want}, {} is {digest}",
+            file.display(),
+            model.display()
+        );
+    }
     let placement = cf.placement(man.n_layer, man.moe.n_expert)?;
     if !placement.coordinators.iter().any(|c| c == id) {
         bail!(
@@ -970,7 +978,8 @@ fn cmd_cluster(a: ClusterArgs) -> Result<()> {
         };
         list.push((id.to_string(), addr.to_string()));
     }
-    let file = ternfleet_shared::cluster::ClusterFile::plan(&man, &list, replicas)?;
+    let mut file = ternfleet_shared::cluster::ClusterFile::plan(&man, &list, replicas)?;
+    file.bundle = Some(ternfleet_shared::bundle::manifest_digest(&bundle)?);
     std::fs::write(&out, file.to_toml()).with_context(|| format!("writing {}", out.display()))?;
     let placement = file.placement(man.n_layer, man.moe.n_expert)?;
     let bytes = |i: usize| -> u64 {

@@ -11,14 +11,14 @@
 //!
 //! Faults: a call that fails (connection lost, an `Unavailable` answer) or passes its step
 //! deadline (base + per route, so a large prefill is not cut short) marks its node down and
-//! goes again, same rows, to the next holder of each of its experts; the result is the same
-//! bits. With no holder left the batch fails with `Unavailable` naming the node and the
-//! experts, and only the requests in that step are affected (the step rolls back). A prober
+//! goes again, same rows, to the next holder of each of its experts — a live one first, else
+//! one marked down earlier that this call has not tried (a lost packet is not a dead node);
+//! the result is the same bits. Once every holder of an expert failed the call, the batch
+//! fails with `Unavailable` naming the nodes and the experts, and the step rolls back. A prober
 //! thread asks down nodes for their status every [`PROBE_EVERY`] and uses them again once
 //! they answer `Ready`.
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
@@ -94,7 +94,8 @@ struct Inner {
     stats: Mutex<RemoteStats>,
     opts: RemoteOptions,
     me: String,
-    calls_in_flight: AtomicU64,
+    /// The bundle's manifest digest: a node serving another bundle is not used.
+    bundle: String,
 }
 
 /// The remote backend (see the module docs).
@@ -118,6 +119,7 @@ impl RemoteExperts {
         shared: Vec<Vec<ternfleet_node::expert::FfnWeights>>,
         input_types: Vec<GgmlType>,
         me: &str,
+        bundle: &str,
         opts: RemoteOptions,
     ) -> Result<RemoteExperts, ExpertError> {
         let nodes = placement
@@ -137,7 +139,7 @@ impl RemoteExperts {
             stats: Mutex::new(RemoteStats::default()),
             opts,
             me: me.to_string(),
-            calls_in_flight: AtomicU64::new(0),
+            bundle: bundle.to_string(),
         });
         let start = Instant::now();
         let mut last_log = Instant::now() - Duration::from_secs(10);
@@ -236,6 +238,14 @@ impl Inner {
             let wait =
                 deadline.saturating_duration_since(Instant::now()) + Duration::from_millis(50);
             let (ready, text) = match rx.recv_timeout(wait) {
+                Ok(Ok(Frame::Status { bundle, .. })) if bundle != self.bundle => (
+                    false,
+                    format!(
+                        "serves bundle {}…, this coordinator's is {}…",
+                        bundle.chars().take(12).collect::<String>(),
+                        self.bundle.chars().take(12).collect::<String>()
+                    ),
+                ),
                 Ok(Ok(Frame::Status {
                     state,
                     kernels,
@@ -307,14 +317,25 @@ impl Inner {
     }
 
     /// The node to send `expert` of `layer` to: its first holder that is up and not in
-    /// `tried`.
+    /// `tried`; else, as a last resort, a holder marked down (one lost packet marks a node
+    /// down: it may well answer) not tried yet. `None` once every holder failed this call.
     fn pick(&self, layer: usize, expert: usize, tried: &[usize]) -> Option<usize> {
+        let n = self.nodes.lock().ok()?;
+        let holders = self.placement.holders(layer, expert);
+        let fresh = || holders.iter().copied().filter(|h| !tried.contains(h));
+        fresh()
+            .find(|h| n[*h].down.is_none())
+            .or_else(|| fresh().min_by_key(|h| n[*h].down))
+    }
+
+    /// [`Inner::pick`] for a hint: up holders only (a hint is not worth a dead node's time).
+    fn pick_up(&self, layer: usize, expert: usize) -> Option<usize> {
         let n = self.nodes.lock().ok()?;
         self.placement
             .holders(layer, expert)
             .iter()
             .copied()
-            .find(|h| n[*h].down.is_none() && !tried.contains(h))
+            .find(|h| n[*h].down.is_none())
     }
 
     fn node_id(&self, i: usize) -> &str {
@@ -436,7 +457,6 @@ fn send_parts(
         }
         let now = Instant::now();
         let rx = inner.transport.send(node, Arc::new(bytes), deadline);
-        inner.calls_in_flight.fetch_add(1, Ordering::Relaxed);
         let mut t = tried.to_vec();
         t.push(node);
         parts.push(Part {
@@ -545,7 +565,7 @@ impl ExpertBackend for RemoteExperts {
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         let mut by_node: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
         for &e in experts {
-            if let Some(n) = self.inner.pick(layer, e as usize, &[]) {
+            if let Some(n) = self.inner.pick_up(layer, e as usize) {
                 by_node.entry(n).or_default().push(e);
             }
         }
@@ -609,7 +629,6 @@ impl InFlight for RemoteInFlight {
                     msg: "the transport dropped the call".into(),
                 }),
             };
-            inner.calls_in_flight.fetch_sub(1, Ordering::Relaxed);
             let failure: (ErrorClass, String) = match got {
                 Ok(Frame::Result { rows, .. }) if rows.len() == p.routes.len() * d => {
                     let rtt = p.sent.elapsed().as_nanos() as u64;
@@ -650,14 +669,22 @@ impl InFlight for RemoteInFlight {
             let (class, msg) = failure;
             let node = inner.node_id(p.node).to_string();
             if Instant::now() >= deadline {
+                let mut experts: Vec<u32> =
+                    p.routes.iter().map(|&r| self.routes[r].expert).collect();
+                experts.sort_unstable();
+                experts.dedup();
+                tracing::warn!(layer, node = %node, "the step's deadline passed waiting for experts {experts:?}: {msg}");
                 return Err(ExpertError::Timeout {
                     layer,
                     waited: p.first_sent.elapsed(),
                 });
             }
-            // Worth a replica: the node is gone, stalled, or does not hold what the file
-            // says it holds. A bad request would fail anywhere.
-            if !(class.is_retryable() || class == ErrorClass::NotFound) {
+            // Worth a replica: the node is gone, stalled, failed inside, or does not hold
+            // what the file says it holds. A bad request would fail anywhere.
+            if !(class.is_retryable()
+                || class == ErrorClass::NotFound
+                || class == ErrorClass::Internal)
+            {
                 return Err(ExpertError::Unavailable {
                     layer,
                     reason: format!("node {node}: {msg}"),

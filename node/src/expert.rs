@@ -224,7 +224,10 @@ impl LocalExperts {
         let d = experts[0].n_embd();
         let want = self.input_type(layer)?;
         let n_tokens = b.n_tokens();
-        if b.input.cols() != d || b.input.ty() != want {
+        // f32 rows are always accepted: each matrix then quantizes them for itself, exactly
+        // as for a layer whose experts read different types (a node holding some of a
+        // layer's experts may see f32 where its own experts agree on a type).
+        if b.input.cols() != d || (b.input.ty() != want && b.input.ty() != GgmlType::F32) {
             return Err(ExpertError::BadInput {
                 layer,
                 n_tokens,

@@ -33,7 +33,7 @@ pub const READ_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long running calls may finish after SIGTERM.
 pub const DRAIN: Duration = Duration::from_secs(10);
 /// Calls computing at once (more wait for a permit; the rayon pool does the work).
-const MAX_CALLS: usize = 64;
+const MAX_CALLS: usize = 32;
 
 /// `ternfleet node`'s options.
 #[derive(Clone, Debug)]
@@ -70,6 +70,14 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
     let me = Identity::load(&opts.certs, &opts.id).map_err(setup)?;
     let cluster = ClusterFile::read(&opts.cluster).map_err(setup)?;
     let man = Manifest::read(&opts.bundle).map_err(setup)?;
+    let digest = ternfleet_shared::bundle::manifest_digest(&opts.bundle).map_err(setup)?;
+    if let Some(want) = cluster.bundle.as_deref().filter(|w| *w != digest) {
+        return Err(setup(format!(
+            "{}: the placement is for bundle {want}, {} is {digest}",
+            opts.cluster.display(),
+            opts.bundle.display()
+        )));
+    }
     let placement = cluster
         .placement(man.n_layer, man.moe.n_expert)
         .map_err(setup)?;
@@ -121,15 +129,24 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
         .filter(|e| held.get(e.layer).is_some_and(|h| h.contains(&e.expert)))
         .map(|e| e.part.bytes)
         .sum();
+    // Every kernel table of this build (scalar, AVX2, AVX-512) computes the scalar
+    // reference's bits (kernels' tests), so its results may replicate any other node's.
     let svc = Arc::new(Service::new(
         &opts.id,
         ternfleet_kernels::isa_name(),
         true,
+        &digest,
         total,
     ));
     tracing::info!(id = %opts.id, quic = %bound, experts = held.iter().map(Vec::len).sum::<usize>(), bytes = total, "node: serving placement from {}", opts.cluster.display());
     let allowed = Arc::new(placement.coordinators.clone());
-    rt.spawn(accept_loop(endpoint.clone(), svc.clone(), allowed));
+    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CALLS));
+    rt.spawn(accept_loop(
+        endpoint.clone(),
+        svc.clone(),
+        allowed,
+        permits.clone(),
+    ));
     {
         let svc = svc.clone();
         let opts = opts.clone();
@@ -146,10 +163,13 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
             _ = tokio::signal::ctrl_c() => {}
         }
         tracing::info!("node: draining");
+        // New calls are refused as Unavailable (the coordinator sends them to a replica);
+        // running ones finish (every permit back) before the endpoint closes.
         svc.set_state(NodeState::Unavailable("draining".into()));
         let t = Instant::now();
+        let _ = tokio::time::timeout(DRAIN, permits.acquire_many(MAX_CALLS as u32)).await;
         endpoint.close(CLOSE_SHUTDOWN.into(), b"node stopping");
-        let _ = tokio::time::timeout(DRAIN, endpoint.wait_idle()).await;
+        let _ = tokio::time::timeout(Duration::from_secs(1), endpoint.wait_idle()).await;
         tracing::info!("node: stopped after {:.2}s", t.elapsed().as_secs_f64());
         Ok::<_, NodeError>(())
     })?;
@@ -231,8 +251,12 @@ fn load(svc: &Service, opts: &NodeOptions, man: &Manifest, held: Vec<Vec<usize>>
     );
 }
 
-async fn accept_loop(endpoint: quinn::Endpoint, svc: Arc<Service>, allowed: Arc<Vec<String>>) {
-    let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CALLS));
+async fn accept_loop(
+    endpoint: quinn::Endpoint,
+    svc: Arc<Service>,
+    allowed: Arc<Vec<String>>,
+    permits: Arc<tokio::sync::Semaphore>,
+) {
     while let Some(incoming) = endpoint.accept().await {
         let (svc, allowed, permits) = (svc.clone(), allowed.clone(), permits.clone());
         tokio::spawn(async move {
@@ -263,6 +287,82 @@ async fn accept_loop(endpoint: quinn::Endpoint, svc: Arc<Service>, allowed: Arc<
     }
 }
 
+/// Writes one frame (an error frame if it cannot be encoded) and finishes the stream.
+async fn answer(send: &mut quinn::SendStream, frame: &Frame, peer: &str) {
+    let bytes = frame.encode().unwrap_or_else(|e| {
+        Frame::Error {
+            class: ErrorClass::Internal,
+            message: e.to_string(),
+        }
+        .encode()
+        .unwrap_or_default()
+    });
+    if let Err(e) = write_frame(send, &bytes).await {
+        tracing::debug!(%peer, "node: stream write: {e}");
+    }
+}
+
+/// One request stream: read (bounded in size and time), answer. `Hello` is answered at once
+/// (a status poll never waits behind compute); a `Call` takes one of the compute permits.
+async fn stream(
+    mut send: quinn::SendStream,
+    mut recv: quinn::RecvStream,
+    conn: quinn::Connection,
+    peer: String,
+    svc: Arc<Service>,
+    permits: Arc<tokio::sync::Semaphore>,
+) {
+    let req = match tokio::time::timeout(READ_TIMEOUT, recv.read_to_end(HEADER + MAX_FRAME)).await {
+        Ok(Ok(b)) => b,
+        Ok(Err(quinn::ReadToEndError::TooLong)) => {
+            let e = Frame::Error {
+                class: ErrorClass::BadRequest,
+                message: format!("request larger than {} bytes", HEADER + MAX_FRAME),
+            };
+            answer(&mut send, &e, &peer).await;
+            return;
+        }
+        Ok(Err(e)) => {
+            tracing::debug!(%peer, "node: stream read: {e}");
+            return;
+        }
+        Err(_) => {
+            let _ = send.reset(0u32.into());
+            return;
+        }
+    };
+    let reply = match Frame::decode(&req) {
+        Err(e) => Ok(Frame::Error {
+            class: ErrorClass::BadRequest,
+            message: e.to_string(),
+        }),
+        Ok(f @ Frame::Hello { .. }) => svc.handle(&peer, f),
+        Ok(f) => {
+            let Ok(_permit) = permits.acquire_owned().await else {
+                return;
+            };
+            let (svc2, peer2) = (svc.clone(), peer.clone());
+            match tokio::task::spawn_blocking(move || svc2.handle(&peer2, f)).await {
+                Ok(a) => a,
+                Err(e) => Ok(Frame::Error {
+                    class: ErrorClass::Internal,
+                    message: format!("node {}: call panicked: {e}", svc.id),
+                }),
+            }
+        }
+    };
+    match reply {
+        Ok(f) => answer(&mut send, &f, &peer).await,
+        Err(f) => {
+            // The peer broke the protocol (a hello naming another id): say why, then close.
+            answer(&mut send, &f, &peer).await;
+            tracing::warn!(%peer, "node: closing a connection that broke the protocol");
+            let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
+            conn.close(CLOSE_IDENTITY.into(), b"protocol violation");
+        }
+    }
+}
+
 async fn connection(
     conn: quinn::Connection,
     peer: String,
@@ -272,50 +372,8 @@ async fn connection(
     loop {
         tokio::select! {
             bi = conn.accept_bi() => match bi {
-                Ok((mut send, mut recv)) => {
-                    let (svc, peer, conn, permits) = (svc.clone(), peer.clone(), conn.clone(), permits.clone());
-                    tokio::spawn(async move {
-                        let req = match tokio::time::timeout(READ_TIMEOUT, recv.read_to_end(HEADER + MAX_FRAME)).await {
-                            Ok(Ok(b)) => b,
-                            Ok(Err(e)) => {
-                                tracing::debug!(%peer, "node: stream read: {e}");
-                                return;
-                            }
-                            Err(_) => {
-                                let _ = send.reset(0u32.into());
-                                return;
-                            }
-                        };
-                        let answer = match Frame::decode(&req) {
-                            Err(e) => Ok(Frame::Error { class: ErrorClass::BadRequest, message: e.to_string() }),
-                            Ok(f) => {
-                                let Ok(_permit) = permits.acquire_owned().await else { return };
-                                let svc2 = svc.clone();
-                                let peer2 = peer.clone();
-                                match tokio::task::spawn_blocking(move || svc2.handle(&peer2, f)).await {
-                                    Ok(a) => a,
-                                    Err(e) => Ok(Frame::Error { class: ErrorClass::Internal, message: format!("node {}: call panicked: {e}", svc.id) }),
-                                }
-                            }
-                        };
-                        let (frame, close) = match answer {
-                            Ok(f) => (f, false),
-                            Err(f) => (f, true),
-                        };
-                        let bytes = frame.encode().unwrap_or_else(|e| {
-                            Frame::Error { class: ErrorClass::Internal, message: e.to_string() }
-                                .encode()
-                                .unwrap_or_default()
-                        });
-                        if let Err(e) = write_frame(&mut send, &bytes).await {
-                            tracing::debug!(%peer, "node: stream write: {e}");
-                        }
-                        if close {
-                            tracing::warn!(%peer, "node: closing a connection that broke the protocol");
-                            let _ = send.stopped().await;
-                            conn.close(CLOSE_IDENTITY.into(), b"protocol violation");
-                        }
-                    });
+                Ok((send, recv)) => {
+                    tokio::spawn(stream(send, recv, conn.clone(), peer.clone(), svc.clone(), permits.clone()));
                 }
                 Err(e) => {
                     tracing::debug!(%peer, "node: connection closed: {e}");
@@ -326,7 +384,9 @@ async fn connection(
                 Ok(mut recv) => {
                     let (svc, peer) = (svc.clone(), peer.clone());
                     tokio::spawn(async move {
-                        if let Ok(Ok(b)) = tokio::time::timeout(READ_TIMEOUT, recv.read_to_end(HEADER + MAX_FRAME)).await {
+                        // A hint names at most MAX_HINT experts: a few hundred KiB at most.
+                        let cap = HEADER + 8 + 4 * ternfleet_shared::wire::MAX_HINT;
+                        if let Ok(Ok(b)) = tokio::time::timeout(READ_TIMEOUT, recv.read_to_end(cap)).await {
                             if let Ok(f @ Frame::Hint { .. }) = Frame::decode(&b) {
                                 let _ = svc.handle(&peer, f);
                             }

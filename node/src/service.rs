@@ -83,7 +83,7 @@ impl Shard {
             .backend
             .input_type(layer)
             .map_err(|e| (e.class(), format!("node {node}: {e}")))?;
-        if c.ty != want {
+        if c.ty != want && c.ty != ternfleet_kernels::GgmlType::F32 {
             return Err(bad(format!(
                 "layer {layer}: rows of {} values, its experts read {}",
                 c.ty.name(),
@@ -114,17 +114,21 @@ pub struct Service {
     pub kernels: String,
     /// Whether its results are bit-equal to the scalar reference (every x86 table is).
     pub exact: bool,
+    /// SHA-256 of the bundle manifest it serves.
+    pub bundle: String,
     state: RwLock<NodeState>,
     shard: OnceLock<Arc<Shard>>,
 }
 
 impl Service {
-    /// A node that is loading (`total` bytes to open).
-    pub fn new(id: &str, kernels: &str, exact: bool, total: u64) -> Service {
+    /// A node that is loading (`total` bytes to open) the bundle whose manifest digest is
+    /// `bundle`.
+    pub fn new(id: &str, kernels: &str, exact: bool, bundle: &str, total: u64) -> Service {
         Service {
             id: id.to_string(),
             kernels: kernels.to_string(),
             exact,
+            bundle: bundle.to_string(),
             state: RwLock::new(NodeState::Loading { done: 0, total }),
             shard: OnceLock::new(),
         }
@@ -169,6 +173,7 @@ impl Service {
             id: self.id.clone(),
             kernels: self.kernels.clone(),
             exact: self.exact,
+            bundle: self.bundle.clone(),
             state: self.state(),
         }
     }

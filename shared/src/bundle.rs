@@ -329,6 +329,16 @@ fn check_rel(file: &str) -> Result<(), String> {
     }
 }
 
+/// SHA-256 of a bundle's manifest file: the bundle's identity (every part's checksum is in
+/// it). Coordinator and nodes compare it so a node serving another bundle of the same shape
+/// is never used.
+pub fn manifest_digest(dir: &Path) -> Result<String, BundleError> {
+    let path = dir.join(MANIFEST);
+    sha256_file(&path)
+        .map(|(h, _)| h)
+        .map_err(|err| BundleError::Io { path, err })
+}
+
 /// One part as it was when its checksum was last verified.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 struct Stamp {

@@ -65,10 +65,10 @@ pub struct NodeEntry {
     pub experts: Vec<String>,
 }
 
-/// Checks a node or coordinator id: 1 to 63 of `a-z 0-9 -`, not starting or ending with `-`
-/// (it is the DNS name in the certificate).
+/// Checks a node or coordinator id: 1 to 63 of `a-z 0-9 -`, starting with a letter, not
+/// ending with `-` (it is the DNS name in the certificate; an all-digit name is not one).
 pub fn check_id(id: &str) -> Result<(), String> {
-    let ok = !id.is_empty()
+    let ok = id.as_bytes().first().is_some_and(u8::is_ascii_lowercase)
         && id.len() <= 63
         && id
             .bytes()
@@ -79,7 +79,7 @@ pub fn check_id(id: &str) -> Result<(), String> {
         Ok(())
     } else {
         Err(format!(
-            "id {id:?}: use 1 to 63 lowercase letters, digits and '-' (not first or last)"
+            "id {id:?}: use 1 to 63 lowercase letters, digits and '-', starting with a letter and not ending with '-'"
         ))
     }
 }

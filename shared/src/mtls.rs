@@ -267,9 +267,13 @@ fn transport() -> Result<quinn::TransportConfig, MtlsError> {
             .try_into()
             .map_err(|e| MtlsError::Tls(format!("idle timeout: {e}")))?,
     ));
-    t.max_concurrent_bidi_streams(1024u32.into());
-    t.max_concurrent_uni_streams(1024u32.into());
+    // A coordinator sends one call per layer per step, plus status polls: 64 streams in
+    // flight is plenty and bounds what one connection can make a node buffer (64 × the
+    // stream window, and the connection window over all of them).
+    t.max_concurrent_bidi_streams(64u32.into());
+    t.max_concurrent_uni_streams(64u32.into());
     t.stream_receive_window((16u32 << 20).into());
+    t.receive_window((64u32 << 20).into());
     Ok(t)
 }
 

@@ -202,11 +202,12 @@ impl Inner {
             msg,
         };
         let connect = async {
+            // The client endpoint is IPv4 (0.0.0.0:0): take the name's IPv4 address.
             let addr = tokio::net::lookup_host(&p.addr)
                 .await
                 .map_err(|e| err(format!("resolving: {e}")))?
-                .next()
-                .ok_or_else(|| err("the name resolves to no address".into()))?;
+                .find(SocketAddr::is_ipv4)
+                .ok_or_else(|| err("the name resolves to no IPv4 address".into()))?;
             let conn = self
                 .endpoint
                 .connect_with(self.client.clone(), addr, &p.id)
@@ -241,6 +242,7 @@ impl Inner {
                 kernels,
                 exact,
                 state,
+                ..
             } if id == p.id => {
                 let s = NodeStatus {
                     kernels,
@@ -293,24 +295,38 @@ impl Transport for QuicTransport {
         let id = inner.peers[node].id.clone();
         self.rt().spawn(async move {
             let waited = deadline.saturating_duration_since(Instant::now());
-            let call = async {
-                let conn = inner.connection(node).await?;
-                let r = exchange(&conn, &inner.peers[node].id, &request).await;
-                if let Err(NetError::Lost { .. }) = &r {
-                    // The connection broke: drop it so the next call reconnects.
-                    let mut slot = inner.peers[node].conn.lock().await;
-                    if slot
-                        .as_ref()
-                        .is_some_and(|c| c.stable_id() == conn.stable_id())
-                    {
-                        *slot = None;
-                    }
-                }
-                r
+            let peer = &inner.peers[node];
+            let timeout = || NetError::Timeout {
+                node: id.clone(),
+                waited,
             };
-            let r = tokio::time::timeout(waited, call)
+            let conn = match tokio::time::timeout(waited, inner.connection(node)).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => {
+                    let _ = tx.send(Err(e));
+                    return;
+                }
+                Err(_) => {
+                    let _ = tx.send(Err(timeout()));
+                    return;
+                }
+            };
+            let left = deadline.saturating_duration_since(Instant::now());
+            let r = tokio::time::timeout(left, exchange(&conn, &peer.id, &request))
                 .await
-                .unwrap_or(Err(NetError::Timeout { node: id, waited }));
+                .unwrap_or_else(|_| Err(timeout()));
+            if matches!(r, Err(NetError::Lost { .. } | NetError::Timeout { .. })) {
+                // Broken or stalled: drop the connection so the next call (or the prober)
+                // connects afresh — a restarted node is then reached at once.
+                let mut slot = peer.conn.lock().await;
+                if slot
+                    .as_ref()
+                    .is_some_and(|c| c.stable_id() == conn.stable_id())
+                {
+                    conn.close(0u32.into(), b"call failed");
+                    *slot = None;
+                }
+            }
             let _ = tx.send(r);
         });
         rx

@@ -91,6 +91,8 @@ pub enum Frame {
         id: String,
         kernels: String,
         exact: bool,
+        /// SHA-256 of the bundle manifest it serves.
+        bundle: String,
         state: NodeState,
     },
     /// Coordinator → node: run these routes.
@@ -271,11 +273,13 @@ impl Frame {
                 id,
                 kernels,
                 exact,
+                bundle,
                 state,
             } => {
                 o.text(id);
                 o.text(kernels);
                 o.u8(*exact as u8);
+                o.text(bundle);
                 match state {
                     NodeState::Ready => o.u8(0),
                     NodeState::Loading { done, total } => {
@@ -388,6 +392,7 @@ impl Frame {
                     1 => true,
                     v => return Err(bad(format!("status exact: {v} is not 0 or 1"))),
                 };
+                let bundle = r.text("status bundle")?;
                 let state = match r.u8("status state")? {
                     0 => NodeState::Ready,
                     1 => NodeState::Loading {
@@ -401,6 +406,7 @@ impl Frame {
                     id,
                     kernels,
                     exact,
+                    bundle,
                     state,
                 }
             }
@@ -474,13 +480,34 @@ fn decode_call(r: &mut In<'_>) -> Result<Call, WireError> {
     let cols = r.u32("call cols")?;
     let n_routes = r.count("call routes", MAX_ROUTES)?;
     let route_bytes = r.take(n_routes * 8, "call routes")?;
-    let routes = route_bytes
+    let routes: Vec<WireRoute> = route_bytes
         .chunks_exact(8)
         .map(|b| WireRoute {
             token: u32::from_le_bytes([b[0], b[1], b[2], b[3]]),
             expert: u32::from_le_bytes([b[4], b[5], b[6], b[7]]),
         })
         .collect();
+    for (i, rt) in routes.iter().enumerate() {
+        let rt: &WireRoute = rt;
+        if rt.token >= n_tokens {
+            return Err(bad(format!(
+                "call route {i}: row {} of a {n_tokens}-row input",
+                rt.token
+            )));
+        }
+    }
+    // The answer (one f32 row of `cols` per route) must fit a frame too: a small call must
+    // not make a node compute gigabytes it could never send.
+    let answer = (n_routes as u64)
+        .saturating_mul(cols as u64)
+        .saturating_mul(4);
+    if answer > MAX_FRAME as u64 {
+        return Err(WireError::TooLarge {
+            what: "call answer bytes",
+            got: answer.min(usize::MAX as u64) as usize,
+            max: MAX_FRAME,
+        });
+    }
     let n_in = r.u64("call input bytes")?;
     if n_in != r.b.len() as u64 {
         return Err(bad(format!(
@@ -547,6 +574,7 @@ mod tests {
                 id: "n1".into(),
                 kernels: "avx512".into(),
                 exact: true,
+                bundle: "3f5a".into(),
                 state: NodeState::Loading {
                     done: 5,
                     total: 1 << 40,
@@ -556,6 +584,7 @@ mod tests {
                 id: "n2".into(),
                 kernels: "scalar".into(),
                 exact: false,
+                bundle: String::new(),
                 state: NodeState::Unavailable("draining".into()),
             },
             Frame::Call(call()),
@@ -626,6 +655,37 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    #[test]
+    fn a_call_whose_answer_could_not_be_sent_or_whose_routes_name_no_row_is_refused() {
+        // 2^20 routes on one row of 2048: an 8 GiB answer from a few-MB request.
+        let c = Call {
+            layer: 0,
+            numerics: Numerics::Invariant,
+            ty: GgmlType::F32,
+            n_tokens: 1,
+            cols: 2048,
+            routes: vec![
+                WireRoute {
+                    token: 0,
+                    expert: 0
+                };
+                MAX_ROUTES
+            ],
+            input: vec![0; 2048 * 4],
+        };
+        assert!(matches!(
+            Frame::decode(&Frame::Call(c).encode().unwrap()),
+            Err(WireError::TooLarge {
+                what: "call answer bytes",
+                ..
+            })
+        ));
+        let mut c = call();
+        c.routes[0].token = 2;
+        let e = Frame::decode(&Frame::Call(c).encode().unwrap()).unwrap_err();
+        assert!(e.to_string().contains("row 2 of a 2-row input"), "{e}");
     }
 
     #[test]

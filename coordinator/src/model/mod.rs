@@ -393,7 +393,8 @@ impl Model {
             routed: mi.gating != Gating::TopKUnit,
         };
         if let Some(c) = cluster {
-            let experts = Self::remote_experts(&man, shared, c)?;
+            let digest = ternfleet_shared::bundle::manifest_digest(dir)?;
+            let experts = Self::remote_experts(&man, &digest, shared, c)?;
             return Ok(Model {
                 cfg,
                 tokenizer,
@@ -443,6 +444,7 @@ impl Model {
     /// as `LocalExperts::input_type`).
     fn remote_experts(
         man: &ternfleet_shared::bundle::Manifest,
+        digest: &str,
         shared: Vec<Vec<ternfleet_node::expert::FfnWeights>>,
         c: &ClusterSpec,
     ) -> Result<crate::remote::RemoteExperts, LoadError> {
@@ -489,6 +491,7 @@ impl Model {
             shared,
             input_types,
             &c.me,
+            digest,
             c.opts,
         )?)
     }

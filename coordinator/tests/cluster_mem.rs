@@ -1,0 +1,322 @@
+//! The remote backend's failover logic without sockets: nodes are the real `node::Service`
+//! over real shards of a bundle, reached through an in-memory `Transport` that drops, delays
+//! and partitions (seeded). Whatever the faults, a layer's result is the single process's bits
+//! while a replica is left; with none left the step fails `Unavailable`, naming the node and
+//! the experts, and leaves the KV cache as it was.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{sync_channel, Receiver};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
+use ternfleet_coordinator::kv_cache::SeqOptions;
+use ternfleet_coordinator::model::{ClusterSpec, ForwardError, Logits, Model, OpenOptions};
+use ternfleet_coordinator::remote::RemoteOptions;
+use ternfleet_kernels::Numerics;
+use ternfleet_node::expert::{Activation, LocalExperts};
+use ternfleet_node::service::{Service, Shard};
+use ternfleet_node::shard::{open_experts, ExpertShape};
+use ternfleet_shared::bundle::{Gating, Manifest};
+use ternfleet_shared::cluster::{ClusterFile, Placement};
+use ternfleet_shared::expert::ExpertError;
+use ternfleet_shared::net::{NetError, Reply, Transport};
+use ternfleet_shared::wire::Frame;
+
+fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The tiny qwen3moe test model as a bundle (2 layers × 16 experts, top-4).
+fn bundle() -> PathBuf {
+    let out = root().join("target/cluster-test/bundle-mem-qwen3moe");
+    convert(
+        &ConvertOptions {
+            model: root().join("tests/data/models/tiny-qwen3moe-q8_0.gguf"),
+            out: out.clone(),
+            experts: None,
+            top_k: None,
+            calib: None,
+            calib_tokens: 1024,
+            expert_type: ExpertType::Keep,
+            seed: 0,
+            grouping: Default::default(),
+        },
+        &|_: &str, _: u64, _: u64| {},
+    )
+    .unwrap();
+    out
+}
+
+/// Faults the transport injects.
+#[derive(Default)]
+struct Faults {
+    /// Probability that a call is lost (no answer ever comes). Status polls are never lost.
+    drop: f64,
+    rng: Mutex<u64>,
+    /// Extra latency per node, each way.
+    delay: Vec<Mutex<Duration>>,
+    /// Partitioned nodes: every send fails at once (connection refused).
+    cut: Vec<AtomicBool>,
+}
+
+/// The in-memory transport: node `i` is `nodes[i]`, answering on a thread of its own.
+struct MemTransport {
+    nodes: Vec<Arc<Service>>,
+    faults: Faults,
+    /// Calls each node computed.
+    served: Vec<AtomicU64>,
+    dropped: AtomicU64,
+}
+
+impl MemTransport {
+    fn roll(&self) -> f64 {
+        let mut r = self.faults.rng.lock().unwrap();
+        *r ^= *r >> 12;
+        *r ^= *r << 25;
+        *r ^= *r >> 27;
+        (r.wrapping_mul(0x2545_f491_4f6c_dd1d) >> 11) as f64 / (1u64 << 53) as f64
+    }
+}
+
+/// The transport handed to the model (the test keeps the `Arc` to steer faults).
+struct Link(Arc<MemTransport>);
+
+impl Transport for Link {
+    fn send(&self, node: usize, request: Arc<Vec<u8>>, deadline: Instant) -> Receiver<Reply> {
+        let (tx, rx) = sync_channel(1);
+        let id = self.0.nodes[node].id.clone();
+        if self.0.faults.cut[node].load(Ordering::SeqCst) {
+            let _ = tx.send(Err(NetError::Connect {
+                node: id,
+                addr: "mem".into(),
+                msg: "partitioned".into(),
+            }));
+            return rx;
+        }
+        let frame = Frame::decode(&request).expect("the coordinator sends valid frames");
+        let is_call = matches!(frame, Frame::Call(_));
+        if is_call && self.0.roll() < self.0.faults.drop {
+            self.0.dropped.fetch_add(1, Ordering::SeqCst);
+            // Lost: nothing answers; the sender lives until the deadline has passed.
+            std::thread::spawn(move || {
+                std::thread::sleep(deadline.saturating_duration_since(Instant::now()));
+                std::thread::sleep(Duration::from_millis(20));
+                drop(tx);
+            });
+            return rx;
+        }
+        let me = self.0.clone();
+        let delay = *self.0.faults.delay[node].lock().unwrap();
+        std::thread::spawn(move || {
+            std::thread::sleep(delay);
+            let reply = me.nodes[node]
+                .handle("coordinator", frame)
+                .unwrap_or_else(|f| f);
+            if is_call {
+                me.served[node].fetch_add(1, Ordering::SeqCst);
+            }
+            std::thread::sleep(delay);
+            let _ = tx.send(Ok(reply));
+        });
+        rx
+    }
+
+    fn hint(&self, node: usize, frame: Vec<u8>) {
+        if let Ok(f) = Frame::decode(&frame) {
+            let _ = self.0.nodes[node].handle("coordinator", f);
+        }
+    }
+}
+
+struct Setup {
+    transport: Arc<MemTransport>,
+    model: Model,
+}
+
+/// `n` in-memory nodes holding a plan with `replicas`, and a model whose experts run on them.
+fn setup(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64) -> Setup {
+    let man = Manifest::read(b).unwrap();
+    let ids: Vec<(String, String)> = (1..=n).map(|i| (format!("n{i}"), "mem:1".into())).collect();
+    let plan = ClusterFile::plan(&man, &ids, replicas).unwrap();
+    let placement: Placement = plan.placement(man.n_layer, man.moe.n_expert).unwrap();
+    let digest = ternfleet_shared::bundle::manifest_digest(b).unwrap();
+    let shape = ExpertShape {
+        n_embd: 256,
+        n_ff: man.moe.n_ff_exp,
+        act: Activation::SwiGlu,
+        routed: man.moe.gating != Gating::TopKUnit,
+    };
+    let nodes = placement
+        .nodes
+        .iter()
+        .map(|pn| {
+            let held: Vec<Vec<usize>> = pn
+                .experts
+                .iter()
+                .map(|s| s.iter().copied().collect())
+                .collect();
+            let blobs = open_experts(b, &man, shape, |l, e| held[l].contains(&e)).unwrap();
+            let mut layers = vec![Vec::new(); man.n_layer];
+            for (l, _, w) in blobs {
+                layers[l].push(w);
+            }
+            let svc = Service::new(&pn.id, "mem", true, &digest, 0);
+            svc.ready(Shard::new(
+                Box::new(LocalExperts::new(layers)),
+                &held,
+                man.moe.n_expert,
+            ));
+            Arc::new(svc)
+        })
+        .collect::<Vec<_>>();
+    let transport = Arc::new(MemTransport {
+        faults: Faults {
+            drop,
+            rng: Mutex::new(seed | 1),
+            delay: (0..n).map(|_| Mutex::new(Duration::ZERO)).collect(),
+            cut: (0..n).map(|_| AtomicBool::new(false)).collect(),
+        },
+        served: (0..n).map(|_| AtomicU64::new(0)).collect(),
+        dropped: AtomicU64::new(0),
+        nodes,
+    });
+    let model = Model::open_with(
+        b,
+        &OpenOptions {
+            cluster: Some(ClusterSpec {
+                placement,
+                transport: Arc::new(Link(transport.clone())),
+                me: "coordinator".into(),
+                opts: RemoteOptions {
+                    step_base: Duration::from_millis(150),
+                    per_route: Duration::from_micros(100),
+                    load_timeout: Duration::from_secs(10),
+                },
+            }),
+            ..OpenOptions::default()
+        },
+    )
+    .unwrap();
+    Setup { transport, model }
+}
+
+/// Every logit (as bits) of a prefill and `n` greedy decode steps.
+fn run(m: &Model, numerics: Numerics, prompt: &str, n: usize) -> Result<Vec<u32>, ForwardError> {
+    let toks = m.tokenizer.encode(prompt, true, true);
+    let opts = SeqOptions {
+        numerics,
+        ..SeqOptions::default()
+    };
+    let mut cache = m.new_cache_with(toks.len() + n, opts);
+    let mut all = m.forward(&mut cache, &toks, Logits::From(0))?;
+    let nv = m.cfg.n_vocab;
+    for _ in 0..n {
+        let last = &all[all.len() - nv..];
+        let best = (0..nv).fold(0, |b, i| if last[i] > last[b] { i } else { b });
+        all.extend(m.forward(&mut cache, &[best as u32], Logits::Last)?);
+    }
+    Ok(all.iter().map(|v| v.to_bits()).collect())
+}
+
+const PROMPT: &str = "This License applies to any program";
+
+#[test]
+fn seeded_call_losses_with_replicas_change_no_bit() {
+    let b = bundle();
+    let local = Model::open(&b).unwrap();
+    for numerics in [Numerics::Parity, Numerics::Invariant] {
+        let want = run(&local, numerics, PROMPT, 12).unwrap();
+        for seed in 1..=4u64 {
+            // Every node holds every expert: a lost call always has two more holders.
+            let s = setup(&b, 3, 3, 0.03, seed);
+            let got = run(&s.model, numerics, PROMPT, 12).unwrap();
+            assert!(got == want, "seed {seed} {numerics:?}: output differs");
+            let served: u64 = s
+                .transport
+                .served
+                .iter()
+                .map(|c| c.load(Ordering::SeqCst))
+                .sum();
+            assert!(served > 0, "no node served anything");
+        }
+    }
+    // Over the seeds, losses happened and were survived.
+    let s = setup(&b, 3, 3, 0.1, 99);
+    let want = run(&local, Numerics::Invariant, PROMPT, 6).unwrap();
+    assert!(run(&s.model, Numerics::Invariant, PROMPT, 6).unwrap() == want);
+    assert!(
+        s.transport.dropped.load(Ordering::SeqCst) > 0,
+        "the fault was not exercised"
+    );
+}
+
+#[test]
+fn a_partitioned_or_slow_node_fails_over_and_is_used_again_when_it_returns() {
+    let b = bundle();
+    let local = Model::open(&b).unwrap();
+    let want = run(&local, Numerics::Invariant, PROMPT, 8).unwrap();
+    let s = setup(&b, 3, 2, 0.0, 7);
+    // Partitioned: refused at once, its replicas answer.
+    s.transport.faults.cut[0].store(true, Ordering::SeqCst);
+    let before = s.transport.served[0].load(Ordering::SeqCst);
+    assert!(run(&s.model, Numerics::Invariant, PROMPT, 8).unwrap() == want);
+    assert_eq!(
+        s.transport.served[0].load(Ordering::SeqCst),
+        before,
+        "a cut node served"
+    );
+    // Healed: the prober finds it and it serves again.
+    s.transport.faults.cut[0].store(false, Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(run(&s.model, Numerics::Invariant, PROMPT, 8).unwrap() == want);
+    assert!(
+        s.transport.served[0].load(Ordering::SeqCst) > before,
+        "the returned node was not used again"
+    );
+    // Slower than the step deadline: detected, rerouted, same bits.
+    *s.transport.faults.delay[1].lock().unwrap() = Duration::from_millis(400);
+    let t = Instant::now();
+    assert!(run(&s.model, Numerics::Invariant, PROMPT, 8).unwrap() == want);
+    eprintln!("with a node past the deadline: {:?}", t.elapsed());
+}
+
+#[test]
+fn with_every_holder_gone_the_step_fails_unavailable_and_the_cache_is_unchanged() {
+    let b = bundle();
+    let local = Model::open(&b).unwrap();
+    let s = setup(&b, 3, 1, 0.0, 3);
+    let toks = local.tokenizer.encode(PROMPT, true, true);
+    let opts = SeqOptions {
+        numerics: Numerics::Invariant,
+        ..SeqOptions::default()
+    };
+    let mut want_cache = local.new_cache_with(toks.len() + 1, opts);
+    let want = local.forward(&mut want_cache, &toks, Logits::Last).unwrap();
+    let mut cache = s.model.new_cache_with(toks.len() + 1, opts);
+    s.transport.faults.cut[1].store(true, Ordering::SeqCst);
+    let t = Instant::now();
+    let e = s
+        .model
+        .forward(&mut cache, &toks, Logits::Last)
+        .unwrap_err();
+    let msg = e.to_string();
+    assert!(
+        matches!(e, ForwardError::Expert(ExpertError::Unavailable { .. })),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("n2") && msg.contains("no live replica"),
+        "{msg}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    // Nothing was written: healed, the same call gives the single process's logits.
+    s.transport.faults.cut[1].store(false, Ordering::SeqCst);
+    std::thread::sleep(Duration::from_millis(600));
+    let got = s.model.forward(&mut cache, &toks, Logits::Last).unwrap();
+    assert_eq!(
+        got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+        want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+    );
+}
