@@ -108,20 +108,20 @@ pub struct RemoteExperts {
 }
 
 impl RemoteExperts {
-    /// A backend over `transport` (node `i` = `placement.nodes[i]`); `n_expert` routed
-    /// experts per layer, `shared[layer]` the shared experts computed here, `input_types`
-    /// the dot type of each layer's experts. Waits until every expert has a ready holder
-    /// (at most `opts.load_timeout`), logging the nodes' load progress.
+    /// A backend over the cluster `c` (node `i` = `c.placement.nodes[i]`) serving the bundle
+    /// whose manifest digest is `bundle`: `n_expert` routed experts per layer,
+    /// `shared[layer]` the shared experts computed here, `input_types` the dot type of each
+    /// layer's experts. Waits until every expert has a ready holder (at most
+    /// `opts.load_timeout`), logging the nodes' load progress.
     pub fn connect(
-        transport: Arc<dyn Transport>,
-        placement: Placement,
+        c: &crate::model::ClusterSpec,
+        bundle: &str,
         n_expert: usize,
         shared: Vec<Vec<ternfleet_node::expert::FfnWeights>>,
         input_types: Vec<GgmlType>,
-        me: &str,
-        bundle: &str,
-        opts: RemoteOptions,
     ) -> Result<RemoteExperts, ExpertError> {
+        let (transport, placement, me, opts) =
+            (c.transport.clone(), c.placement.clone(), &c.me, c.opts);
         let nodes = placement
             .nodes
             .iter()

@@ -485,14 +485,11 @@ impl Model {
             })
             .collect();
         Ok(crate::remote::RemoteExperts::connect(
-            c.transport.clone(),
-            c.placement.clone(),
+            c,
+            digest,
             n_expert,
             shared,
             input_types,
-            &c.me,
-            digest,
-            c.opts,
         )?)
     }
 
