@@ -11,10 +11,11 @@
 //!
 //! Faults: a call that fails (connection lost, an `Unavailable` answer) or passes its step
 //! deadline (base + per route, so a large prefill is not cut short) marks its node down and
-//! goes again, same rows, to the next holder of each of its experts — a live one first, else
-//! one marked down earlier that this call has not tried (a lost packet is not a dead node);
-//! the result is the same bits. Once every holder of an expert failed the call, the batch
-//! fails with `Unavailable` naming the nodes and the experts, and the step rolls back. A prober
+//! goes again, same rows, to the next live holder of each of its experts; the result is the
+//! same bits. A node marked down is asked for its status at once (a call lost on a healthy
+//! node costs one deadline, not an outage) and then every [`PROBE_EVERY`]. With no live
+//! holder left the batch fails with `Unavailable` naming the nodes and the experts, and the
+//! step rolls back; the server then fails only the requests whose rows needed them. A prober
 //! thread asks down nodes for their status every [`PROBE_EVERY`] and uses them again once
 //! they answer `Ready`.
 
@@ -196,6 +197,24 @@ impl RemoteExperts {
     }
 }
 
+impl Drop for RemoteExperts {
+    fn drop(&mut self) {
+        let s = self.stats();
+        let ok = s.calls.saturating_sub(s.failovers).max(1);
+        tracing::info!(
+            "cluster: {} calls to {} nodes ({} failovers), {:.2} MB sent, {:.2} MB received, round trip mean {:.3} ms, worst {:.3} ms, longest failover stall {:.1} ms",
+            s.calls,
+            self.inner.placement.nodes.len(),
+            s.failovers,
+            s.bytes_sent as f64 / 1e6,
+            s.bytes_received as f64 / 1e6,
+            s.rtt_ns as f64 / ok as f64 / 1e6,
+            s.rtt_ns_max as f64 / 1e6,
+            s.stall_ns_max as f64 / 1e6,
+        );
+    }
+}
+
 /// Asks down nodes for their status until the backend is dropped.
 fn prober(inner: Weak<Inner>) {
     loop {
@@ -317,15 +336,14 @@ impl Inner {
     }
 
     /// The node to send `expert` of `layer` to: its first holder that is up and not in
-    /// `tried`; else, as a last resort, a holder marked down (one lost packet marks a node
-    /// down: it may well answer) not tried yet. `None` once every holder failed this call.
+    /// `tried` (`None` when every live holder failed this call).
     fn pick(&self, layer: usize, expert: usize, tried: &[usize]) -> Option<usize> {
         let n = self.nodes.lock().ok()?;
-        let holders = self.placement.holders(layer, expert);
-        let fresh = || holders.iter().copied().filter(|h| !tried.contains(h));
-        fresh()
-            .find(|h| n[*h].down.is_none())
-            .or_else(|| fresh().min_by_key(|h| n[*h].down))
+        self.placement
+            .holders(layer, expert)
+            .iter()
+            .copied()
+            .find(|h| n[*h].down.is_none() && !tried.contains(h))
     }
 
     /// [`Inner::pick`] for a hint: up holders only (a hint is not worth a dead node's time).
@@ -691,6 +709,13 @@ impl InFlight for RemoteInFlight {
                 });
             }
             inner.mark_down(p.node, &msg);
+            {
+                // Ask it at once whether it is really gone (a lost call is not a dead node).
+                let (inner, node) = (inner.clone(), p.node);
+                let _ = std::thread::Builder::new()
+                    .name("node-probe".into())
+                    .spawn(move || inner.probe(&[node], Duration::from_millis(500)));
+            }
             let again = send_parts(
                 &inner,
                 layer,

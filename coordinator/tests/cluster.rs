@@ -94,21 +94,27 @@ struct Cluster {
 impl Cluster {
     /// Starts `n` nodes on loopback with each expert on `replicas` of them.
     fn start(name: &str, bundle: &Path, n: usize, replicas: usize) -> Cluster {
+        let man = Manifest::read(bundle).unwrap();
+        // Placeholder addresses: the nodes bind port 0, the real ones are written later.
+        let list: Vec<(String, String)> = (1..=n)
+            .map(|i| (format!("n{i}"), "127.0.0.1:1".to_string()))
+            .collect();
+        Cluster::start_placed(
+            name,
+            bundle,
+            ClusterFile::plan(&man, &list, replicas).unwrap(),
+        )
+    }
+
+    /// Starts the nodes of `plan` (its addresses are replaced by the bound ones).
+    fn start_placed(name: &str, bundle: &Path, plan: ClusterFile) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let certs = dir.path().join("certs");
         mtls::init_ca(&certs).unwrap();
         mtls::issue(&certs, "coordinator").unwrap();
-        let ids: Vec<String> = (1..=n).map(|i| format!("n{i}")).collect();
-        for id in &ids {
-            mtls::issue(&certs, id).unwrap();
+        for n in &plan.nodes {
+            mtls::issue(&certs, &n.id).unwrap();
         }
-        let man = Manifest::read(bundle).unwrap();
-        // Placeholder addresses: the nodes bind port 0, the real ones are written below.
-        let list: Vec<(String, String)> = ids
-            .iter()
-            .map(|id| (id.clone(), "127.0.0.1:1".to_string()))
-            .collect();
-        let plan = ClusterFile::plan(&man, &list, replicas).unwrap();
         let file = dir.path().join("cluster.toml");
         std::fs::write(&file, plan.to_toml()).unwrap();
         let mut c = Cluster {
@@ -116,17 +122,18 @@ impl Cluster {
             bundle: bundle.to_owned(),
             file,
             certs,
-            nodes: ids
+            nodes: plan
+                .nodes
                 .iter()
-                .map(|id| Node {
-                    id: id.clone(),
+                .map(|n| Node {
+                    id: n.id.clone(),
                     addr: String::new(),
                     proc: None,
                 })
                 .collect(),
             name: name.to_string(),
         };
-        for i in 0..n {
+        for i in 0..c.nodes.len() {
             c.spawn_node(i, "127.0.0.1:0");
         }
         c.write_file();
@@ -220,21 +227,33 @@ fn wait_bounded(child: &mut Child, secs: u64, what: &str) -> std::process::ExitS
 
 /// `ternfleet generate --json --logits-digest` on `model` with `extra` flags: (tokens, digest).
 fn generate(model: &Path, prompt: &str, n: usize, extra: &[String]) -> (Vec<u64>, String) {
+    generate_logged(model, prompt, n, extra).0
+}
+
+/// [`generate`] and its log (stderr).
+fn generate_logged(
+    model: &Path,
+    prompt: &str,
+    n: usize,
+    extra: &[String],
+) -> ((Vec<u64>, String), String) {
     let mut child = Command::new(bin())
         .args(["generate", "-m"])
         .arg(model)
         .args(["-p", prompt, "-n", &n.to_string(), "-t", "2"])
         .args(["--json", "--logits-digest", "--ignore-eos"])
         .args(extra)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .expect("spawning ternfleet generate");
     let mut out = String::new();
-    let mut err = String::new();
     let mut so = child.stdout.take().expect("piped");
     let mut se = child.stderr.take().expect("piped");
     let t_err = std::thread::spawn(move || {
+        let mut err = String::new();
         let _ = se.read_to_string(&mut err);
         err
     });
@@ -250,8 +269,11 @@ fn generate(model: &Path, prompt: &str, n: usize, extra: &[String]) -> (Vec<u64>
         .map(|t| t.as_u64().unwrap_or(u64::MAX))
         .collect();
     (
-        toks,
-        v["logits_sha256"].as_str().expect("digest").to_string(),
+        (
+            toks,
+            v["logits_sha256"].as_str().expect("digest").to_string(),
+        ),
+        err,
     )
 }
 
@@ -641,6 +663,83 @@ fn losing_the_last_replica_fails_requests_with_unavailable_within_5s_and_serving
     assert!(log.contains("(0 blobs hashed, "), "{log}");
 }
 
+#[test]
+fn only_the_requests_whose_rows_need_a_lost_expert_fail() {
+    let b = bundle(&tiny("tiny-qwen3moe-q8_0.gguf"), "qwen3moe", None, "keep");
+    // n1 holds one expert (layer 1, expert 0) and nothing else; n2 the rest.
+    let plan: ClusterFile = toml::from_str(
+        r#"
+        [[node]]
+        id = "n1"
+        addr = "127.0.0.1:1"
+        experts = ["1:0"]
+        [[node]]
+        id = "n2"
+        addr = "127.0.0.1:1"
+        experts = ["0:*", "1:1-15"]
+        "#,
+    )
+    .unwrap();
+    let mut c = Cluster::start_placed("isolate", &b, plan);
+    let single = Server::start(&b, &[], "isolate-single");
+    let coord = Server::start(&b, &c.cluster_args(), "isolate-coordinator");
+    let prompts = [
+        "Hello", "The", "A cat", "1", "def", "Once", "Paris", "yes", "blue", "tree", "x", "go",
+    ];
+    let body = |p: &str| request(p, 2, 5);
+    let want: Vec<_> = prompts
+        .iter()
+        .map(|p| completion(&single.url, &body(p)))
+        .collect();
+    c.kill(0);
+    let got: Vec<(u16, Value)> = std::thread::scope(|s| {
+        let hs: Vec<_> = prompts
+            .iter()
+            .map(|p| {
+                let u = coord.url.clone();
+                s.spawn(move || post(&u, &body(p)))
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().expect("client")).collect()
+    });
+    let (mut ok, mut failed) = (0, 0);
+    for ((p, (status, v)), w) in prompts.iter().zip(&got).zip(&want) {
+        match status {
+            200 => {
+                ok += 1;
+                let lp = &v["choices"][0]["logprobs"];
+                let toks: Vec<String> = lp["tokens"]
+                    .as_array()
+                    .expect("tokens")
+                    .iter()
+                    .map(|t| t.as_str().unwrap_or_default().to_string())
+                    .collect();
+                assert_eq!(
+                    &toks, &w.0,
+                    "{p:?}: a request that avoided the lost expert changed"
+                );
+            }
+            503 => {
+                failed += 1;
+                assert!(v.to_string().contains("n1"), "{v}");
+            }
+            s => panic!("{p:?}: status {s}: {v}"),
+        }
+    }
+    eprintln!(
+        "lost expert (layer 1, expert 0): {failed} requests failed, {ok} completed unchanged"
+    );
+    assert!(
+        ok > 0 && failed > 0,
+        "{ok} completed, {failed} failed: the split was not exercised"
+    );
+    assert_eq!(
+        metric(&coord.url, "ternfleet_kv_blocks_used"),
+        0.0,
+        "leaked KV"
+    );
+}
+
 // ---- the nodes' door -------------------------------------------------------------------
 
 fn rt() -> tokio::runtime::Runtime {
@@ -853,8 +952,14 @@ fn nodes_refuse_unauthenticated_and_mismatched_peers_and_survive_bad_frames() {
     assert!(ok(&r[2]), "{r:?}");
     // The node says why it refused each one.
     let log = std::fs::read_to_string(log_dir().join("door-n1.log")).unwrap_or_default();
-    assert!(log.matches("handshake refused").count() >= 2, "{log}");
-    assert!(log.contains("names none of the allowed ids"), "{log}");
+    for why in [
+        "peer sent no certificates",     // no client certificate
+        "invalid peer certificate",      // another CA's
+        "names none of the allowed ids", // a node's certificate as a coordinator
+        "broke the protocol",            // a hello naming another id
+    ] {
+        assert!(log.contains(why), "the node never said {why:?}:\n{log}");
+    }
 }
 
 // ---- impaired links ----------------------------------------------------------------------

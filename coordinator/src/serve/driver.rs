@@ -147,9 +147,33 @@ pub fn run(
         if rows.is_empty() {
             continue;
         }
-        let result = run_step(&model, &mut pool, &rows, &live, &opts, &metrics);
+        let result = run_step(&model, &mut pool, &rows, &live, &opts, &metrics, 2);
         let actions = match result {
             Ok(logits) => sched.on_step(&model.tokenizer, &rows, logits),
+            Err((class, msg)) if class.is_retryable() && rows.len() > 1 => {
+                // Experts out of reach (no live replica) or a timeout: run each request
+                // alone, so only those whose rows need what is gone fail. Each row's bits
+                // do not depend on what shares its step (invariant numerics), so the others
+                // carry on exactly as they would have.
+                tracing::warn!(
+                    "step of {} rows failed twice ({msg}); running its requests one by one",
+                    rows.len()
+                );
+                let (mut ok_rows, mut ok_logits, mut actions) =
+                    (Vec::new(), Vec::new(), Vec::new());
+                for r in &rows {
+                    let one = std::slice::from_ref(r);
+                    match run_step(&model, &mut pool, one, &live, &opts, &metrics, 1) {
+                        Ok(l) => {
+                            ok_rows.push(r.clone());
+                            ok_logits.extend(l);
+                        }
+                        Err((c, m)) => actions.extend(sched.end(r.id, Finish::Error(c, m))),
+                    }
+                }
+                actions.extend(sched.on_step(&model.tokenizer, &ok_rows, ok_logits));
+                actions
+            }
             Err((class, msg)) => {
                 tracing::error!("step of {} rows failed twice: {msg}", rows.len());
                 rows.iter()
@@ -172,7 +196,7 @@ fn gauges(metrics: &Metrics, sched: &Scheduler, pool: &KvPool) {
     metrics.kv_blocks_used.set(pool.stats().blocks_used as i64);
 }
 
-/// One step over `rows`, retried once; per row its logits when it asked for them.
+/// One step over `rows`, tried `attempts` times; per row its logits when it asked for them.
 fn run_step(
     model: &Model,
     pool: &mut KvPool,
@@ -180,6 +204,7 @@ fn run_step(
     live: &HashMap<ReqId, Live>,
     opts: &DriverOptions,
     metrics: &Metrics,
+    attempts: usize,
 ) -> Result<Vec<Option<Vec<f32>>>, (ErrorClass, String)> {
     let mut inputs = Vec::with_capacity(rows.len());
     for r in rows {
@@ -200,7 +225,7 @@ fn run_step(
         .batch_rows
         .observe(rows.iter().map(|r| r.tokens.len()).sum::<usize>() as f64);
     let mut last = (ErrorClass::Internal, String::new());
-    for _ in 0..2 {
+    for _ in 0..attempts {
         metrics.steps.inc();
         match model.step(pool, &inputs, &opts.step, &mut NoObserver) {
             Ok(out) => {
