@@ -28,7 +28,9 @@ use ternfleet_kernels::{Activations, GgmlType, Numerics};
 use ternfleet_node::expert::LocalExperts;
 use ternfleet_shared::cluster::Placement;
 use ternfleet_shared::error::ErrorClass;
-use ternfleet_shared::expert::{ExpertBackend, ExpertBatch, ExpertError, Health, InFlight, Route};
+use ternfleet_shared::expert::{
+    ExpertBackend, ExpertBatch, ExpertError, Health, InFlight, RemoteStats, Route,
+};
 use ternfleet_shared::net::{NetError, Transport};
 use ternfleet_shared::wire::{Call, Frame, NodeState, WireRoute};
 
@@ -61,23 +63,6 @@ impl RemoteOptions {
     fn call_deadline(&self, routes: usize) -> Instant {
         Instant::now() + self.step_base + self.per_route * routes as u32
     }
-}
-
-/// Counters of the remote backend (`/metrics`, bench output).
-#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
-pub struct RemoteStats {
-    /// Calls sent (first tries and resends).
-    pub calls: u64,
-    /// Calls resent to a replica after their node failed.
-    pub failovers: u64,
-    /// Request and answer bytes.
-    pub bytes_sent: u64,
-    pub bytes_received: u64,
-    /// Summed and worst round-trip time of successful calls.
-    pub rtt_ns: u64,
-    pub rtt_ns_max: u64,
-    /// Longest wait from a call's send to its replica's answer, over calls that failed over.
-    pub stall_ns_max: u64,
 }
 
 struct NodeHealth {
@@ -601,6 +586,10 @@ impl ExpertBackend for RemoteExperts {
 
     fn wants_hints(&self) -> bool {
         true
+    }
+
+    fn remote_stats(&self) -> Option<RemoteStats> {
+        Some(self.stats())
     }
 
     fn health(&self) -> Health {

@@ -598,7 +598,12 @@ fn a_served_cluster_batches_requests_and_survives_sigkill_and_sigstop_with_ident
         coord.log_text().contains("node marked down: node n1"),
         "n1's death was not noticed"
     );
-    eprintln!("SIGKILL n1: longest gap between tokens {gap:?}");
+    let stall = metric(&coord.url, "ternfleet_cluster_failover_stall_max_seconds");
+    assert!(
+        metric(&coord.url, "ternfleet_cluster_failovers_total") >= 1.0 && stall > 0.0,
+        "no failover in /metrics"
+    );
+    eprintln!("SIGKILL n1: longest gap between tokens {gap:?}, failover stall {stall:.3} s");
     assert!(gap < Duration::from_secs(5), "stall {gap:?}");
 
     // It comes back on its address: used again.

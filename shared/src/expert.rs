@@ -102,6 +102,23 @@ impl StoreStats {
     }
 }
 
+/// Counters of the remote backend (`/metrics`, bench output).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct RemoteStats {
+    /// Calls sent (first tries and resends).
+    pub calls: u64,
+    /// Calls resent to a replica after their node failed.
+    pub failovers: u64,
+    /// Request and answer bytes.
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Summed and worst round-trip time of successful calls.
+    pub rtt_ns: u64,
+    pub rtt_ns_max: u64,
+    /// Longest wait from a call's send to its replica's answer, over calls that failed over.
+    pub stall_ns_max: u64,
+}
+
 /// Errors of an expert backend.
 #[derive(Debug, thiserror::Error)]
 pub enum ExpertError {
@@ -188,6 +205,10 @@ pub trait ExpertBackend: Send + Sync {
     }
     /// The expert store's counters, when the backend has a store.
     fn store_stats(&self) -> Option<StoreStats> {
+        None
+    }
+    /// The cluster counters, when the experts run on remote nodes.
+    fn remote_stats(&self) -> Option<RemoteStats> {
         None
     }
     /// Current health.

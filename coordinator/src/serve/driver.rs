@@ -186,6 +186,9 @@ pub fn run(
         if let Some(st) = model.experts.store_stats() {
             metrics.store(&st);
         }
+        if let Some(rs) = model.experts.remote_stats() {
+            metrics.cluster(&rs);
+        }
     }
     ready.store(false, Ordering::SeqCst);
 }

@@ -47,6 +47,18 @@ pub struct StoreMetrics {
     last: std::sync::Mutex<ternfleet_shared::expert::StoreStats>,
 }
 
+/// The cluster's series (`--cluster`), fed from the remote backend's cumulative counters.
+pub struct ClusterMetrics {
+    pub calls: Counter,
+    pub failovers: Counter,
+    pub sent_bytes: Counter,
+    pub received_bytes: Counter,
+    pub round_trip_seconds: Counter<f64, std::sync::atomic::AtomicU64>,
+    pub round_trip_max_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    pub failover_stall_max_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
+    last: std::sync::Mutex<ternfleet_shared::expert::RemoteStats>,
+}
+
 /// Every metric, cheap to update from any thread.
 pub struct Metrics {
     pub registry: Registry,
@@ -65,6 +77,7 @@ pub struct Metrics {
     pub steps: Counter,
     pub step_failures: Counter,
     pub store: StoreMetrics,
+    pub cluster: ClusterMetrics,
 }
 
 impl Default for Metrics {
@@ -100,6 +113,16 @@ impl Metrics {
                 read_errors: Counter::default(),
                 read_seconds: Counter::default(),
                 read_seconds_max: Gauge::default(),
+                last: Default::default(),
+            },
+            cluster: ClusterMetrics {
+                calls: Counter::default(),
+                failovers: Counter::default(),
+                sent_bytes: Counter::default(),
+                received_bytes: Counter::default(),
+                round_trip_seconds: Counter::default(),
+                round_trip_max_seconds: Gauge::default(),
+                failover_stall_max_seconds: Gauge::default(),
                 last: Default::default(),
             },
             registry: Registry::default(),
@@ -211,7 +234,61 @@ impl Metrics {
             "Worst expert read latency so far",
             st.read_seconds_max.clone(),
         );
+        let cl = &m.cluster;
+        registry.register(
+            "ternfleet_cluster_calls",
+            "Expert calls sent to nodes (one per node holding a layer's routes per step, resends included)",
+            cl.calls.clone(),
+        );
+        registry.register(
+            "ternfleet_cluster_failovers",
+            "Calls resent to a replica after their node failed or stalled",
+            cl.failovers.clone(),
+        );
+        registry.register(
+            "ternfleet_cluster_sent_bytes",
+            "Bytes of expert calls sent to nodes",
+            cl.sent_bytes.clone(),
+        );
+        registry.register(
+            "ternfleet_cluster_received_bytes",
+            "Bytes of expert results received from nodes",
+            cl.received_bytes.clone(),
+        );
+        registry.register(
+            "ternfleet_cluster_round_trip_seconds",
+            "Summed round-trip time of answered expert calls",
+            cl.round_trip_seconds.clone(),
+        );
+        registry.register(
+            "ternfleet_cluster_round_trip_max_seconds",
+            "Worst round-trip time of an answered expert call so far",
+            cl.round_trip_max_seconds.clone(),
+        );
+        registry.register(
+            "ternfleet_cluster_failover_stall_max_seconds",
+            "Longest wait from a call's first send to its replica's answer",
+            cl.failover_stall_max_seconds.clone(),
+        );
         Metrics { registry, ..m }
+    }
+
+    /// Publishes the remote backend's cumulative counters (the increase since the last call).
+    pub fn cluster(&self, now: &ternfleet_shared::expert::RemoteStats) {
+        let c = &self.cluster;
+        let mut last = c.last.lock().unwrap_or_else(|e| e.into_inner());
+        let d = |a: u64, b: u64| a.saturating_sub(b);
+        c.calls.inc_by(d(now.calls, last.calls));
+        c.failovers.inc_by(d(now.failovers, last.failovers));
+        c.sent_bytes.inc_by(d(now.bytes_sent, last.bytes_sent));
+        c.received_bytes
+            .inc_by(d(now.bytes_received, last.bytes_received));
+        c.round_trip_seconds
+            .inc_by(d(now.rtt_ns, last.rtt_ns) as f64 / 1e9);
+        c.round_trip_max_seconds.set(now.rtt_ns_max as f64 / 1e9);
+        c.failover_stall_max_seconds
+            .set(now.stall_ns_max as f64 / 1e9);
+        *last = now.clone();
     }
 
     /// Publishes the expert store's cumulative counters (the increase since the last call).
