@@ -6,6 +6,9 @@
 //! door: no certificate, another CA's certificate, a certificate for another id, a hello that
 //! lies about its id and garbage frames are all refused, and the node keeps serving.
 
+mod common;
+use common::*;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -21,10 +24,6 @@ use ternfleet_shared::error::ErrorClass;
 use ternfleet_shared::mtls::{self, Identity};
 use ternfleet_shared::testing::skip;
 use ternfleet_shared::wire::{Frame, NodeState};
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_ternfleet")
@@ -207,21 +206,6 @@ impl Cluster {
             "--certs".into(),
             self.certs.display().to_string(),
         ]
-    }
-}
-
-fn wait_bounded(child: &mut Child, secs: u64, what: &str) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().expect("try_wait") {
-            return s;
-        }
-        if t.elapsed() > Duration::from_secs(secs) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what} ran over {secs} s");
-        }
-        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -423,20 +407,6 @@ impl Server {
     }
 }
 
-fn agent() -> ureq::Agent {
-    ureq::AgentBuilder::new()
-        .timeout(Duration::from_secs(120))
-        .build()
-}
-
-fn get(url: &str, path: &str) -> (u16, String) {
-    match agent().get(&format!("{url}{path}")).call() {
-        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
-        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap_or_default()),
-        Err(e) => (0, e.to_string()),
-    }
-}
-
 fn post(url: &str, body: &Value) -> (u16, Value) {
     let r = agent()
         .post(&format!("{url}/v1/completions"))
@@ -450,15 +420,6 @@ fn post(url: &str, body: &Value) -> (u16, Value) {
     (s, serde_json::from_str(&b).unwrap_or(Value::String(b)))
 }
 
-fn metric(url: &str, name: &str) -> f64 {
-    let (_, text) = get(url, "/metrics");
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
-}
-
 fn request(prompt: &str, max_tokens: usize, seed: u64) -> Value {
     json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
            "logprobs": 0, "ignore_eos": true})
@@ -468,20 +429,8 @@ fn request(prompt: &str, max_tokens: usize, seed: u64) -> Value {
 fn completion(url: &str, body: &Value) -> (Vec<String>, Vec<u32>) {
     let (s, v) = post(url, body);
     assert_eq!(s, 200, "{v}");
-    let lp = &v["choices"][0]["logprobs"];
-    let toks = lp["tokens"]
-        .as_array()
-        .expect("tokens")
-        .iter()
-        .map(|t| t.as_str().unwrap_or_default().to_string())
-        .collect();
-    let lps = lp["token_logprobs"]
-        .as_array()
-        .expect("token_logprobs")
-        .iter()
-        .map(|x| (x.as_f64().unwrap_or(f64::NAN) as f32).to_bits())
-        .collect();
-    (toks, lps)
+    let (toks, lps) = logprobs_of(&v);
+    (toks, lps.iter().map(|&x| (x as f32).to_bits()).collect())
 }
 
 /// Streams a completion; after `after` tokens calls `fault` once. Returns the tokens,

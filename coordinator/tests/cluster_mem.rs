@@ -4,6 +4,9 @@
 //! while a replica is left; with none left the step fails `Unavailable`, naming the node and
 //! the experts, and leaves the KV cache as it was.
 
+mod common;
+use common::*;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver};
@@ -23,10 +26,6 @@ use ternfleet_shared::cluster::{ClusterFile, Placement};
 use ternfleet_shared::expert::ExpertError;
 use ternfleet_shared::net::{NetError, Reply, Transport};
 use ternfleet_shared::wire::Frame;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 /// The tiny qwen3moe test model as a bundle (2 layers × 16 experts, top-4).
 fn bundle() -> PathBuf {
@@ -200,24 +199,6 @@ fn setup(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64) -> Setup {
     )
     .unwrap();
     Setup { transport, model }
-}
-
-/// Every logit (as bits) of a prefill and `n` greedy decode steps.
-fn run(m: &Model, numerics: Numerics, prompt: &str, n: usize) -> Result<Vec<u32>, ForwardError> {
-    let toks = m.tokenizer.encode(prompt, true, true);
-    let opts = SeqOptions {
-        numerics,
-        ..SeqOptions::default()
-    };
-    let mut cache = m.new_cache_with(toks.len() + n, opts);
-    let mut all = m.forward(&mut cache, &toks, Logits::From(0))?;
-    let nv = m.cfg.n_vocab;
-    for _ in 0..n {
-        let last = &all[all.len() - nv..];
-        let best = (0..nv).fold(0, |b, i| if last[i] > last[b] { i } else { b });
-        all.extend(m.forward(&mut cache, &[best as u32], Logits::Last)?);
-    }
-    Ok(all.iter().map(|v| v.to_bits()).collect())
 }
 
 const PROMPT: &str = "This License applies to any program";

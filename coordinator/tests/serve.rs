@@ -3,6 +3,9 @@
 //! package in `openai_python_client_*`). Every wait is bounded; the server is killed by pid
 //! on every exit path (`Server`'s `Drop`).
 
+mod common;
+use common::*;
+
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -11,10 +14,6 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 use ternfleet_shared::testing::skip;
-
-fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
 
 fn gemma() -> Option<PathBuf> {
     let p = root().join("models/gemma-3-270m-q4_k_m.gguf");
@@ -104,21 +103,6 @@ impl Drop for Server {
     }
 }
 
-fn agent() -> ureq::Agent {
-    ureq::AgentBuilder::new()
-        .timeout(Duration::from_secs(120))
-        .build()
-}
-
-/// (status, body) of a GET.
-fn get(url: &str, path: &str) -> (u16, String) {
-    match agent().get(&format!("{url}{path}")).call() {
-        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
-        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap_or_default()),
-        Err(e) => (0, e.to_string()),
-    }
-}
-
 /// (status, body) of a POST of raw bytes.
 fn post_bytes(url: &str, path: &str, body: &[u8], key: Option<&str>) -> (u16, String) {
     let mut req = agent()
@@ -139,15 +123,6 @@ fn post(url: &str, path: &str, body: &Value) -> (u16, Value) {
     (s, serde_json::from_str(&b).unwrap_or(Value::String(b)))
 }
 
-fn metric(url: &str, name: &str) -> f64 {
-    let (_, text) = get(url, "/metrics");
-    text.lines()
-        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(f64::NAN)
-}
-
 /// The tokens of a completion (as text pieces) and their log-probabilities.
 fn completion_tokens(
     url: &str,
@@ -162,20 +137,7 @@ fn completion_tokens(
                 "logprobs": 0, "ignore_eos": true}),
     );
     assert_eq!(s, 200, "{v}");
-    let lp = &v["choices"][0]["logprobs"];
-    let toks = lp["tokens"]
-        .as_array()
-        .expect("logprobs.tokens")
-        .iter()
-        .map(|t| t.as_str().unwrap_or_default().to_string())
-        .collect();
-    let lps = lp["token_logprobs"]
-        .as_array()
-        .expect("logprobs.token_logprobs")
-        .iter()
-        .map(|x| x.as_f64().unwrap_or(f64::NAN))
-        .collect();
-    (toks, lps)
+    logprobs_of(&v)
 }
 
 #[test]
@@ -1010,22 +972,6 @@ fn tls_serves_https_and_grpc_and_a_plaintext_client_does_not_break_it() {
         }
     });
     drop(srv);
-}
-
-/// Waits at most `secs` for `child` to exit; kills it and fails the test past that.
-fn wait_bounded(child: &mut Child, secs: u64, what: &str) -> std::process::ExitStatus {
-    let t = Instant::now();
-    loop {
-        if let Some(s) = child.try_wait().expect("try_wait") {
-            return s;
-        }
-        if t.elapsed() > Duration::from_secs(secs) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("{what} ran over {secs} s");
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// Runs `ternfleet serve` with `args`, expecting it to exit (bounded) with a failure; its

@@ -3,13 +3,16 @@
 //! without the shadow predictor's hints, both numerics, GGUF files and bundles — and a failed
 //! read fails the requests that needed it while the next request reads again.
 
+mod common;
+use common::*;
+
 use std::path::{Path, PathBuf};
 
 use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
 use ternfleet_coordinator::kv_cache::SeqOptions;
 use ternfleet_coordinator::model::fit::{fit, FitOptions};
 use ternfleet_coordinator::model::predict::{LearnedPredictor, PredictorError};
-use ternfleet_coordinator::model::{ForwardError, LoadError, Logits, Model, OpenOptions};
+use ternfleet_coordinator::model::{ForwardError, LoadError, Model, OpenOptions};
 use ternfleet_kernels::Numerics;
 use ternfleet_node::store::Evict;
 use ternfleet_shared::bundle::Manifest;
@@ -40,24 +43,6 @@ fn open_evict(path: &Path, budget: Option<u64>, hints: bool, evict: Evict) -> Mo
     .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
     m.lookahead = if hints { 4 } else { 0 };
     m
-}
-
-/// Every logit (as bits) of a prefill and `n` greedy decode steps.
-fn run(m: &Model, numerics: Numerics, prompt: &str, n: usize) -> Result<Vec<u32>, ForwardError> {
-    let toks = m.tokenizer.encode(prompt, true, true);
-    let opts = SeqOptions {
-        numerics,
-        ..SeqOptions::default()
-    };
-    let mut cache = m.new_cache_with(toks.len() + n, opts);
-    let mut all = m.forward(&mut cache, &toks, Logits::From(0))?;
-    let nv = m.cfg.n_vocab;
-    for _ in 0..n {
-        let last = &all[all.len() - nv..];
-        let best = (0..nv).fold(0, |b, i| if last[i] > last[b] { i } else { b });
-        all.extend(m.forward(&mut cache, &[best as u32], Logits::Last)?);
-    }
-    Ok(all.iter().map(|v| v.to_bits()).collect())
 }
 
 /// Splits a native MoE test model into a bundle in `out`.

@@ -1,0 +1,98 @@
+//! Helpers shared by the multi-process and engine tests (each test binary uses some).
+#![allow(dead_code)]
+
+use std::path::{Path, PathBuf};
+use std::process::Child;
+use std::time::{Duration, Instant};
+
+use ternfleet_coordinator::kv_cache::SeqOptions;
+use ternfleet_coordinator::model::{ForwardError, Logits, Model};
+use ternfleet_kernels::Numerics;
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// An HTTP client with a bounded wait.
+pub fn agent() -> ureq::Agent {
+    ureq::AgentBuilder::new()
+        .timeout(Duration::from_secs(120))
+        .build()
+}
+
+/// (status, body) of a GET.
+pub fn get(url: &str, path: &str) -> (u16, String) {
+    match agent().get(&format!("{url}{path}")).call() {
+        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap_or_default()),
+        Err(e) => (0, e.to_string()),
+    }
+}
+
+/// A sample's value from `/metrics` (NaN when absent).
+pub fn metric(url: &str, name: &str) -> f64 {
+    let (_, text) = get(url, "/metrics");
+    text.lines()
+        .find(|l| l.starts_with(name) && l[name.len()..].starts_with(' '))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+/// Waits for a child at most `secs` seconds (killing it and failing past that).
+pub fn wait_bounded(child: &mut Child, secs: u64, what: &str) -> std::process::ExitStatus {
+    let t = Instant::now();
+    loop {
+        if let Some(s) = child.try_wait().expect("try_wait") {
+            return s;
+        }
+        if t.elapsed() > Duration::from_secs(secs) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} ran over {secs} s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Every logit (as bits) of a prefill and `n` greedy decode steps.
+pub fn run(
+    m: &Model,
+    numerics: Numerics,
+    prompt: &str,
+    n: usize,
+) -> Result<Vec<u32>, ForwardError> {
+    let toks = m.tokenizer.encode(prompt, true, true);
+    let opts = SeqOptions {
+        numerics,
+        ..SeqOptions::default()
+    };
+    let mut cache = m.new_cache_with(toks.len() + n, opts);
+    let mut all = m.forward(&mut cache, &toks, Logits::From(0))?;
+    let nv = m.cfg.n_vocab;
+    for _ in 0..n {
+        let last = &all[all.len() - nv..];
+        let best = (0..nv).fold(0, |b, i| if last[i] > last[b] { i } else { b });
+        all.extend(m.forward(&mut cache, &[best as u32], Logits::Last)?);
+    }
+    Ok(all.iter().map(|v| v.to_bits()).collect())
+}
+
+/// The token pieces and log-probabilities of a completions answer (`"logprobs": 0`).
+pub fn logprobs_of(v: &serde_json::Value) -> (Vec<String>, Vec<f64>) {
+    let lp = &v["choices"][0]["logprobs"];
+    let toks = lp["tokens"]
+        .as_array()
+        .expect("logprobs.tokens")
+        .iter()
+        .map(|t| t.as_str().unwrap_or_default().to_string())
+        .collect();
+    let lps = lp["token_logprobs"]
+        .as_array()
+        .expect("logprobs.token_logprobs")
+        .iter()
+        .map(|x| x.as_f64().unwrap_or(f64::NAN))
+        .collect();
+    (toks, lps)
+}
