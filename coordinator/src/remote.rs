@@ -36,6 +36,10 @@ use ternfleet_shared::wire::{Call, Frame, NodeState, WireRoute};
 
 /// How often down nodes are asked whether they are back.
 pub const PROBE_EVERY: Duration = Duration::from_millis(250);
+/// How often every node is asked for its status (a node that does not answer within a
+/// second, or answers not ready, is marked down). `Hello` is answered at once by a node,
+/// never behind its compute, so a busy node is not mistaken for a dead one.
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
 
 /// Deadlines of the remote backend.
 #[derive(Clone, Copy, Debug)]
@@ -202,15 +206,24 @@ impl Drop for RemoteExperts {
 
 /// Asks down nodes for their status until the backend is dropped.
 fn prober(inner: Weak<Inner>) {
+    let mut beat = Instant::now();
     loop {
         std::thread::sleep(PROBE_EVERY);
         let Some(inner) = inner.upgrade() else { return };
-        let down: Vec<usize> = match inner.nodes.lock() {
-            Ok(n) => (0..n.len()).filter(|&i| n[i].down.is_some()).collect(),
+        // Heartbeat: every node now and then (an idle cluster notices a dead node too);
+        // down nodes every round.
+        let all = beat.elapsed() >= HEARTBEAT_EVERY;
+        if all {
+            beat = Instant::now();
+        }
+        let which: Vec<usize> = match inner.nodes.lock() {
+            Ok(n) => (0..n.len())
+                .filter(|&i| all || n[i].down.is_some())
+                .collect(),
             Err(_) => return,
         };
-        if !down.is_empty() {
-            inner.probe(&down, Duration::from_secs(1));
+        if !which.is_empty() {
+            inner.probe(&which, Duration::from_secs(1));
         }
     }
 }
@@ -281,6 +294,10 @@ impl Inner {
                     tracing::info!(node = %h.id, "node is ready: routing to it");
                     h.down = None;
                 } else if !ready {
+                    if h.down.is_none() {
+                        tracing::warn!(node = %h.id, "node marked down: {text}");
+                        h.down = Some(Instant::now());
+                    }
                     h.why.clone_from(&text);
                 }
             }

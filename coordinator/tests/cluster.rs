@@ -589,6 +589,23 @@ fn losing_the_last_replica_fails_requests_with_unavailable_within_5s_and_serving
     let body = request("The capital of France is", 16, 3);
     let before = completion(&coord.url, &body);
     c.kill(0);
+    // Even with no traffic, the heartbeat notices: /ready says why it is not ready.
+    let t = Instant::now();
+    loop {
+        let (code, text) = get(&coord.url, "/ready");
+        if code == 503 && text.contains("degraded") && text.contains("no live node") {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "/ready still {code} {text}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!(
+        "idle cluster: /ready 503 {:?} after the node died",
+        t.elapsed()
+    );
     let t = Instant::now();
     let (s, v) = post(&coord.url, &body);
     let took = t.elapsed();
@@ -612,6 +629,14 @@ fn losing_the_last_replica_fails_requests_with_unavailable_within_5s_and_serving
     c.restart(0);
     wait_for_log(&coord, back, seen + 1, 15);
     assert_eq!(completion(&coord.url, &body), before);
+    let t = Instant::now();
+    while get(&coord.url, "/ready").0 != 200 {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "/ready not back to 200"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     // Its blobs were verified at its first start: not hashed again.
     let log = std::fs::read_to_string(log_dir().join("last-replica-n1.log")).unwrap_or_default();
     assert!(log.contains("(0 blobs hashed, "), "{log}");

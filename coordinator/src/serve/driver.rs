@@ -15,6 +15,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ternfleet_shared::error::ErrorClass;
+use ternfleet_shared::expert::Health;
+
+/// How often the driver asks the expert backend for its health (`/ready`).
+const HEALTH_EVERY: Duration = Duration::from_millis(250);
 use tokio::sync::mpsc::Sender;
 
 use crate::kv_pool::{KvPool, SeqId};
@@ -60,7 +64,9 @@ struct Live {
     seq: Option<SeqId>,
 }
 
-/// Runs until drained (or the command channel closes). `ready` is set once running.
+/// Runs until drained (or the command channel closes). `status.0` (ready) is set once
+/// running; `status.1` says, at most every [`HEALTH_EVERY`], why the expert backend cannot
+/// serve everything (a cluster's experts with no live node), `None` when it can.
 pub fn run(
     model: Arc<Model>,
     mut pool: KvPool,
@@ -68,8 +74,10 @@ pub fn run(
     opts: DriverOptions,
     rx: Receiver<Cmd>,
     metrics: Arc<Metrics>,
-    ready: Arc<AtomicBool>,
+    status: (Arc<AtomicBool>, Arc<std::sync::Mutex<Option<String>>>),
 ) {
+    let (ready, degraded) = status;
+    let mut checked = Instant::now() - HEALTH_EVERY;
     let mut live: HashMap<ReqId, Live> = HashMap::new();
     let mut drain: Option<Instant> = None;
     metrics
@@ -77,6 +85,25 @@ pub fn run(
         .set(pool.stats().blocks_total as i64);
     ready.store(true, Ordering::SeqCst);
     loop {
+        if checked.elapsed() >= HEALTH_EVERY {
+            checked = Instant::now();
+            let why = match model.experts.health() {
+                Health::Ready => None,
+                Health::Loading { done, total } => {
+                    Some(format!("experts loading: {done} of {total} bytes"))
+                }
+                Health::Unavailable(why) => Some(why),
+            };
+            if let Ok(mut d) = degraded.lock() {
+                if *d != why {
+                    match &why {
+                        Some(w) => tracing::warn!("not ready: {w}"),
+                        None => tracing::info!("every expert has a live node again: ready"),
+                    }
+                    *d = why;
+                }
+            }
+        }
         // Commands: wait for one when there is nothing to compute.
         let mut cmds = Vec::new();
         if sched.is_idle() {

@@ -42,6 +42,9 @@ pub struct Engine {
 pub struct AppState {
     pub engine: OnceLock<Engine>,
     pub ready: Arc<AtomicBool>,
+    /// Why the model cannot serve everything right now (a cluster's experts with no live
+    /// node); `None` when it can. `/ready` answers 503 with it; requests are still tried.
+    pub degraded: Arc<std::sync::Mutex<Option<String>>>,
     pub draining: AtomicBool,
     pub limits: Limits,
     pub metrics: Arc<Metrics>,
@@ -160,6 +163,12 @@ async fn ready(State(s): State<Arc<AppState>>) -> Response {
         (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"status": "draining"})),
+        )
+            .into_response()
+    } else if let Some(why) = s.degraded.lock().ok().and_then(|d| d.clone()) {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "degraded", "reason": why})),
         )
             .into_response()
     } else if s.ready.load(Ordering::SeqCst) {

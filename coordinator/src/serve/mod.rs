@@ -94,6 +94,7 @@ async fn run(
     let state = Arc::new(http::AppState {
         engine: OnceLock::new(),
         ready: ready.clone(),
+        degraded: Default::default(),
         draining: AtomicBool::new(false),
         limits: cfg.limits(),
         metrics: metrics.clone(),
@@ -295,6 +296,7 @@ fn load_and_run(
         },
         top_experts: cfg.top_experts,
     };
-    driver::run(model, pool, sched, opts, rx, metrics, ready);
+    let degraded = state.degraded.clone();
+    driver::run(model, pool, sched, opts, rx, metrics, (ready, degraded));
     Ok(())
 }
