@@ -868,6 +868,45 @@ fn nodes_refuse_unauthenticated_and_mismatched_peers_and_survive_bad_frames() {
         "a node's certificate was let in as a coordinator: {r:?}"
     );
 
+    // An expired certificate from the right CA for the right id.
+    let expired = c.dir.path().join("expired");
+    std::fs::create_dir_all(&expired).unwrap();
+    std::fs::copy(c.certs.join("ca.pem"), expired.join("ca.pem")).unwrap();
+    {
+        let ca_key =
+            rcgen::KeyPair::from_pem(&std::fs::read_to_string(c.certs.join("ca.key")).unwrap())
+                .unwrap();
+        let ca = rcgen::CertificateParams::from_ca_cert_pem(
+            &std::fs::read_to_string(c.certs.join("ca.pem")).unwrap(),
+        )
+        .unwrap()
+        .self_signed(&ca_key)
+        .unwrap();
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut p = rcgen::CertificateParams::new(vec!["coordinator".to_string()]).unwrap();
+        p.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        p.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        p.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = p.signed_by(&key, &ca, &ca_key).unwrap();
+        std::fs::write(expired.join("coordinator.pem"), cert.pem()).unwrap();
+        std::fs::write(expired.join("coordinator.key"), key.serialize_pem()).unwrap();
+    }
+    let old = Identity::load(&expired, "coordinator").unwrap();
+    let r = rt.block_on(exchange(
+        &addr,
+        "n1",
+        old.client_config().unwrap(),
+        &[hello("coordinator")],
+    ));
+    eprintln!(
+        "refused ({})",
+        r[0].as_ref().err().map_or("NOT REFUSED", |e| e.as_str())
+    );
+    assert!(r[0].is_err(), "an expired certificate was accepted: {r:?}");
+
     // The right certificate, a hello that claims another id.
     let r = rt.block_on(exchange(
         &addr,
