@@ -7,21 +7,22 @@
 #   - ternfleet in one process (ternfleet bench -m BUNDLE) and with 2 and 3 node processes
 #     (ternfleet node ..., then ternfleet bench -m BUNDLE --cluster FILE --certs DIR).
 # pp = prefill tokens/s of a --pp-token prompt, tg = decode tokens/s of one sequence (llama-bench's
-# pp/tg tests); agg tg = ternfleet's aggregate decode with --parallel sequences (agg_tg_tps).
+# pp/tg tests); agg tg = ternfleet's aggregate decode with P sequences at once for each P of
+# --parallel (default 4,16; agg_tg_tps), against the same nodes.
 # Nodes and RPC servers get --node-threads threads each; the coordinator / main llama-bench
 # process and the single-process rows get --threads.
 # Goals (the distributed-runtime issue): 3 nodes >= 1.5x llama.cpp RPC with 3 servers on decode,
 # and >= 0.85x ternfleet single-process.
 #
 # usage: [TERNFLEET=bin] benches/cluster-vs-llama-rpc.sh --model FILE.gguf [--bundle DIR] [--reps N]
-#          [--pp N] [--tg N] [--threads T] [--node-threads T] [--parallel P] [--timeout SECS]
+#          [--pp N] [--tg N] [--threads T] [--node-threads T] [--parallel P[,P...]] [--timeout SECS]
 #          [--step-deadline MS] [--no-build]
 # The bundle (default target/bundles/NAME) is made with `ternfleet convert` if DIR does not exist.
 # Smoke run (numbers meaningless): --model tests/data/models/tiny-qwen3moe-q8_0.gguf --reps 1
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 usage="usage: $0 --model FILE.gguf [--bundle DIR] [--reps N] [--pp N] [--tg N] [--threads T] [--node-threads T] [--parallel P] [--timeout SECS] [--step-deadline MS] [--no-build]"
-model="" bundle="" reps=3 pp=128 tg=32 threads=2 node_threads=1 parallel=4 limit=3600 deadline="" build=1
+model="" bundle="" reps=3 pp=128 tg=32 threads=2 node_threads=2 parallel="4,16" limit=3600 deadline="" build=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --model|-m) model=$2; shift 2 ;;
@@ -153,7 +154,7 @@ certs="$work/certs"
 timeout 60 "$tf" certs init --dir "$certs" >/dev/null
 for n in coordinator n1 n2 n3; do timeout 60 "$tf" certs issue --dir "$certs" --name "$n" >/dev/null; done
 tf_args=(--prompt "$pp" --gen "$tg" --reps "$reps" --threads "$threads" --json)
-if [ "$parallel" -gt 0 ]; then tf_args+=(--parallel "$parallel"); fi
+IFS=',' read -r -a par_list <<<"$parallel"
 # args: label, number of nodes (0: one process).
 tf_run() {
   local label=$1 nodes=$2 cluster=() plan=() i
@@ -192,6 +193,15 @@ print(v["quic"])' "$out" "n$i") || fail "node n$i: bad start-up line" "$out"
   echo "+ ternfleet bench -m $bundle ${cluster[*]} ${tf_args[*]}" >&2
   bounded "$tf" bench -m "$bundle" "${cluster[@]}" "${tf_args[@]}" >"$work/$label.json" 2>"$work/$label.err" \
     || fail "ternfleet bench ($label) failed" "$work/$label.err" "$work"/node."$label".*.err
+  # Aggregate decode with P sequences at once (16-token prompts), against the same nodes.
+  local p
+  for p in "${par_list[@]}"; do
+    [ "$p" -gt 0 ] || continue
+    echo "+ ternfleet bench -m $bundle ${cluster[*]} --prompt 16 --gen $tg --parallel $p" >&2
+    bounded "$tf" bench -m "$bundle" "${cluster[@]}" --prompt 16 --gen "$tg" --reps "$reps" --threads "$threads" \
+      --parallel "$p" --json >"$work/$label.agg$p.json" 2>"$work/$label.agg$p.err" \
+      || fail "ternfleet bench --parallel $p ($label) failed" "$work/$label.agg$p.err"
+  done
   stop_all
 }
 tf_run tf-1 0
@@ -200,8 +210,9 @@ tf_run tf-3 3
 
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
 python3 - "$work" "$pp" "$tg" "$parallel" <<'PY'
-import json, sys
-work, pp, tg, par = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+import json, re, sys
+work, pp, tg = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+pars = [int(p) for p in sys.argv[4].split(",") if p.strip() and int(p) > 0]
 def llama(label):
     rows = json.load(open(f"{work}/{label}.json"))
     r = {"pp": None, "tg": None, "agg": None, "backends": rows[0].get("backends", "?") if rows else "?"}
@@ -211,7 +222,14 @@ def llama(label):
     return r
 def tern(label):
     v = json.load(open(f"{work}/{label}.json"))
-    return {"pp": v["pp_tps"], "tg": v["tg_tps"], "agg": v.get("agg_tg_tps"), "backends": v.get("kernels", "?")}
+    r = {"pp": v["pp_tps"], "tg": v["tg_tps"], "backends": v.get("kernels", "?")}
+    for p in pars:
+        r[f"agg{p}"] = json.load(open(f"{work}/{label}.agg{p}.json")).get("agg_tg_tps")
+    # The coordinator's exit line: "cluster: N calls to M nodes (...), X MB sent, Y MB received, round trip mean Z ms"
+    m = re.search(r"cluster: (\d+) calls to (\d+) nodes .*?([\d.]+) MB sent, ([\d.]+) MB received, round trip mean ([\d.]+) ms",
+                  open(f"{work}/{label}.err", errors="replace").read())
+    r["wire"] = m.groups() if m else None
+    return r
 rows = [("llama.cpp, 1 process", llama("llama-1")),
         ("llama.cpp RPC, 2 servers", llama("llama-rpc2")),
         ("llama.cpp RPC, 3 servers", llama("llama-rpc3")),
@@ -222,18 +240,28 @@ for name, r in rows[1:3]:
     if "RPC" not in r["backends"]:
         sys.exit(f"{name}: llama-bench reports backends {r['backends']!r}, not RPC")
 d = dict(rows)
+for r in d.values():
+    for p in pars:
+        r.setdefault(f"agg{p}", None)
 f = lambda x: "" if x is None else f"{x:.1f}"
 q = lambda a, b: "" if a is None or not b else f"{a / b:.2f}x"
 ref = {"ternfleet, 2 nodes": d["llama.cpp RPC, 2 servers"], "ternfleet, 3 nodes": d["llama.cpp RPC, 3 servers"],
        "ternfleet, 1 process": d["llama.cpp, 1 process"]}
-agg = f"agg tg{par} t/s" if par > 0 else "agg tg t/s"
+aggs = "".join(f" agg tg, {p} seqs |" for p in pars)
 print(f"\npp{pp} / tg{tg} tokens/s (llama-bench avg_ts; ternfleet bench); ratios against llama.cpp with the same number of processes")
-print(f"| run | pp{pp} t/s | tg{tg} t/s | {agg} | pp vs llama.cpp | tg vs llama.cpp | tg vs ternfleet 1 process |")
-print("|---|---:|---:|---:|---:|---:|---:|")
+print(f"| run | pp{pp} t/s | tg{tg} t/s |{aggs} pp vs llama.cpp | tg vs llama.cpp | tg vs ternfleet 1 process |")
+print("|---|---:|---:|" + "---:|" * len(pars) + "---:|---:|---:|")
 for name, r in rows:
     l = ref.get(name)
-    print(f"| {name} | {f(r['pp'])} | {f(r['tg'])} | {f(r['agg'])} | {q(r['pp'], l['pp']) if l else ''} | "
+    ag = "".join(f" {f(r[f'agg{p}'])} |" for p in pars)
+    print(f"| {name} | {f(r['pp'])} | {f(r['tg'])} |{ag} {q(r['pp'], l['pp']) if l else ''} | "
           f"{q(r['tg'], l['tg']) if l else ''} | {q(r['tg'], d['ternfleet, 1 process']['tg']) if name.startswith('ternfleet') else ''} |")
+for name in ("ternfleet, 2 nodes", "ternfleet, 3 nodes"):
+    w = d[name].get("wire")
+    if w:
+        calls, nodes, sent, recv, rtt = w
+        print(f"{name}: {calls} calls ({sent} MB sent, {recv} MB received) in its pp/tg bench, mean call round trip {rtt} ms; "
+              "round trips per token = MoE layers (a layer's calls go out together)")
 t3, l3, t1 = d["ternfleet, 3 nodes"], d["llama.cpp RPC, 3 servers"], d["ternfleet, 1 process"]
 def goal(label, a, b, want):
     if a is None or not b: return
@@ -241,9 +269,9 @@ def goal(label, a, b, want):
     print(f"{label}: {r:.2f}x (goal >= {want}x) {'met' if r >= want else 'NOT met'}")
 print()
 goal("decode, ternfleet 3 nodes / llama.cpp RPC 3 servers (tg, one sequence)", t3["tg"], l3["tg"], 1.5)
-if t3["agg"] is not None:
-    goal(f"decode, ternfleet 3 nodes agg tg{par} / llama.cpp RPC 3 servers tg", t3["agg"], l3["tg"], 1.5)
+for p in pars:
+    goal(f"decode, ternfleet 3 nodes agg tg ({p} seqs) / llama.cpp RPC 3 servers tg", t3[f"agg{p}"], l3["tg"], 1.5)
 goal("decode, ternfleet 3 nodes / ternfleet 1 process (tg, one sequence)", t3["tg"], t1["tg"], 0.85)
-if t3["agg"] is not None and t1["agg"]:
-    goal(f"decode, ternfleet 3 nodes / ternfleet 1 process (agg tg{par})", t3["agg"], t1["agg"], 0.85)
+for p in pars:
+    goal(f"decode, ternfleet 3 nodes / ternfleet 1 process (agg tg, {p} seqs)", t3[f"agg{p}"], t1[f"agg{p}"], 0.85)
 PY
