@@ -348,16 +348,6 @@ impl Inner {
             .find(|h| n[*h].down.is_none() && !tried.contains(h))
     }
 
-    /// [`Inner::pick`] for a hint: up holders only (a hint is not worth a dead node's time).
-    fn pick_up(&self, layer: usize, expert: usize) -> Option<usize> {
-        let n = self.nodes.lock().ok()?;
-        self.placement
-            .holders(layer, expert)
-            .iter()
-            .copied()
-            .find(|h| n[*h].down.is_none())
-    }
-
     fn node_id(&self, i: usize) -> &str {
         &self.placement.nodes[i].id
     }
@@ -585,7 +575,7 @@ impl ExpertBackend for RemoteExperts {
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         let mut by_node: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
         for &e in experts {
-            if let Some(n) = self.inner.pick_up(layer, e as usize) {
+            if let Some(n) = self.inner.pick(layer, e as usize, &[]) {
                 by_node.entry(n).or_default().push(e);
             }
         }

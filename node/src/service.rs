@@ -45,11 +45,6 @@ impl Shard {
         Shard { backend, local }
     }
 
-    /// The expert store's counters, when the shard has a store.
-    pub fn backend(&self) -> &dyn ExpertBackend {
-        self.backend.as_ref()
-    }
-
     /// Runs a call: one f32 row per route, in route order.
     pub fn run(&self, node: &str, c: Call) -> Result<Vec<f32>, (ErrorClass, String)> {
         let layer = c.layer as usize;
