@@ -88,6 +88,8 @@ struct Cluster {
     certs: PathBuf,
     nodes: Vec<Node>,
     name: String,
+    /// Extra flags for every `ternfleet node`.
+    node_args: Vec<String>,
 }
 
 impl Cluster {
@@ -107,6 +109,16 @@ impl Cluster {
 
     /// Starts the nodes of `plan` (its addresses are replaced by the bound ones).
     fn start_placed(name: &str, bundle: &Path, plan: ClusterFile) -> Cluster {
+        Cluster::start_placed_with(name, bundle, plan, &[])
+    }
+
+    /// [`Cluster::start_placed`] with extra flags for every node.
+    fn start_placed_with(
+        name: &str,
+        bundle: &Path,
+        plan: ClusterFile,
+        node_args: &[&str],
+    ) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
         let certs = dir.path().join("certs");
         mtls::init_ca(&certs).unwrap();
@@ -131,6 +143,7 @@ impl Cluster {
                 })
                 .collect(),
             name: name.to_string(),
+            node_args: node_args.iter().map(|a| a.to_string()).collect(),
         };
         for i in 0..c.nodes.len() {
             c.spawn_node(i, "127.0.0.1:0");
@@ -154,6 +167,7 @@ impl Cluster {
             .arg(&self.file)
             .args(["--listen", listen, "-t", "1", "--state-dir"])
             .arg(self.dir.path().join("state"))
+            .args(&self.node_args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(
@@ -342,6 +356,39 @@ fn three_nodes_give_the_single_process_tokens_and_logits_bit_for_bit() {
             );
         }
     }
+}
+
+#[test]
+fn prefetch_hints_to_nodes_with_an_expert_store_change_no_bit() {
+    // Nodes keep a few experts in RAM (the expert store) and read the rest from disk; the
+    // coordinator's shadow predictor sends them hints two layers ahead. Output unchanged.
+    let b = bundle(&tiny("tiny-qwen3moe-q8_0.gguf"), "qwen3moe", None, "keep");
+    let man = Manifest::read(&b).unwrap();
+    let list: Vec<(String, String)> = (1..=3)
+        .map(|i| (format!("n{i}"), "127.0.0.1:1".to_string()))
+        .collect();
+    let plan = ClusterFile::plan(&man, &list, 1).unwrap();
+    let c = Cluster::start_placed_with(
+        "hints",
+        &b,
+        plan,
+        &["--ram-budget", "200KiB", "--io-threads", "2"],
+    );
+    for numerics in ["parity", "invariant"] {
+        let args = vec!["--numerics".to_string(), numerics.to_string()];
+        let one = generate(&b, PROMPT, 24, &args);
+        let mut hinted = args.clone();
+        hinted.extend(c.cluster_args());
+        hinted.extend(["--prefetch", "router", "--lookahead", "2"].map(String::from));
+        let (got, log) = generate_logged(&b, PROMPT, 24, &hinted);
+        assert_eq!(
+            got, one,
+            "{numerics}: hinted cluster differs from one process\n{log}"
+        );
+    }
+    // The nodes read experts from disk (the store is in use).
+    let log = std::fs::read_to_string(log_dir().join("hints-n1.log")).unwrap_or_default();
+    assert!(log.contains("expert store"), "{log}");
 }
 
 /// A `ternfleet serve` process with its HTTP address; its stderr goes to `log`.
