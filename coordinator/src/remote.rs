@@ -1,6 +1,6 @@
 //! The remote expert backend: a layer's routed experts run on the nodes of a cluster file,
-//! reached through a [`Transport`] (QUIC in production, an in-memory fault injector in the
-//! tests below).
+//! reached through a [`Transport`] (QUIC in production, an in-memory fault injector in
+//! `coordinator/tests/cluster_mem.rs`).
 //!
 //! Per layer and step, [`RemoteExperts::submit`] groups the batch's routes by node (each
 //! expert's first live holder in the placement), sends each node **one** call with the rows
@@ -15,9 +15,10 @@
 //! same bits. A node marked down is asked for its status at once (a call lost on a healthy
 //! node costs one deadline, not an outage) and then every [`PROBE_EVERY`]. With no live
 //! holder left the batch fails with `Unavailable` naming the nodes and the experts, and the
-//! step rolls back; the server then fails only the requests whose rows needed them. A prober
-//! thread asks down nodes for their status every [`PROBE_EVERY`] and uses them again once
-//! they answer `Ready`.
+//! step rolls back; the server then fails only the requests whose rows needed them. The
+//! prober thread also asks every node for its status every [`HEARTBEAT_EVERY`] (a heartbeat:
+//! an idle cluster notices a dead node, and [`ExpertBackend::health`] says which experts have
+//! no live node); a down node is used again once it answers `Ready`.
 
 use std::collections::BTreeMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
