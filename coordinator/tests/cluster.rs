@@ -12,7 +12,6 @@ use common::*;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -33,27 +32,6 @@ fn log_dir() -> PathBuf {
     let d = root().join("target/cluster-test");
     let _ = std::fs::create_dir_all(&d);
     d
-}
-
-/// Reads a child's first stdout line within `secs` (its start-up line), as JSON.
-fn startup_line(child: &mut Child, secs: u64) -> Value {
-    let stdout = child.stdout.take().expect("stdout is piped");
-    let (tx, rx) = mpsc::channel();
-    std::thread::spawn(move || {
-        let mut r = BufReader::new(stdout);
-        let mut line = String::new();
-        let _ = r.read_line(&mut line);
-        let _ = tx.send(line);
-        // Keep draining so the child never blocks on a full pipe.
-        let mut sink = Vec::new();
-        let _ = r.read_to_end(&mut sink);
-    });
-    let line = rx
-        .recv_timeout(Duration::from_secs(secs))
-        .expect("a start-up line in time");
-    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
-    assert_eq!(v["ternfleet"], "listening", "{line}");
-    v
 }
 
 fn signal(child: &Child, sig: i32) {
@@ -158,7 +136,7 @@ impl Cluster {
         if listen.ends_with(":0") {
             let _ = std::fs::remove_file(&log);
         }
-        let mut child = Command::new(bin())
+        let child = Command::new(bin())
             .args(["node", "-m"])
             .arg(&self.bundle)
             .args(["--id", &id, "--certs"])
@@ -179,11 +157,13 @@ impl Cluster {
             )
             .spawn()
             .expect("spawning ternfleet node");
-        let v = startup_line(&mut child, 30);
+        // Owned (killed on drop) before anything below can fail.
+        let mut proc = Proc(child);
+        let v = startup_line(&mut proc.0, 30);
         assert_eq!(v["role"], "node");
         assert_eq!(v["id"], id.as_str());
         self.nodes[i].addr = v["quic"].as_str().expect("quic address").to_string();
-        self.nodes[i].proc = Some(Proc(child));
+        self.nodes[i].proc = Some(proc);
     }
 
     /// The cluster file with the nodes' real addresses.
@@ -401,7 +381,7 @@ struct Server {
 impl Server {
     fn start(model: &Path, extra: &[String], name: &str) -> Server {
         let log = log_dir().join(format!("{name}.log"));
-        let mut child = Command::new(bin())
+        let child = Command::new(bin())
             .args(["serve", "-m"])
             .arg(model)
             .args(["--http", "127.0.0.1:0", "--grpc", "", "-t", "2"])
@@ -411,10 +391,11 @@ impl Server {
             .stderr(std::fs::File::create(&log).map_or(Stdio::null(), Stdio::from))
             .spawn()
             .expect("spawning ternfleet serve");
-        let v = startup_line(&mut child, 60);
+        let mut proc = Proc(child);
+        let v = startup_line(&mut proc.0, 60);
         let url = format!("http://{}", v["http"].as_str().expect("http"));
         let s = Server {
-            _proc: Proc(child),
+            _proc: proc,
             url,
             log,
         };
@@ -1365,7 +1346,7 @@ fn coordinator_and_two_nodes_in_their_own_network_namespaces() {
     let mut nodes = Vec::new();
     for (i, who) in ["a", "b"].iter().enumerate() {
         let id = format!("n{}", i + 1);
-        let mut child = Command::new("ip")
+        let child = Command::new("ip")
             .args([
                 "netns",
                 "exec",
@@ -1391,9 +1372,10 @@ fn coordinator_and_two_nodes_in_their_own_network_namespaces() {
             .stderr(Stdio::null())
             .spawn()
             .expect("ip netns exec ternfleet node");
-        let v = startup_line(&mut child, 30);
-        plan.nodes[i].addr = v["quic"].as_str().expect("quic").to_string();
         nodes.push(Proc(child));
+        let last = nodes.last_mut().expect("just pushed");
+        let v = startup_line(&mut last.0, 30);
+        plan.nodes[i].addr = v["quic"].as_str().expect("quic").to_string();
     }
     std::fs::write(&file, plan.to_toml()).unwrap();
     let run = |inside: bool| -> String {

@@ -9,7 +9,6 @@ use common::*;
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
@@ -57,7 +56,7 @@ impl Server {
     /// Starts `ternfleet serve` on `model` and reads its start-up line (no readiness wait).
     fn spawn(model: &Path, extra: &[&str]) -> Server {
         let log = root().join("target/serve-test.log");
-        let mut child = Command::new(env!("CARGO_BIN_EXE_ternfleet"))
+        let child = Command::new(env!("CARGO_BIN_EXE_ternfleet"))
             .arg("serve")
             .arg("-m")
             .arg(model)
@@ -68,22 +67,12 @@ impl Server {
             .stderr(std::fs::File::create(&log).map_or(Stdio::null(), Stdio::from))
             .spawn()
             .expect("spawning ternfleet serve");
-        let stdout = child.stdout.take().expect("stdout is piped");
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            let mut line = String::new();
-            let _ = BufReader::new(stdout).read_line(&mut line);
-            let _ = tx.send(line);
-        });
         let mut server = Server {
             child,
             url: String::new(),
             grpc: None,
         };
-        let line = rx
-            .recv_timeout(Duration::from_secs(60))
-            .expect("start-up line within 60 s");
-        let v: Value = serde_json::from_str(&line).expect("the start-up line is JSON");
+        let v = startup_line(&mut server.child, 60);
         assert_eq!(v["ternfleet"], "listening");
         assert_eq!(v["role"], "coordinator");
         server.url = format!("http://{}", v["http"].as_str().expect("http address"));

@@ -1,10 +1,13 @@
 //! Helpers shared by the multi-process and engine tests (each test binary uses some).
 #![allow(dead_code)]
 
+use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
 use std::process::Child;
+use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use serde_json::Value;
 use ternfleet_coordinator::kv_cache::SeqOptions;
 use ternfleet_coordinator::model::{ForwardError, Logits, Model};
 use ternfleet_kernels::Numerics;
@@ -38,6 +41,27 @@ pub fn metric(url: &str, name: &str) -> f64 {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
         .unwrap_or(f64::NAN)
+}
+
+/// Reads a child's first stdout line within `secs` (its start-up line), as JSON.
+pub fn startup_line(child: &mut Child, secs: u64) -> Value {
+    let stdout = child.stdout.take().expect("stdout is piped");
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let mut r = BufReader::new(stdout);
+        let mut line = String::new();
+        let _ = r.read_line(&mut line);
+        let _ = tx.send(line);
+        // Keep draining so the child never blocks on a full pipe.
+        let mut sink = Vec::new();
+        let _ = r.read_to_end(&mut sink);
+    });
+    let line = rx
+        .recv_timeout(Duration::from_secs(secs))
+        .expect("a start-up line in time");
+    let v: Value = serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+    assert_eq!(v["ternfleet"], "listening", "{line}");
+    v
 }
 
 /// Waits for a child at most `secs` seconds (killing it and failing past that).
