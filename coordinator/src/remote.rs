@@ -382,19 +382,16 @@ pub struct RemoteInFlight {
     n_embd: usize,
 }
 
-/// Groups routes `which` by node (first live holder not in `tried`) and sends one call per
-/// node.
-#[allow(clippy::too_many_arguments)]
+/// Groups routes `which` of batch `b` by node (first live holder not in `tried`) and sends
+/// one call per node.
 fn send_parts(
     inner: &Arc<Inner>,
-    layer: usize,
-    input: &Activations,
-    routes: &[Route],
-    numerics: Numerics,
+    b: &ExpertBatch<'_>,
     which: &[usize],
     tried: &[usize],
     first_sent: Option<Instant>,
 ) -> Result<Vec<Part>, ExpertError> {
+    let (layer, input, routes) = (b.layer, b.input, b.routes);
     let mut by_node: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     let mut orphans: Vec<u32> = Vec::new();
     for &r in which {
@@ -443,16 +440,15 @@ fn send_parts(
                 expert: routes[r].expert,
             });
         }
-        let mut x = Activations::new();
-        x.gather(input, &rows);
+        // The rows' kernel bytes, straight into the frame (no intermediate Activations).
         let call = Frame::Call(Call {
             layer: layer as u32,
-            numerics,
-            ty: x.ty(),
+            numerics: b.numerics,
+            ty: input.ty(),
             n_tokens: rows.len() as u32,
-            cols: x.cols() as u32,
+            cols: input.cols() as u32,
             routes: wire,
-            input: x.bytes().to_vec(),
+            input: rows.iter().flat_map(|&r| input.row(r)).copied().collect(),
         });
         let bytes = call.encode().map_err(|e| ExpertError::Unavailable {
             layer,
@@ -532,16 +528,7 @@ impl ExpertBackend for RemoteExperts {
                 want,
             });
         }
-        let parts = send_parts(
-            &self.inner,
-            layer,
-            b.input,
-            b.routes,
-            b.numerics,
-            &remote,
-            &[],
-            None,
-        )?;
+        let parts = send_parts(&self.inner, b, &remote, &[], None)?;
         // Shared experts: computed now, while the calls are away.
         let local = if local_routes.is_empty() {
             None
@@ -713,23 +700,20 @@ impl InFlight for RemoteInFlight {
                     .name("node-probe".into())
                     .spawn(move || inner.probe(&[node], Duration::from_millis(500)));
             }
-            let again = send_parts(
-                &inner,
+            let batch = ExpertBatch {
                 layer,
-                &self.input,
-                &self.routes,
-                self.numerics,
-                &p.routes,
-                &p.tried,
-                Some(p.first_sent),
-            )
-            .map_err(|e| match e {
-                ExpertError::Unavailable { layer, reason } => ExpertError::Unavailable {
-                    layer,
-                    reason: format!("node {node} failed ({msg}); {reason}"),
-                },
-                e => e,
-            })?;
+                input: &self.input,
+                routes: &self.routes,
+                numerics: self.numerics,
+            };
+            let again = send_parts(&inner, &batch, &p.routes, &p.tried, Some(p.first_sent))
+                .map_err(|e| match e {
+                    ExpertError::Unavailable { layer, reason } => ExpertError::Unavailable {
+                        layer,
+                        reason: format!("node {node} failed ({msg}); {reason}"),
+                    },
+                    e => e,
+                })?;
             self.parts.extend(again);
         }
         Ok(ys)
