@@ -114,6 +114,7 @@ pub fn bench_parallel(
     n_prompt: usize,
     n_gen: usize,
     reps: usize,
+    micro_batches: usize,
 ) -> Result<f64, ForwardError> {
     use crate::model::{NoObserver, SeqInput, StepOptions};
     let n_vocab = model.cfg.n_vocab as u64;
@@ -127,6 +128,7 @@ pub fn bench_parallel(
     let mut pool = model.new_pool(block * blocks * n_seq as u64, opts.numerics)?;
     let step = StepOptions {
         numerics: opts.numerics,
+        micro_batches,
         ..StepOptions::default()
     };
     let mut once = || -> Result<f64, ForwardError> {

@@ -751,6 +751,11 @@ pub struct BenchArgs {
     /// (`agg_tg_tps`, after a --prompt-token prefill of each; llama-batched-bench's S_TG).
     #[arg(long)]
     pub parallel: Option<usize>,
+    /// With --parallel, --cluster and --numerics invariant: split each step into at most
+    /// this many micro-batches (1 or 2), so one's attention runs while the other's experts
+    /// are on the nodes; 1 measures without the overlap.
+    #[arg(long = "micro-batches", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=2))]
+    pub micro_batches: u64,
     /// Print {"pp_tps":..,"tg_tps":..}.
     #[arg(long)]
     pub json: bool,
@@ -1294,14 +1299,17 @@ fn generate_many(
         kv_budget: a.kv_budget,
         top_experts: opts.top_experts,
         sampling: params,
-        keep_logits: false,
+        keep_logits: a.logits_digest,
     };
     let (outs, stats) = crate::engine::run(model, &toks, &eopts)?;
     let mut stdout = std::io::stdout().lock();
     for (i, o) in outs.iter().enumerate() {
         let text = model.tokenizer.decode(&o.tokens);
         if a.json {
-            let obj = serde_json::json!({ "index": i, "prompt_tokens": toks[i].len(), "tokens": o.tokens, "text": text });
+            let mut obj = serde_json::json!({ "index": i, "prompt_tokens": toks[i].len(), "tokens": o.tokens, "text": text });
+            if a.logits_digest {
+                obj["logits_sha256"] = crate::generate::logits_sha256(&o.logits).into();
+            }
             writeln!(stdout, "{obj}")?;
         } else {
             writeln!(stdout, "[{i}] {}{text}", prompts[i])?;
@@ -1569,7 +1577,13 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             bail!("--parallel must be at least 1");
         }
         r.agg_tg_tps = Some(crate::bench::bench_parallel(
-            &model, opts, n, a.prompt, a.gen, a.reps,
+            &model,
+            opts,
+            n,
+            a.prompt,
+            a.gen,
+            a.reps,
+            a.micro_batches as usize,
         )?);
         r.parallel = Some(n);
     }

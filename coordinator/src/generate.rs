@@ -77,11 +77,22 @@ pub fn generate(
         }
     }
     out.decode_s = t1.elapsed().as_secs_f64();
-    out.logits_sha256 = digest.map(|h| {
-        sha2::Digest::finalize(h)
-            .iter()
-            .map(|b| format!("{b:02x}"))
-            .collect()
-    });
+    out.logits_sha256 = digest.map(hex);
     Ok(out)
+}
+
+/// SHA-256 (hex) of the bits of logit rows, in order: what `--logits-digest` prints.
+pub fn logits_sha256(rows: &[Vec<f32>]) -> String {
+    let mut h = <sha2::Sha256 as sha2::Digest>::new();
+    for v in rows.iter().flatten() {
+        sha2::Digest::update(&mut h, v.to_bits().to_le_bytes());
+    }
+    hex(h)
+}
+
+fn hex(h: sha2::Sha256) -> String {
+    sha2::Digest::finalize(h)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }

@@ -583,6 +583,10 @@ impl ExpertBackend for RemoteExperts {
         true
     }
 
+    fn overlaps(&self) -> bool {
+        true
+    }
+
     fn remote_stats(&self) -> Option<RemoteStats> {
         Some(self.stats())
     }

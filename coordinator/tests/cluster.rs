@@ -258,6 +258,10 @@ fn generate_logged(
 /// Converts a test model (or Gemma) into a bundle under target/ (reused: convert resumes).
 fn bundle(src: &Path, name: &str, experts: Option<usize>, ty: &str) -> PathBuf {
     let out = log_dir().join(format!("bundle-{name}"));
+    // Tests run in parallel and share bundles: one conversion at a time (the second finds
+    // the first's finished bundle and returns at once).
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
     convert(
         &ConvertOptions {
             model: src.to_owned(),
@@ -335,6 +339,98 @@ fn three_nodes_give_the_single_process_tokens_and_logits_bit_for_bit() {
                 "{name} {numerics}: 3 nodes differ from one process"
             );
         }
+    }
+}
+
+/// `ternfleet generate --prompts FILE --parallel N --json --logits-digest`: per prompt, its
+/// tokens and logits digest; and the log.
+fn generate_many(
+    model: &Path,
+    prompts: &Path,
+    extra: &[String],
+) -> (Vec<(Vec<u64>, String)>, String) {
+    let mut out = Command::new(bin())
+        .args(["generate", "-m"])
+        .arg(model)
+        .arg("--prompts")
+        .arg(prompts)
+        .args(["-n", "12", "-t", "2", "--temp", "0"])
+        .args(["--json", "--logits-digest", "--ignore-eos"])
+        .args(extra)
+        .env("RUST_LOG", "info")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawning ternfleet generate");
+    let mut se = out.stderr.take().expect("piped");
+    let t_err = std::thread::spawn(move || {
+        let mut err = String::new();
+        let _ = se.read_to_string(&mut err);
+        err
+    });
+    let mut stdout = String::new();
+    let _ = out
+        .stdout
+        .take()
+        .expect("piped")
+        .read_to_string(&mut stdout);
+    let st = wait_bounded(&mut out, 120, "generate --prompts");
+    let log = t_err.join().unwrap_or_default();
+    assert!(st.success(), "generate --prompts {extra:?} failed:\n{log}");
+    let rows = stdout
+        .lines()
+        .map(|l| {
+            let v: Value = serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}"));
+            let toks = v["tokens"].as_array().expect("tokens").iter();
+            (
+                toks.map(|t| t.as_u64().unwrap_or(u64::MAX)).collect(),
+                v["logits_sha256"].as_str().expect("digest").to_string(),
+            )
+        })
+        .collect();
+    (rows, log)
+}
+
+#[test]
+fn concurrent_sequences_in_two_micro_batches_give_single_process_bits() {
+    // Several sequences in one step over 3 nodes, invariant numerics: the coordinator splits
+    // each step in two micro-batches (one's attention while the other's experts are on the
+    // nodes). Every sequence's tokens and logits equal one process running the same prompts.
+    let dir = tempfile::tempdir().unwrap();
+    let prompts = dir.path().join("prompts.txt");
+    std::fs::write(
+        &prompts,
+        "The capital of France is\nOnce upon a time, in a land far away, there lived\n1, 2, 3,\nRust is a language that\nThe quick brown fox\n",
+    )
+    .unwrap();
+    let mut cases = vec![(
+        "qwen3moe",
+        bundle(&tiny("tiny-qwen3moe-q8_0.gguf"), "qwen3moe", None, "keep"),
+    )];
+    if let Some(g) = gemma() {
+        cases.push(("gemma-moe8", bundle(&g, "gemma-moe8", Some(8), "keep")));
+    }
+    for (name, b) in cases {
+        let c = Cluster::start(&format!("micro-{name}"), &b, 3, 1);
+        let args: Vec<String> = ["--numerics", "invariant", "--parallel", "5"]
+            .map(String::from)
+            .to_vec();
+        let (one, _) = generate_many(&b, &prompts, &args);
+        let mut clustered = args.clone();
+        clustered.extend(c.cluster_args());
+        let (three, log) = generate_many(&b, &prompts, &clustered);
+        assert_eq!(one.len(), 5, "{name}");
+        assert!(one.iter().all(|(t, _)| t.len() == 12), "{name}: {one:?}");
+        assert_eq!(
+            one, three,
+            "{name}: micro-batched cluster differs from one process"
+        );
+        assert!(
+            log.contains("micro-batches:"),
+            "{name}: the steps were not split:\n{log}"
+        );
     }
 }
 

@@ -27,9 +27,20 @@ use ternfleet_shared::expert::{ExpertError, Health};
 use ternfleet_shared::net::{NetError, Reply, Transport};
 use ternfleet_shared::wire::Frame;
 
+/// One test at a time: their per-call deadlines are short (150 ms, so faults are quick to
+/// test) and, run side by side on a 2-core machine, an innocent node's call overran them.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
 /// The tiny qwen3moe test model as a bundle (2 layers × 16 experts, top-4).
 fn bundle() -> PathBuf {
     let out = root().join("target/cluster-test/bundle-mem-qwen3moe");
+    // Tests run in parallel and share bundles: one conversion at a time (the second finds
+    // the first's finished bundle and returns at once).
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
     convert(
         &ConvertOptions {
             model: root().join("tests/data/models/tiny-qwen3moe-q8_0.gguf"),
@@ -205,6 +216,7 @@ const PROMPT: &str = "This License applies to any program";
 
 #[test]
 fn seeded_call_losses_with_replicas_change_no_bit() {
+    let _serial = serial();
     let b = bundle();
     let local = Model::open(&b).unwrap();
     for numerics in [Numerics::Parity, Numerics::Invariant] {
@@ -235,6 +247,7 @@ fn seeded_call_losses_with_replicas_change_no_bit() {
 
 #[test]
 fn a_partitioned_or_slow_node_fails_over_and_is_used_again_when_it_returns() {
+    let _serial = serial();
     let b = bundle();
     let local = Model::open(&b).unwrap();
     let want = run(&local, Numerics::Invariant, PROMPT, 8).unwrap();
@@ -267,6 +280,7 @@ fn a_partitioned_or_slow_node_fails_over_and_is_used_again_when_it_returns() {
 
 #[test]
 fn with_every_holder_gone_the_step_fails_unavailable_and_the_cache_is_unchanged() {
+    let _serial = serial();
     let b = bundle();
     let local = Model::open(&b).unwrap();
     let s = setup(&b, 3, 1, 0.0, 3);

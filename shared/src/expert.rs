@@ -203,6 +203,11 @@ pub trait ExpertBackend: Send + Sync {
     fn wants_hints(&self) -> bool {
         false
     }
+    /// Whether [`ExpertBackend::submit`] returns while the work is still being done
+    /// elsewhere (remote nodes), so the caller gains by computing meanwhile (micro-batches).
+    fn overlaps(&self) -> bool {
+        false
+    }
     /// The expert store's counters, when the backend has a store.
     fn store_stats(&self) -> Option<StoreStats> {
         None

@@ -53,6 +53,38 @@ impl NetError {
     }
 }
 
+/// The largest UDP payload an endpoint accepts. quinn's default (1,472: Ethernet) also caps
+/// path-MTU discovery whatever its own upper bound (`mtls::MTU_UPPER_BOUND`), so a layer's
+/// results crossed loopback or a jumbo-frame LAN as 1,472-byte packets. (quinn sizes its
+/// receive buffers by this, so it is no larger than discovery may reach.)
+pub const MAX_UDP_PAYLOAD: u16 = crate::mtls::MTU_UPPER_BOUND;
+
+/// Socket buffers asked for, each way.
+pub const SOCKET_BUFFER: usize = 4 << 20;
+
+/// A QUIC endpoint bound to `addr` (a server when `server` is given), inside the current tokio
+/// runtime, accepting datagrams up to [`MAX_UDP_PAYLOAD`].
+pub fn endpoint(
+    addr: SocketAddr,
+    server: Option<quinn::ServerConfig>,
+) -> std::io::Result<quinn::Endpoint> {
+    let mut cfg = quinn::EndpointConfig::default();
+    cfg.max_udp_payload_size(MAX_UDP_PAYLOAD)
+        .map_err(|e| std::io::Error::other(format!("QUIC endpoint: {e}")))?;
+    let socket = socket2::Socket::new(
+        socket2::Domain::for_address(addr),
+        socket2::Type::DGRAM,
+        Some(socket2::Protocol::UDP),
+    )?;
+    // Room for a burst of a large answer (a prefill's results are megabytes; the default
+    // ~208 KB overflowed on loopback: UDP RcvbufErrors); the kernel caps these at
+    // net.core.{r,w}mem_max, which is no error.
+    socket.set_recv_buffer_size(SOCKET_BUFFER)?;
+    socket.set_send_buffer_size(SOCKET_BUFFER)?;
+    socket.bind(&addr.into())?;
+    quinn::Endpoint::new(cfg, server, socket.into(), Arc::new(quinn::TokioRuntime))
+}
+
 /// The answer to one request: a frame from the node (a `Result`, `Status` or `Error`), or
 /// why none came.
 pub type Reply = Result<Frame, NetError>;
@@ -123,7 +155,7 @@ impl QuicTransport {
         let client = me.client_config().map_err(|e| e.to_string())?;
         let endpoint = {
             let _g = rt.enter();
-            quinn::Endpoint::client(SocketAddr::from(([0, 0, 0, 0], 0)))
+            endpoint(SocketAddr::from(([0, 0, 0, 0], 0)), None)
                 .map_err(|e| format!("QUIC client endpoint: {e}"))?
         };
         let peers = nodes

@@ -68,11 +68,28 @@ pub trait Observer: Send {
     /// The routes of an MoE layer (per token, best first; a shared expert last) and the
     /// router's scores (`n_tokens × n_expert`).
     fn routes(&mut self, _layer: usize, _routes: &[Route], _scores: &[f32]) {}
+    /// Whether it looks at nothing (a step may then be split into micro-batches, whose
+    /// layers would reach an observer as separate row ranges).
+    fn is_noop(&self) -> bool {
+        false
+    }
 }
 
 /// An [`Observer`] that looks at nothing.
 pub struct NoObserver;
-impl Observer for NoObserver {}
+impl Observer for NoObserver {
+    fn is_noop(&self) -> bool {
+        true
+    }
+}
+
+/// One micro-batch's expert call of one layer, in flight.
+struct Flight {
+    layer: usize,
+    routes: Vec<Route>,
+    call: Box<dyn ternfleet_shared::expert::InFlight>,
+    sent: Instant,
+}
 
 /// Which positions of a batch need logits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -113,6 +130,11 @@ pub struct StepOptions {
     pub numerics: Numerics,
     /// How long one layer's expert call may take.
     pub expert_deadline: Duration,
+    /// At most this many micro-batches per step (1 or 2): with 2, a step of several
+    /// sequences whose experts run elsewhere (a cluster) is split in two, and one half's
+    /// attention runs while the other half's experts are away. Only with invariant numerics
+    /// (where it changes no bit); otherwise, or with one sequence, the step is one batch.
+    pub micro_batches: usize,
 }
 
 impl Default for StepOptions {
@@ -120,6 +142,7 @@ impl Default for StepOptions {
         StepOptions {
             numerics: Numerics::Parity,
             expert_deadline: Duration::from_secs(60),
+            micro_batches: 2,
         }
     }
 }
@@ -673,167 +696,241 @@ impl Model {
         } else {
             Vec::new()
         };
-        let all_tokens: Vec<Route> = (0..n as u32)
-            .map(|t| Route {
-                token: t,
-                expert: 0,
-                weight: 1.0,
-            })
-            .collect();
         let mut expert_in = Activations::new();
+        // Micro-batches ("lanes"): whole sequences, contiguous rows. With two, one lane's
+        // attention runs while the other's experts are away (software pipeline below).
+        let lanes = self.lanes(segs, opts, obs);
+        // Per lane, its layer's expert call in flight: (layer, routes, call, sent).
+        let mut flights: Vec<Option<Flight>> = lanes.iter().map(|_| None).collect();
 
         dump("embd", &x, d);
-        for (il, lw) in w.layers.iter().enumerate() {
-            // Attention block.
-            h.copy_from_slice(&x);
-            ops::rms_norm_rows(&mut h, &lw.attn_norm, cfg.rms_eps);
-            dump(&format!("attn_norm-{il}"), &h, d);
-            linear(&mut act, &lw.wq, &h, n, lw.bq.as_deref(), &mut q, numerics)?;
-            linear(&mut act, &lw.wk, &h, n, lw.bk.as_deref(), &mut k, numerics)?;
-            linear(&mut act, &lw.wv, &h, n, lw.bv.as_deref(), &mut v, numerics)?;
-            dump(&format!("Qcur-{il}"), &q, cfg.q_dim());
-            dump(&format!("Kcur-{il}"), &k, cfg.k_dim());
-            dump(&format!("Vcur-{il}"), &v, cfg.v_dim());
-            if let Some(qn) = &lw.q_norm {
-                ops::rms_norm_rows(&mut q, qn, cfg.rms_eps);
-            }
-            if let Some(kn) = &lw.k_norm {
-                ops::rms_norm_rows(&mut k, kn, cfg.rms_eps);
-            }
-            dump(&format!("Kcur_normed-{il}"), &k, cfg.k_dim());
-            let rope = if cfg.is_swa[il] {
-                &rope_swa
-            } else {
-                &rope_global
-            };
-            for (t, rope) in rope.iter().enumerate() {
-                for head in
-                    q[t * cfg.q_dim()..(t + 1) * cfg.q_dim()].chunks_exact_mut(cfg.head_dim_k)
-                {
-                    ops::rope_apply(head, rope, cfg.rope_type);
+        // Step `il` runs every lane's attention block of layer `il`; before a lane's, the
+        // lane's FFN of layer `il - 1` is collected. With one lane this is the plain order
+        // (attention, experts, attention, ...); with two, lane B's attention of layer `il`
+        // overlaps lane A's experts of layer `il` and lane A's attention of `il + 1`
+        // overlaps lane B's experts. Every row's arithmetic is the same either way (lanes
+        // are only used with invariant numerics), so the output bits are too.
+        for il in 0..=w.layers.len() {
+            for (&(r0, r1), flight) in lanes.iter().zip(flights.iter_mut()) {
+                let nl = r1 - r0;
+                if let Some(f) = flight.take() {
+                    // The FFN block of layer `il - 1` for this lane: its experts' results,
+                    // summed per token in route order (llama.cpp adds a token's experts
+                    // slot by slot in router order, shared expert last; float addition is
+                    // not associative), whatever backend or node computed them.
+                    let lw = &w.layers[f.layer];
+                    let ys = f.call.wait(f.sent + opts.expert_deadline)?;
+                    if ys.len() != f.routes.len() * d {
+                        return Err(ForwardError::ExpertOutput {
+                            layer: f.layer,
+                            got: ys.len(),
+                            routes: f.routes.len(),
+                            n_embd: d,
+                        });
+                    }
+                    let o = &mut o[r0 * d..r1 * d];
+                    o.iter_mut().for_each(|v| *v = 0.0);
+                    for (r, y) in f.routes.iter().zip(ys.chunks_exact(d)) {
+                        let t = r.token as usize;
+                        let dst = &mut o[t * d..(t + 1) * d];
+                        if r.weight == 1.0 {
+                            dst.iter_mut().zip(y).for_each(|(o, v)| *o += v);
+                        } else {
+                            // `ggml_mul` then `ggml_add`: two roundings, no FMA.
+                            dst.iter_mut().zip(y).for_each(|(o, v)| *o += r.weight * v);
+                        }
+                    }
+                    if let Some(pn) = &lw.post_ffn_norm {
+                        ops::rms_norm_rows(o, pn, cfg.rms_eps);
+                    }
+                    let x = &mut x[r0 * d..r1 * d];
+                    x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
+                    dump(&format!("l_out-{}", f.layer), x, d);
                 }
-                for head in
-                    k[t * cfg.k_dim()..(t + 1) * cfg.k_dim()].chunks_exact_mut(cfg.head_dim_k)
-                {
-                    ops::rope_apply(head, rope, cfg.rope_type);
-                }
-            }
-            if cfg.q_scale != 1.0 {
-                q.iter_mut().for_each(|v| *v *= cfg.q_scale);
-            }
-            dump(&format!("Qrope-{il}"), &q, cfg.head_dim_k);
-            dump(&format!("Krope-{il}"), &k, cfg.k_dim());
-            for s in segs {
-                for t in 0..s.n {
-                    let r = s.row0 + t;
-                    pool.write(
-                        il,
-                        s.seq,
-                        s.p0 + t,
-                        &k[r * cfg.k_dim()..(r + 1) * cfg.k_dim()],
-                        &v[r * cfg.v_dim()..(r + 1) * cfg.v_dim()],
-                    );
-                }
-            }
-            let window = if cfg.is_swa[il] {
-                cfg.sliding_window
-            } else {
-                None
-            };
-            attend(cfg, pool, il, segs, &q, window, numerics, &mut attn);
-            dump(&format!("kqv_out-{il}"), &attn, cfg.n_head * cfg.head_dim_v);
-            linear(
-                &mut act,
-                &lw.wo,
-                &attn,
-                n,
-                lw.bo.as_deref(),
-                &mut o,
-                numerics,
-            )?;
-            dump(&format!("attn_out-{il}"), &o, d);
-            if let Some(pn) = &lw.post_attn_norm {
-                ops::rms_norm_rows(&mut o, pn, cfg.rms_eps);
-            }
-            x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
-            dump(&format!("ffn_inp-{il}"), &x, d);
+                let Some(lw) = w.layers.get(il) else {
+                    continue;
+                };
+                // This lane's rows of every buffer, and its segments rebased to them.
+                let lsegs: Vec<Segment> = segs
+                    .iter()
+                    .filter(|s| s.row0 >= r0 && s.row0 < r1)
+                    .map(|s| Segment {
+                        row0: s.row0 - r0,
+                        ..*s
+                    })
+                    .collect();
+                let x = &mut x[r0 * d..r1 * d];
+                let h = &mut h[r0 * d..r1 * d];
+                let q = &mut q[r0 * cfg.q_dim()..r1 * cfg.q_dim()];
+                let k = &mut k[r0 * cfg.k_dim()..r1 * cfg.k_dim()];
+                let v = &mut v[r0 * cfg.v_dim()..r1 * cfg.v_dim()];
+                let attn_dim = cfg.n_head * cfg.head_dim_v;
+                let attn = &mut attn[r0 * attn_dim..r1 * attn_dim];
+                let o = &mut o[r0 * d..r1 * d];
 
-            // FFN block, through the expert backend.
-            obs.ffn_residual(il, &x);
-            h.copy_from_slice(&x);
-            ops::rms_norm_rows(&mut h, &lw.ffn_norm, cfg.rms_eps);
-            dump(&format!("ffn_norm-{il}"), &h, d);
-            obs.ffn_input(il, &h);
-            let routed;
-            let routes = match (&lw.router, &cfg.moe) {
-                (Some(r), Some(m)) => {
-                    let scores;
-                    (routed, scores) = r.route_rows(m, &h, n, &ks, numerics);
-                    obs.routes(il, &routed, &scores);
-                    &routed
+                // Attention block.
+                h.copy_from_slice(x);
+                ops::rms_norm_rows(h, &lw.attn_norm, cfg.rms_eps);
+                dump(&format!("attn_norm-{il}"), h, d);
+                linear(&mut act, &lw.wq, h, nl, lw.bq.as_deref(), q, numerics)?;
+                linear(&mut act, &lw.wk, h, nl, lw.bk.as_deref(), k, numerics)?;
+                linear(&mut act, &lw.wv, h, nl, lw.bv.as_deref(), v, numerics)?;
+                dump(&format!("Qcur-{il}"), q, cfg.q_dim());
+                dump(&format!("Kcur-{il}"), k, cfg.k_dim());
+                dump(&format!("Vcur-{il}"), v, cfg.v_dim());
+                if let Some(qn) = &lw.q_norm {
+                    ops::rms_norm_rows(q, qn, cfg.rms_eps);
                 }
-                _ => &all_tokens,
-            };
-            // Shadow predictor: later layers' routers on this state hint the expert store,
-            // so their experts are read while this layer computes. Never changes the output.
-            if self.lookahead > 0 && self.experts.wants_hints() {
-                if let (Some(m), Some(p)) = (&cfg.moe, predict::RouterPredictor::new(cfg, w)) {
-                    // The most experts any row of this step uses (per-request --top-experts).
-                    let k = ks.iter().copied().max().unwrap_or(m.n_expert_used);
-                    for target in il + 1..(il + 1 + self.lookahead).min(cfg.n_layer) {
-                        let mut set = match &self.learned {
-                            Some(lp) if lp.has(il, target) => lp.predict(&x, n, il, target, k),
-                            _ => p.predict(&x, n, target, k),
-                        };
-                        set.sort_unstable();
-                        set.dedup();
-                        self.experts.prefetch(target, &set);
+                if let Some(kn) = &lw.k_norm {
+                    ops::rms_norm_rows(k, kn, cfg.rms_eps);
+                }
+                dump(&format!("Kcur_normed-{il}"), k, cfg.k_dim());
+                let rope = if cfg.is_swa[il] {
+                    &rope_swa[r0..r1]
+                } else {
+                    &rope_global[r0..r1]
+                };
+                for (t, rope) in rope.iter().enumerate() {
+                    for head in
+                        q[t * cfg.q_dim()..(t + 1) * cfg.q_dim()].chunks_exact_mut(cfg.head_dim_k)
+                    {
+                        ops::rope_apply(head, rope, cfg.rope_type);
+                    }
+                    for head in
+                        k[t * cfg.k_dim()..(t + 1) * cfg.k_dim()].chunks_exact_mut(cfg.head_dim_k)
+                    {
+                        ops::rope_apply(head, rope, cfg.rope_type);
                     }
                 }
-            }
-            // The rows cross the backend quantized to what the layer's experts read.
-            let in_ty = self.experts.input_type(il)?;
-            ternfleet_shared::compute::quantize_as(&mut expert_in, in_ty, &h, n, d)?;
-            let batch = ExpertBatch {
-                layer: il,
-                input: &expert_in,
-                routes,
-                numerics,
-            };
-            let started = Instant::now();
-            let ys = self
-                .experts
-                .submit(&batch)?
-                .wait(started + opts.expert_deadline)?;
-            if ys.len() != routes.len() * d {
-                return Err(ForwardError::ExpertOutput {
+                if cfg.q_scale != 1.0 {
+                    q.iter_mut().for_each(|v| *v *= cfg.q_scale);
+                }
+                dump(&format!("Qrope-{il}"), q, cfg.head_dim_k);
+                dump(&format!("Krope-{il}"), k, cfg.k_dim());
+                for s in &lsegs {
+                    for t in 0..s.n {
+                        let r = s.row0 + t;
+                        pool.write(
+                            il,
+                            s.seq,
+                            s.p0 + t,
+                            &k[r * cfg.k_dim()..(r + 1) * cfg.k_dim()],
+                            &v[r * cfg.v_dim()..(r + 1) * cfg.v_dim()],
+                        );
+                    }
+                }
+                let window = if cfg.is_swa[il] {
+                    cfg.sliding_window
+                } else {
+                    None
+                };
+                attend(cfg, pool, il, &lsegs, q, window, numerics, attn);
+                dump(&format!("kqv_out-{il}"), attn, attn_dim);
+                linear(&mut act, &lw.wo, attn, nl, lw.bo.as_deref(), o, numerics)?;
+                dump(&format!("attn_out-{il}"), o, d);
+                if let Some(pn) = &lw.post_attn_norm {
+                    ops::rms_norm_rows(o, pn, cfg.rms_eps);
+                }
+                x.iter_mut().zip(o.iter()).for_each(|(x, o)| *x += o);
+                dump(&format!("ffn_inp-{il}"), x, d);
+
+                // FFN block, through the expert backend: sent now, collected at the next
+                // step of the pipeline.
+                obs.ffn_residual(il, x);
+                h.copy_from_slice(x);
+                ops::rms_norm_rows(h, &lw.ffn_norm, cfg.rms_eps);
+                dump(&format!("ffn_norm-{il}"), h, d);
+                obs.ffn_input(il, h);
+                let lks = &ks[r0..r1];
+                let routes = match (&lw.router, &cfg.moe) {
+                    (Some(r), Some(m)) => {
+                        let (routed, scores) = r.route_rows(m, h, nl, lks, numerics);
+                        obs.routes(il, &routed, &scores);
+                        routed
+                    }
+                    _ => (0..nl as u32)
+                        .map(|t| Route {
+                            token: t,
+                            expert: 0,
+                            weight: 1.0,
+                        })
+                        .collect(),
+                };
+                // Shadow predictor: later layers' routers on this state hint the expert
+                // store, so their experts are read while this layer computes. Never changes
+                // the output.
+                if self.lookahead > 0 && self.experts.wants_hints() {
+                    if let (Some(m), Some(p)) = (&cfg.moe, predict::RouterPredictor::new(cfg, w)) {
+                        // The most experts any row of this step uses (per-request
+                        // --top-experts).
+                        let kmax = lks.iter().copied().max().unwrap_or(m.n_expert_used);
+                        for target in il + 1..(il + 1 + self.lookahead).min(cfg.n_layer) {
+                            let mut set = match &self.learned {
+                                Some(lp) if lp.has(il, target) => {
+                                    lp.predict(x, nl, il, target, kmax)
+                                }
+                                _ => p.predict(x, nl, target, kmax),
+                            };
+                            set.sort_unstable();
+                            set.dedup();
+                            self.experts.prefetch(target, &set);
+                        }
+                    }
+                }
+                // The rows cross the backend quantized to what the layer's experts read.
+                let in_ty = self.experts.input_type(il)?;
+                ternfleet_shared::compute::quantize_as(&mut expert_in, in_ty, h, nl, d)?;
+                let batch = ExpertBatch {
                     layer: il,
-                    got: ys.len(),
-                    routes: routes.len(),
-                    n_embd: d,
+                    input: &expert_in,
+                    routes: &routes,
+                    numerics,
+                };
+                let sent = Instant::now();
+                let call = self.experts.submit(&batch)?;
+                *flight = Some(Flight {
+                    layer: il,
+                    routes,
+                    call,
+                    sent,
                 });
             }
-            // Each token's expert outputs summed in route order (llama.cpp adds a token's
-            // experts slot by slot in router order, shared expert last; float addition is not
-            // associative), whatever backend or node computed them.
-            o.iter_mut().for_each(|v| *v = 0.0);
-            for (r, y) in routes.iter().zip(ys.chunks_exact(d)) {
-                let t = r.token as usize;
-                let dst = &mut o[t * d..(t + 1) * d];
-                if r.weight == 1.0 {
-                    dst.iter_mut().zip(y).for_each(|(o, v)| *o += v);
-                } else {
-                    // `ggml_mul` then `ggml_add`: two roundings, no FMA.
-                    dst.iter_mut().zip(y).for_each(|(o, v)| *o += r.weight * v);
-                }
-            }
-            if let Some(pn) = &lw.post_ffn_norm {
-                ops::rms_norm_rows(&mut o, pn, cfg.rms_eps);
-            }
-            x.iter_mut().zip(&o).for_each(|(x, o)| *x += o);
-            dump(&format!("l_out-{il}"), &x, d);
         }
         Ok(x)
+    }
+
+    /// The step's micro-batches as row ranges (whole segments each; see
+    /// [`StepOptions::micro_batches`]).
+    fn lanes(
+        &self,
+        segs: &[Segment],
+        opts: &StepOptions,
+        obs: &dyn Observer,
+    ) -> Vec<(usize, usize)> {
+        let n: usize = segs.iter().map(|s| s.n).sum();
+        let split = opts.micro_batches >= 2
+            && opts.numerics == Numerics::Invariant
+            && segs.len() >= 2
+            && self.experts.overlaps()
+            && obs.is_noop();
+        if !split {
+            return vec![(0, n)];
+        }
+        static SAID: std::sync::Once = std::sync::Once::new();
+        SAID.call_once(|| {
+            tracing::info!(
+                "micro-batches: steps of several sequences run as 2, one's attention while the other's experts are on the nodes"
+            )
+        });
+        // The first lane takes whole segments up to about half the rows.
+        let mut cut = segs[0].row0 + segs[0].n;
+        for s in &segs[1..segs.len() - 1] {
+            if 2 * cut >= n {
+                break;
+            }
+            cut = s.row0 + s.n;
+        }
+        vec![(0, cut), (cut, n)]
     }
 
     /// Final norm and LM head for the rows that want logits, split per input.
