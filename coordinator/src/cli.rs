@@ -197,6 +197,15 @@ pub struct NodeArgs {
     /// ~/.local/state/ternfleet).
     #[arg(long = "state-dir")]
     pub state_dir: Option<PathBuf>,
+    /// Start a new control plane (Raft group) with this node as its first voter; the cluster
+    /// file seeds the replicated placement. Ignored when the node's Raft store
+    /// (STATE_DIR/ID/raft.redb) already holds a cluster (a restart).
+    #[arg(long = "init-cluster", conflicts_with = "join")]
+    pub init_cluster: bool,
+    /// Join the control plane through the member at ADDR (any member's QUIC host:port; a
+    /// follower points to the leader): added as a learner, promoted to voter once caught up.
+    #[arg(long, value_name = "ADDR")]
+    pub join: Option<String>,
 }
 
 /// `ternfleet serve` (flags override --config).
@@ -1024,6 +1033,12 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
                 .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")))
                 .map(|d| d.join("ternfleet")),
         },
+        control: (a.init_cluster || a.join.is_some()).then(|| {
+            ternfleet_node::control::ControlOptions {
+                init_cluster: a.init_cluster,
+                join: a.join.clone(),
+            }
+        }),
     })?;
     Ok(())
 }

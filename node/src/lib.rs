@@ -17,6 +17,7 @@
 //! The coordinator drives the executor and the store; the server is the only network code. The
 //! matmul helpers (`Linear`, `matmul_par`) live in `ternfleet_shared::compute`, which both
 //! roles use.
+pub mod control;
 pub mod expert;
 pub mod server;
 pub mod service;

@@ -22,6 +22,7 @@ use ternfleet_shared::mtls::{self, Identity};
 use ternfleet_shared::net::{write_frame, CLOSE_IDENTITY, CLOSE_SHUTDOWN};
 use ternfleet_shared::wire::{Frame, NodeState, HEADER, MAX_FRAME};
 
+use crate::control::Member;
 use crate::expert::{Activation, LocalExperts};
 use crate::service::{Service, Shard};
 use crate::shard::{open_experts_with, ExpertShape};
@@ -50,8 +51,12 @@ pub struct NodeOptions {
     /// The FFN activation of the bundle's architecture (the coordinator's model code knows
     /// it; the manifest names the architecture).
     pub act: Activation,
-    /// Where the node remembers which blobs it verified (`None`: hash every start).
+    /// Where the node remembers which blobs it verified (`None`: hash every start), and keeps
+    /// its Raft store (`ID/raft.redb`) when it is a control-plane member.
     pub state_dir: Option<PathBuf>,
+    /// A seat in the control plane's Raft group (`--init-cluster`, `--join ADDR`); `None`:
+    /// the static cluster file only.
+    pub control: Option<crate::control::ControlOptions>,
 }
 
 /// Errors starting a node (loading its shard later is reported through its status).
@@ -141,6 +146,44 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
         total,
     ));
     tracing::info!(id = %opts.id, quic = %bound, experts = held.iter().map(Vec::len).sum::<usize>(), bytes = total, "node: serving placement from {}", opts.cluster.display());
+    // A node that was a member restarts as one without --init-cluster / --join.
+    let control = opts.control.clone().or_else(|| {
+        let store = opts.state_dir.as_ref()?.join(&opts.id).join("raft.redb");
+        store.exists().then(crate::control::ControlOptions::default)
+    });
+    let member = match &control {
+        None => None,
+        Some(c) => {
+            let dir = opts.state_dir.clone().ok_or_else(|| {
+                setup("--init-cluster / --join need a state directory (--state-dir) for the Raft store")
+            })?;
+            // Peers reach this node at the address it was bound to, or, bound to every
+            // interface, at its address in the cluster file.
+            let advertise = if bound.ip().is_unspecified() {
+                placement.nodes[idx].addr.clone()
+            } else {
+                bound.to_string()
+            };
+            let seed = ternfleet_control::Command::Seed {
+                bundle: Some(digest.clone()),
+                file: cluster.clone(),
+                n_layer: man.n_layer as u32,
+                n_expert: man.moe.n_expert as u32,
+            };
+            let m = crate::control::start(
+                &me,
+                &opts.id,
+                &advertise,
+                dir,
+                endpoint.clone(),
+                rt.handle(),
+                c,
+                Some(seed),
+            )
+            .map_err(setup)?;
+            Some(m)
+        }
+    };
     let allowed = Arc::new(placement.coordinators.clone());
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CALLS));
     rt.spawn(accept_loop(
@@ -148,6 +191,7 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
         svc.clone(),
         allowed,
         permits.clone(),
+        member.clone(),
     ));
     {
         let svc = svc.clone();
@@ -258,9 +302,11 @@ async fn accept_loop(
     svc: Arc<Service>,
     allowed: Arc<Vec<String>>,
     permits: Arc<tokio::sync::Semaphore>,
+    member: Option<Arc<Member>>,
 ) {
     while let Some(incoming) = endpoint.accept().await {
         let (svc, allowed, permits) = (svc.clone(), allowed.clone(), permits.clone());
+        let member = member.clone();
         tokio::spawn(async move {
             let remote = incoming.remote_address();
             let conn = match tokio::time::timeout(READ_TIMEOUT, incoming).await {
@@ -277,6 +323,14 @@ async fn accept_loop(
             // Authenticated before any stream is read.
             let peer = match mtls::peer_id(&conn, &allowed) {
                 Ok(p) => p,
+                // Another member of the control plane (the CA vouched for it; each Raft
+                // frame and Join is checked against the id its certificate names).
+                Err(_) if member.is_some() => {
+                    if let Some(m) = member {
+                        control_connection(conn, m).await;
+                    }
+                    return;
+                }
                 Err(why) => {
                     tracing::warn!(%remote, "node: connection refused: {why}");
                     conn.close(CLOSE_IDENTITY.into(), why.as_bytes());
@@ -374,6 +428,40 @@ async fn stream(
             conn.close(CLOSE_IDENTITY.into(), b"protocol violation");
         }
     }
+}
+
+/// A connection from a control-plane peer: Raft frames on uni-streams, `Join` on bi-streams.
+async fn control_connection(conn: quinn::Connection, m: Arc<Member>) {
+    let raft = m.transport.clone().serve_connection(conn.clone());
+    let joins = async {
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let (m, conn) = (m.clone(), conn.clone());
+            tokio::spawn(async move {
+                let cap = HEADER + 3 * ternfleet_shared::wire::MAX_TEXT;
+                let reply = match tokio::time::timeout(READ_TIMEOUT, recv.read_to_end(cap)).await {
+                    Ok(Ok(b)) => match Frame::decode(&b) {
+                        Ok(Frame::Join { id, addr }) => {
+                            crate::control::answer_join(&m, &conn, id, addr).await
+                        }
+                        Ok(other) => Frame::Error {
+                            class: ErrorClass::BadRequest,
+                            message: format!(
+                                "a control-plane peer may send Join or Raft frames, not {}",
+                                other.name()
+                            ),
+                        },
+                        Err(e) => Frame::Error {
+                            class: ErrorClass::BadRequest,
+                            message: e.to_string(),
+                        },
+                    },
+                    _ => return,
+                };
+                answer(&mut send, &reply, "control peer").await;
+            });
+        }
+    };
+    tokio::join!(raft, joins);
 }
 
 async fn connection(

@@ -36,7 +36,7 @@ fn invalid(msg: impl Into<String>) -> ClusterError {
 }
 
 /// The file as written.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ClusterFile {
     /// Ids whose certificates may call the nodes.
@@ -54,7 +54,7 @@ fn default_coordinators() -> Vec<String> {
 }
 
 /// One node of the file.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NodeEntry {
     pub id: String,

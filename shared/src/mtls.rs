@@ -261,6 +261,86 @@ impl Identity {
     }
 }
 
+impl Identity {
+    /// A client configuration that accepts any server whose certificate chains to the
+    /// cluster CA, whatever id it names: for `--join ADDR`, where the member at ADDR is not
+    /// known by id yet. The chain, validity dates and TLS 1.3 signatures are checked as
+    /// usual; only the name check is left to the caller, who must check the id the peer
+    /// claims with [`peer_id`] before trusting it.
+    pub fn client_config_any_member(&self) -> Result<quinn::ClientConfig, MtlsError> {
+        let tls = |e: rustls::Error| MtlsError::Tls(e.to_string());
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            Arc::new(self.roots()?),
+            provider.clone(),
+        )
+        .build()
+        .map_err(|e| MtlsError::Tls(e.to_string()))?;
+        let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .map_err(tls)?
+            .dangerous()
+            .with_custom_certificate_verifier(Arc::new(AnyMember(inner)))
+            .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
+            .map_err(tls)?;
+        cfg.alpn_protocols = vec![ALPN.to_vec()];
+        let q = quinn::crypto::rustls::QuicClientConfig::try_from(cfg)
+            .map_err(|e| MtlsError::Tls(e.to_string()))?;
+        let mut c = quinn::ClientConfig::new(Arc::new(q));
+        c.transport_config(Arc::new(transport()?));
+        Ok(c)
+    }
+}
+
+/// The CA's verifier with only its server-name check waived (rustls checks the chain first,
+/// then the name: a name error means the chain was good).
+#[derive(Debug)]
+struct AnyMember(Arc<rustls::client::WebPkiServerVerifier>);
+
+impl rustls::client::danger::ServerCertVerifier for AnyMember {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        use rustls::CertificateError as C;
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp_response, now)
+        {
+            Err(rustls::Error::InvalidCertificate(
+                C::NotValidForName | C::NotValidForNameContext { .. },
+            )) => Ok(rustls::client::danger::ServerCertVerified::assertion()),
+            r => r,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
 /// Keep-alive, idle timeout and stream limits, set explicitly on both sides.
 fn transport() -> Result<quinn::TransportConfig, MtlsError> {
     let mut t = quinn::TransportConfig::default();

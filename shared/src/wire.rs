@@ -44,6 +44,9 @@ enum Kind {
     Result = 4,
     Error = 5,
     Hint = 6,
+    Raft = 7,
+    Join = 8,
+    Joined = 9,
 }
 
 /// A node's state as it reports it.
@@ -103,6 +106,24 @@ pub enum Frame {
     Error { class: ErrorClass, message: String },
     /// Coordinator → node, on a uni-stream: these experts of `layer` will be needed soon.
     Hint { layer: u32, experts: Vec<u32> },
+    /// Member → member of the control plane's Raft group, on a uni-stream: one raft-rs message,
+    /// opaque here (raft-rs pins its own protobuf). `from` is the sender's id, which its
+    /// certificate must name (its Raft id is derived from it); `to` the receiver's Raft id.
+    Raft { from: String, to: u64, msg: Vec<u8> },
+    /// A node → any member (`--join ADDR`): add me to the group. `id` must be named by the
+    /// caller's certificate; `addr` is its QUIC address.
+    Join { id: String, addr: String },
+    /// The answer to `Join`: `member` is the answering member's id (the caller checks the
+    /// server certificate names it); `accepted` when the leader added the caller as a
+    /// learner, else `leader`/`leader_addr` say where to ask (empty: unknown yet) and
+    /// `message` why.
+    Joined {
+        member: String,
+        accepted: bool,
+        leader: String,
+        leader_addr: String,
+        message: String,
+    },
 }
 
 /// Why bytes are not a frame.
@@ -256,6 +277,24 @@ impl Frame {
             Frame::Result { .. } => Kind::Result,
             Frame::Error { .. } => Kind::Error,
             Frame::Hint { .. } => Kind::Hint,
+            Frame::Raft { .. } => Kind::Raft,
+            Frame::Join { .. } => Kind::Join,
+            Frame::Joined { .. } => Kind::Joined,
+        }
+    }
+
+    /// The frame kind's name (for messages; a frame's Debug form may be megabytes).
+    pub fn name(&self) -> &'static str {
+        match self.kind() {
+            Kind::Hello => "Hello",
+            Kind::Status => "Status",
+            Kind::Call => "Call",
+            Kind::Result => "Result",
+            Kind::Error => "Error",
+            Kind::Hint => "Hint",
+            Kind::Raft => "Raft",
+            Kind::Join => "Join",
+            Kind::Joined => "Joined",
         }
     }
 
@@ -327,6 +366,30 @@ impl Frame {
                 for &e in &experts[..n] {
                     o.u32(e);
                 }
+            }
+            Frame::Raft { from, to, msg } => {
+                o.0.reserve(24 + from.len() + msg.len());
+                o.text(from);
+                o.u64(*to);
+                o.u64(msg.len() as u64);
+                o.0.extend_from_slice(msg);
+            }
+            Frame::Join { id, addr } => {
+                o.text(id);
+                o.text(addr);
+            }
+            Frame::Joined {
+                member,
+                accepted,
+                leader,
+                leader_addr,
+                message,
+            } => {
+                o.text(member);
+                o.u8(*accepted as u8);
+                o.text(leader);
+                o.text(leader_addr);
+                o.text(message);
             }
         }
         let len = o.0.len() - HEADER;
@@ -455,6 +518,36 @@ impl Frame {
                 }
                 Frame::Hint { layer, experts }
             }
+            k if k == Kind::Raft as u8 => {
+                let from = r.text("raft from")?;
+                let to = r.u64("raft to")?;
+                let n = r.u64("raft length")?;
+                let n = usize::try_from(n)
+                    .ok()
+                    .filter(|&n| n <= r.b.len())
+                    .ok_or_else(|| bad(format!("raft: {n} bytes announced, {} left", r.b.len())))?;
+                let msg = r.take(n, "raft message")?.to_vec();
+                Frame::Raft { from, to, msg }
+            }
+            k if k == Kind::Join as u8 => Frame::Join {
+                id: r.text("join id")?,
+                addr: r.text("join addr")?,
+            },
+            k if k == Kind::Joined as u8 => {
+                let member = r.text("joined member")?;
+                let accepted = match r.u8("joined accepted")? {
+                    0 => false,
+                    1 => true,
+                    v => return Err(bad(format!("joined accepted: {v} is not 0 or 1"))),
+                };
+                Frame::Joined {
+                    member,
+                    accepted,
+                    leader: r.text("joined leader")?,
+                    leader_addr: r.text("joined leader addr")?,
+                    message: r.text("joined message")?,
+                }
+            }
             k => return Err(bad(format!("unknown frame kind {k}"))),
         };
         r.end(match f.kind() {
@@ -464,6 +557,9 @@ impl Frame {
             Kind::Result => "result",
             Kind::Error => "error",
             Kind::Hint => "hint",
+            Kind::Raft => "raft",
+            Kind::Join => "join",
+            Kind::Joined => "joined",
         })?;
         Ok(f)
     }
@@ -599,6 +695,27 @@ mod tests {
             Frame::Hint {
                 layer: 4,
                 experts: vec![0, 9, 127],
+            },
+            Frame::Raft {
+                from: "n3".into(),
+                to: u64::MAX,
+                msg: vec![0, 1, 255, 7],
+            },
+            Frame::Raft {
+                from: "n1".into(),
+                to: 2,
+                msg: Vec::new(),
+            },
+            Frame::Join {
+                id: "n4".into(),
+                addr: "10.0.0.4:7400".into(),
+            },
+            Frame::Joined {
+                member: "n2".into(),
+                accepted: false,
+                leader: "n1".into(),
+                leader_addr: "10.0.0.1:7400".into(),
+                message: "not the leader".into(),
             },
         ]
     }

@@ -1,0 +1,317 @@
+//! The node's seat in the control plane's Raft group (`ternfleet node --init-cluster` or
+//! `--join ADDR`): a [`Replica`] on its own thread ([`Driver`]), its store in
+//! `STATE_DIR/ID/raft.redb`, Raft messages over the node's own QUIC endpoint ([`QuicRaft`]).
+//!
+//! - `--init-cluster`: the first voter. A fresh store is bootstrapped with this node as the
+//!   only voter; once it leads, the static `--cluster FILE` seeds the placement and the node
+//!   registers itself. Given again on a restart, it is ignored (the store already holds the
+//!   cluster).
+//! - `--join ADDR`: asks the member at ADDR (any member; a follower answers with the leader's
+//!   address, and the node asks there) to add it. The leader registers it, adds it as a
+//!   learner, and promotes it to voter once its log has caught up (the driver does that).
+//! - Neither, with a store that holds a cluster: a restart, rejoining as what it was.
+//!
+//! Peers reach the group on the node's QUIC endpoint with any certificate of the cluster CA;
+//! each Raft frame must come from the id its sender's certificate names, and a `Join` from the
+//! id it asks to add.
+
+use std::path::PathBuf;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use tokio::sync::watch;
+
+use ternfleet_control::driver::{ControlHandle, Driver, DriverConfig};
+use ternfleet_control::quic::{raft_id, QuicRaft, Resolver};
+use ternfleet_control::replica::{Replica, ReplicaConfig};
+use ternfleet_control::state::{ClusterState, Command, NodeCaps, Outcome};
+use ternfleet_control::{conf_change, ConfChangeType, RaftStore};
+use ternfleet_shared::mtls::{self, Identity};
+use ternfleet_shared::net::{read_frame, write_frame, CONNECT_TIMEOUT};
+use ternfleet_shared::wire::Frame;
+
+/// How the node takes its seat.
+#[derive(Clone, Debug, Default)]
+pub struct ControlOptions {
+    pub init_cluster: bool,
+    pub join: Option<String>,
+}
+
+/// The running member.
+pub struct Member {
+    pub handle: ControlHandle,
+    pub transport: Arc<QuicRaft>,
+    id: String,
+    addr: String,
+    // Stops the thread when the node exits.
+    _driver: Driver,
+}
+
+fn lookup(state: &ClusterState, raft: u64) -> Option<(String, String)> {
+    state
+        .nodes
+        .iter()
+        .find(|(_, n)| n.raft_id == raft)
+        .map(|(id, n)| (id.clone(), n.addr.clone()))
+}
+
+/// Starts the member. `seed`: the placement `--init-cluster` proposes when the group has none.
+#[allow(clippy::too_many_arguments)]
+pub fn start(
+    me: &Identity,
+    id: &str,
+    addr: &str,
+    dir: PathBuf,
+    endpoint: quinn::Endpoint,
+    rt: &tokio::runtime::Handle,
+    opts: &ControlOptions,
+    seed: Option<Command>,
+) -> Result<Arc<Member>, String> {
+    let path = dir.join(id).join("raft.redb");
+    let store = RaftStore::open(&path).map_err(|e| e.to_string())?;
+    let me_raft = raft_id(id);
+    if store.initialized() {
+        if opts.init_cluster || opts.join.is_some() {
+            tracing::info!(
+                "control: {} already holds this node's cluster: restarting as a member (--init-cluster / --join ignored)",
+                path.display()
+            );
+        }
+    } else if opts.init_cluster {
+        Replica::bootstrap(&store, &[me_raft]).map_err(|e| e.to_string())?;
+        tracing::info!("control: new cluster, {id} its first voter");
+    } else if opts.join.is_none() {
+        return Err(format!(
+            "{} holds no cluster: start the first member with --init-cluster, others with --join ADDR",
+            path.display()
+        ));
+    }
+    let state_rx: Arc<OnceLock<watch::Receiver<Arc<ClusterState>>>> = Arc::new(OnceLock::new());
+    let resolve: Resolver = {
+        let state_rx = state_rx.clone();
+        Arc::new(move |r| state_rx.get().and_then(|s| lookup(&s.borrow(), r)))
+    };
+    let client = me.client_config().map_err(|e| e.to_string())?;
+    let transport = QuicRaft::new(id, endpoint.clone(), client, resolve, rt.clone());
+    let replica = Replica::open(&ReplicaConfig::new(me_raft), store).map_err(|e| e.to_string())?;
+    let driver = Driver::spawn(replica, transport.clone(), DriverConfig::default())
+        .map_err(|e| e.to_string())?;
+    let handle = driver.handle.clone();
+    let _ = state_rx.set(handle.applied());
+    transport.attach(handle.clone());
+    let member = Arc::new(Member {
+        handle: handle.clone(),
+        transport,
+        id: id.to_string(),
+        addr: addr.to_string(),
+        _driver: driver,
+    });
+    rt.spawn(watch_leadership(member.clone()));
+    if opts.init_cluster {
+        rt.spawn(init(member.clone(), seed));
+    } else if let Some(target) = opts.join.clone() {
+        let any = me.client_config_any_member().map_err(|e| e.to_string())?;
+        rt.spawn(join(member.clone(), endpoint, any, target));
+    }
+    Ok(member)
+}
+
+/// Logs every change of leader, term or membership (tests and operators read these lines).
+async fn watch_leadership(m: Arc<Member>) {
+    let mut last = None;
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tick.tick().await;
+        let Ok(s) = m.handle.status().await else {
+            return;
+        };
+        let state = m.handle.applied().borrow().clone();
+        let name = |r: u64| lookup(&state, r).map_or_else(|| r.to_string(), |(id, _)| id);
+        let now = (s.leader, s.term, s.voters.clone(), s.learners.clone());
+        if last.as_ref() != Some(&now) {
+            let voters: Vec<String> = s.voters.iter().map(|&v| name(v)).collect();
+            let learners: Vec<String> = s.learners.iter().map(|&v| name(v)).collect();
+            tracing::info!(
+                term = s.term,
+                leader = %s.leader.map_or_else(|| "none".to_string(), name),
+                voters = %voters.join(","),
+                raw_voters = ?s.voters,
+                learners = %learners.join(","),
+                placement_version = state.placement_version,
+                "control: membership"
+            );
+            last = Some(now);
+        }
+    }
+}
+
+/// The first voter: lead, seed the placement, register.
+async fn init(m: Arc<Member>, seed: Option<Command>) {
+    let _ = m.handle.campaign();
+    let t0 = Instant::now();
+    loop {
+        if let Ok(s) = m.handle.status().await {
+            if s.leader == Some(s.id) {
+                break;
+            }
+        }
+        if t0.elapsed() > Duration::from_secs(30) {
+            tracing::warn!("control: not leading 30 s after --init-cluster; another member leads");
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let state = m.handle.applied().borrow().clone();
+    if let Some(cmd) = seed.filter(|_| state.placement_version == 0 && state.nodes.is_empty()) {
+        match m.handle.propose(cmd).await {
+            Ok(Outcome::Rejected(why)) => {
+                tracing::error!("control: the seed placement was refused: {why}")
+            }
+            Ok(_) => tracing::info!("control: placement seeded from the cluster file"),
+            Err(e) => tracing::error!("control: seeding the placement: {e}"),
+        }
+    }
+    register(&m, &m.id, &m.addr).await;
+}
+
+async fn register(m: &Member, id: &str, addr: &str) -> Option<String> {
+    let cmd = Command::Register {
+        id: id.to_string(),
+        raft_id: raft_id(id),
+        addr: addr.to_string(),
+        caps: NodeCaps {
+            kernels: ternfleet_kernels::isa_name().to_string(),
+            ..NodeCaps::default()
+        },
+    };
+    match m.handle.propose(cmd).await {
+        Ok(Outcome::Rejected(why)) => Some(why),
+        Ok(_) => None,
+        Err(e) => Some(e.to_string()),
+    }
+}
+
+/// Serves a `Join` (on the leader: register, add as learner; elsewhere: say who leads).
+pub async fn answer_join(m: &Member, conn: &quinn::Connection, id: String, addr: String) -> Frame {
+    let reply = |accepted: bool, leader: (String, String), message: String| Frame::Joined {
+        member: m.id.clone(),
+        accepted,
+        leader: leader.0,
+        leader_addr: leader.1,
+        message,
+    };
+    if let Err(e) = mtls::peer_id(conn, std::slice::from_ref(&id)) {
+        return reply(false, Default::default(), format!("join as {id:?}: {e}"));
+    }
+    let Ok(st) = m.handle.status().await else {
+        return reply(
+            false,
+            Default::default(),
+            "the control plane stopped".into(),
+        );
+    };
+    let state = m.handle.applied().borrow().clone();
+    let leader = st
+        .leader
+        .and_then(|l| lookup(&state, l))
+        .unwrap_or_default();
+    if st.leader != Some(st.id) {
+        return reply(false, leader, "not the leader".into());
+    }
+    if let Some(why) = register(m, &id, &addr).await {
+        return reply(false, leader, format!("registering {id}: {why}"));
+    }
+    let r = raft_id(&id);
+    if !st.voters.contains(&r) && !st.learners.contains(&r) {
+        let cc = conf_change(r, ConfChangeType::AddLearnerNode);
+        if let Err(e) = m.handle.change_membership(cc).await {
+            return reply(false, leader, format!("adding {id} as a learner: {e}"));
+        }
+        tracing::info!(%id, %addr, "control: {id} joined as a learner");
+    }
+    reply(true, leader, String::new())
+}
+
+/// Asks the member at `target` (then the leader it names) to add this node, until accepted.
+async fn join(m: Arc<Member>, endpoint: quinn::Endpoint, any: quinn::ClientConfig, target: String) {
+    let mut target = target;
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
+        match ask_join(&m, &endpoint, &any, &target).await {
+            Ok(Frame::Joined {
+                accepted: true,
+                member,
+                ..
+            }) => {
+                tracing::info!("control: {member} at {target} added this node to the cluster");
+                return;
+            }
+            Ok(Frame::Joined {
+                leader_addr,
+                message,
+                member,
+                ..
+            }) => {
+                tracing::info!("control: join via {member} at {target}: {message}");
+                if !leader_addr.is_empty() {
+                    target = leader_addr;
+                }
+            }
+            Ok(other) => tracing::warn!("control: join via {target}: unexpected answer {other:?}"),
+            Err(e) => {
+                if attempt % 10 == 1 {
+                    tracing::warn!("control: join via {target}: {e} (retrying)");
+                }
+            }
+        }
+        // Already a member (the leader's snapshot arrived): done.
+        if let Ok(s) = m.handle.status().await {
+            if s.voters.contains(&s.id) || s.learners.contains(&s.id) {
+                return;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+}
+
+async fn ask_join(
+    m: &Member,
+    endpoint: &quinn::Endpoint,
+    any: &quinn::ClientConfig,
+    target: &str,
+) -> Result<Frame, String> {
+    let sock = tokio::net::lookup_host(target)
+        .await
+        .map_err(|e| format!("{target}: {e}"))?
+        .next()
+        .ok_or_else(|| format!("{target}: no address"))?;
+    // The member's id is not known yet: the CA is checked now, the id it claims below.
+    let connecting = endpoint
+        .connect_with(any.clone(), sock, "member")
+        .map_err(|e| e.to_string())?;
+    let conn = tokio::time::timeout(CONNECT_TIMEOUT, connecting)
+        .await
+        .map_err(|_| format!("no handshake within {CONNECT_TIMEOUT:?}"))?
+        .map_err(|e| e.to_string())?;
+    let ask = async {
+        let (mut send, mut recv) = conn.open_bi().await.map_err(|e| e.to_string())?;
+        let req = Frame::Join {
+            id: m.id.clone(),
+            addr: m.addr.clone(),
+        }
+        .encode()
+        .map_err(|e| e.to_string())?;
+        write_frame(&mut send, &req).await?;
+        read_frame(&mut recv).await
+    };
+    let reply = tokio::time::timeout(Duration::from_secs(10), ask)
+        .await
+        .map_err(|_| "no answer within 10 s".to_string())??;
+    if let Frame::Joined { member, .. } = &reply {
+        mtls::peer_id(&conn, std::slice::from_ref(member))
+            .map_err(|e| format!("the member answering as {member:?}: {e}"))?;
+    }
+    conn.close(0u32.into(), b"joined");
+    Ok(reply)
+}
