@@ -3,6 +3,8 @@
 //! Raft group over their QUIC endpoints — the first with `--init-cluster` (seeding the
 //! placement from the cluster file), the others with `--join` — and:
 //!
+//! - a member's certificate cannot join another id into the group nor speak Raft for another
+//!   member, a non-coordinator cannot call experts, garbage on a Raft stream is dropped;
 //! - SIGKILL the leader: the other two elect a new one within the goal (< 5 s), measured;
 //! - the killed node restarts from its Raft store (no flags) and rejoins as a voter;
 //! - SIGKILL every node and restart them all: the same members and the same committed
@@ -21,7 +23,9 @@ use std::time::{Duration, Instant};
 use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
 use ternfleet_shared::bundle::Manifest;
 use ternfleet_shared::cluster::ClusterFile;
+use ternfleet_shared::error::ErrorClass;
 use ternfleet_shared::mtls;
+use ternfleet_shared::wire::Frame;
 
 fn bin() -> &'static str {
     env!("CARGO_BIN_EXE_ternfleet")
@@ -214,6 +218,64 @@ impl Group {
     }
 }
 
+/// As member n2, asks `addr` (member `name`) to add n9, sends a data-plane Hello, a Raft frame
+/// claiming to come from n3 and garbage on Raft streams: the two answers.
+fn door(certs: &Path, addr: &str, name: &str) -> Vec<Result<Frame, String>> {
+    let n2 = mtls::Identity::load(certs, "n2").unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let ep = quinn::Endpoint::client("127.0.0.1:0".parse().unwrap()).unwrap();
+        let conn = ep
+            .connect_with(n2.client_config().unwrap(), addr.parse().unwrap(), name)
+            .unwrap();
+        let conn = tokio::time::timeout(Duration::from_secs(5), conn)
+            .await
+            .expect("handshake in 5 s")
+            .expect("n2's certificate is a member's");
+        let ask = |f: Frame| {
+            let conn = conn.clone();
+            async move {
+                let r = async {
+                    let (mut s, mut r) = conn.open_bi().await.map_err(|e| e.to_string())?;
+                    s.write_all(&f.encode().unwrap())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    s.finish().map_err(|e| e.to_string())?;
+                    let b = r.read_to_end(1 << 20).await.map_err(|e| e.to_string())?;
+                    Frame::decode(&b).map_err(|e| e.to_string())
+                };
+                tokio::time::timeout(Duration::from_secs(5), r)
+                    .await
+                    .unwrap_or(Err("no answer in 5 s".into()))
+            }
+        };
+        let join = ask(Frame::Join {
+            id: "n9".into(),
+            addr: "127.0.0.1:9".into(),
+        })
+        .await;
+        let hello = ask(Frame::Hello { id: "n2".into() }).await;
+        let forged = Frame::Raft {
+            from: "n3".into(),
+            to: 1,
+            msg: vec![8, 1, 16, 2],
+        }
+        .encode()
+        .unwrap();
+        for bytes in [forged, b"TF\x01\x07garbage".to_vec(), vec![0xff; 64]] {
+            let mut s = conn.open_uni().await.unwrap();
+            s.write_all(&bytes).await.unwrap();
+            s.finish().unwrap();
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        conn.close(0u32.into(), b"done");
+        vec![join, hello]
+    })
+}
+
 fn tiny_bundle() -> PathBuf {
     let out = root().join("target/cluster-test/bundle-control-qwen3moe");
     convert(
@@ -250,8 +312,37 @@ fn three_voters_survive_leader_sigkill_and_a_full_restart() {
     assert_eq!(v.leader, "n1", "the --init-cluster node leads first");
     assert!(v.placement_version >= 4, "seed + 3 registrations: {v:?}");
 
-    // SIGKILL the leader: a new one within the goal.
+    // The control plane's door: a member's valid certificate cannot speak for another
+    // member, and garbage on a Raft stream harms nothing.
     let l = g.index_of(&v.leader);
+    let answers = door(&g.dir.path().join("certs"), &g.addrs[l], &v.leader);
+    match &answers[0] {
+        Ok(Frame::Joined {
+            accepted: false,
+            message,
+            ..
+        }) => assert!(message.contains("\"n9\""), "{message}"),
+        other => panic!("a join for another id was not refused: {other:?}"),
+    }
+    match &answers[1] {
+        Ok(Frame::Error { class, message }) => {
+            assert_eq!(*class, ErrorClass::BadRequest);
+            assert!(message.contains("Join or Raft"), "{message}");
+        }
+        other => panic!("a data-plane frame from a non-coordinator was not refused: {other:?}"),
+    }
+    let (same, _) = g.agree(&[0, 1, 2], None, &[0, 0, 0], 10);
+    assert_eq!(
+        (same.leader.as_str(), same.term),
+        (v.leader.as_str(), v.term)
+    );
+    let log = strip_ansi(&std::fs::read_to_string(&g.logs[l]).unwrap());
+    assert!(
+        log.contains("Raft frame from \"n3\""),
+        "the forged Raft frame was not refused"
+    );
+
+    // SIGKILL the leader: a new one within the goal.
     let others: Vec<usize> = (0..3).filter(|&i| i != l).collect();
     let marks: Vec<usize> = (0..3).map(|i| g.log_len(i)).collect();
     let t0 = Instant::now();
