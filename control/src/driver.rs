@@ -164,7 +164,9 @@ impl ControlHandle {
         self.push(Input::Message(bytes))
     }
 
-    /// Proposes a command on this member (it must lead) and waits until it is applied here.
+    /// Proposes a command (a follower forwards it to the leader) and waits until it is
+    /// applied here; `NotLeader` when no leader is known, `Timeout` when the proposal was lost
+    /// (retry: commands are idempotent or refused when repeated).
     pub async fn propose(&self, cmd: Command) -> Result<Outcome, ControlError> {
         self.ask(|r| Input::Propose(cmd, r)).await
     }
@@ -347,21 +349,6 @@ fn run(
                 published = s.placement_version;
                 published_applied = applied;
                 state_tx.send_replace(s.clone());
-            }
-        }
-        // A member that lost leadership will not apply its pending proposals itself.
-        if !replica.is_leader() && (!proposals.is_empty() || !confs.is_empty()) {
-            let leader = replica.status().leader;
-            if leader != Some(id) {
-                // They may still commit through the new leader, but this member cannot tell
-                // its waiters when: answer NotLeader so the caller retries (commands are
-                // written to be safe to retry: a repeat is rejected, not applied twice).
-                for (_, w) in proposals.drain() {
-                    let _ = w.reply.send(Err(ControlError::NotLeader { leader }));
-                }
-                for (_, w) in confs.drain() {
-                    let _ = w.reply.send(Err(ControlError::NotLeader { leader }));
-                }
             }
         }
     };

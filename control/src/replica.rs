@@ -49,6 +49,10 @@ pub struct ReplicaConfig {
     /// from its thread-local RNG: simulation tests give each member its own from their seed,
     /// so a seed replays exactly.
     pub fixed_election_timeout: Option<usize>,
+    /// First proposal sequence number of this incarnation (`None`: the wall clock in
+    /// nanoseconds, which no earlier incarnation's sequences reach); tests give one from
+    /// their seed.
+    pub seq_base: Option<u64>,
 }
 
 impl ReplicaConfig {
@@ -59,6 +63,7 @@ impl ReplicaConfig {
             heartbeat_tick: 3,
             compact_after: 1024,
             fixed_election_timeout: None,
+            seq_base: None,
         }
     }
 }
@@ -94,11 +99,12 @@ pub enum Stage {
     BeforeAdvance,
 }
 
-/// Identifies a proposal: the proposer's Raft id, the term it was proposed in and its sequence
-/// number. The term makes it unique across restarts (sequence numbers start again at 1, but a
-/// member leads a term at most once, so one incarnation proposes in a term); without it a
-/// waiter could be answered with the outcome of a command an earlier incarnation proposed.
-pub type ProposalId = (u64, u64, u64);
+/// Identifies a proposal: the proposer's Raft id and a sequence number unique across its
+/// restarts (each incarnation counts up from its own base, [`ReplicaConfig::seq_base`]).
+/// Without that, a restarted member's waiter could be answered with the outcome of a command
+/// its previous incarnation proposed (the simulation found this when sequences restarted at
+/// 1).
+pub type ProposalId = (u64, u64);
 
 /// One applied log entry.
 #[derive(Clone, Debug)]
@@ -150,14 +156,14 @@ pub struct Replica {
     removed: bool,
 }
 
-/// An entry's context: the proposer's Raft id and sequence number (the term is the entry's).
-fn encode_ctx((id, _, seq): ProposalId) -> Vec<u8> {
+/// An entry's context: the proposer's Raft id and sequence number.
+fn encode_ctx((id, seq): ProposalId) -> Vec<u8> {
     let mut v = id.to_le_bytes().to_vec();
     v.extend(seq.to_le_bytes());
     v
 }
 
-fn decode_ctx(b: &[u8]) -> Option<(u64, u64)> {
+fn decode_ctx(b: &[u8]) -> Option<ProposalId> {
     let (a, rest) = b.split_first_chunk::<8>()?;
     let b = rest.first_chunk::<8>()?;
     (rest.len() == 8).then(|| (u64::from_le_bytes(*a), u64::from_le_bytes(*b)))
@@ -212,7 +218,11 @@ impl Replica {
             conf,
             applied,
             applied_term,
-            next_seq: 1,
+            next_seq: cfg.seq_base.unwrap_or_else(|| {
+                std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(1, |d| d.as_nanos() as u64)
+            }),
             reads: Vec::new(),
             compact_after: cfg.compact_after.max(1),
             removed,
@@ -291,8 +301,11 @@ impl Replica {
             )));
         }
         match self.node.step(msg) {
-            // A message for a peer this member no longer knows (removed, or not yet added).
-            Err(raft::Error::StepPeerNotFound) | Err(raft::Error::StepLocalMsg) => Ok(()),
+            // A message for a peer this member no longer knows (removed, or not yet added), or
+            // a proposal forwarded to a member that no longer leads (its proposer times out).
+            Err(raft::Error::StepPeerNotFound)
+            | Err(raft::Error::StepLocalMsg)
+            | Err(raft::Error::ProposalDropped) => Ok(()),
             r => Ok(r?),
         }
     }
@@ -304,14 +317,14 @@ impl Replica {
         }
     }
 
-    /// Proposes a command (on the leader); its [`Applied`] carries the returned id once
-    /// committed and applied here. A proposal may still be lost if leadership changes before it
-    /// commits: the caller times out and retries.
+    /// Proposes a command; a follower forwards it to the leader. Its [`Applied`] carries the
+    /// returned id once committed and applied here. A proposal may be lost (leadership changes
+    /// before it commits, the forward is dropped): the caller times out and retries.
     pub fn propose(&mut self, cmd: &Command) -> Result<ProposalId, ReplicaError> {
-        if !self.is_leader() {
+        if self.removed || self.node.raft.leader_id == raft::INVALID_ID {
             return Err(self.not_leader());
         }
-        let id = (self.id(), self.node.raft.term, self.next_seq);
+        let id = (self.id(), self.next_seq);
         self.next_seq += 1;
         self.node.propose(encode_ctx(id), cmd.encode())?;
         Ok(id)
@@ -322,7 +335,7 @@ impl Replica {
         if !self.is_leader() {
             return Err(self.not_leader());
         }
-        let id = (self.id(), self.node.raft.term, self.next_seq);
+        let id = (self.id(), self.next_seq);
         self.next_seq += 1;
         self.node.propose_conf_change(encode_ctx(id), cc)?;
         Ok(id)
@@ -469,9 +482,7 @@ impl Replica {
             if e.index <= self.applied {
                 continue;
             }
-            let proposal = decode_ctx(&e.context)
-                .filter(|p| p.0 == self.id())
-                .map(|(id, seq)| (id, e.term, seq));
+            let proposal = decode_ctx(&e.context).filter(|p| p.0 == self.id());
             let (command, outcome) = match e.get_entry_type() {
                 EntryType::EntryNormal if e.data.is_empty() => (None, self.noop_outcome()),
                 EntryType::EntryNormal => match Command::decode(&e.data) {

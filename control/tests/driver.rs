@@ -82,11 +82,15 @@ async fn leader_stopped_new_leader_within_goal_and_restart_catches_up() {
         let out = drivers[&l].handle.propose(write(seq)).await.unwrap();
         assert!(matches!(out, Outcome::Applied { .. }), "{out:?}");
     }
-    // A follower refuses proposals and names the leader.
+    // A follower forwards a proposal to the leader and is answered once it applied it.
     let f = (1..=3).find(|&i| i != l).unwrap();
-    match drivers[&f].handle.propose(write(99)).await {
+    let out = drivers[&f].handle.propose(write(99)).await.unwrap();
+    assert!(matches!(out, Outcome::Applied { .. }), "{out:?}");
+    // A membership change is the leader's alone.
+    let cc = ternfleet_control::conf_change(9, ternfleet_control::ConfChangeType::AddLearnerNode);
+    match drivers[&f].handle.change_membership(cc).await {
         Err(ControlError::NotLeader { leader }) => assert_eq!(leader, Some(l)),
-        r => panic!("follower accepted a proposal: {r:?}"),
+        r => panic!("a follower proposed a membership change: {r:?}"),
     }
     // Linearizable read on the leader sees all 20.
     let s = drivers[&l].handle.read().await.unwrap();

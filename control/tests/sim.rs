@@ -12,7 +12,8 @@
 //! - commit index, applied index and placement version never go back, across restarts too;
 //! - every acknowledged write survives (checked on every member at the end, after crashes of
 //!   any number of members);
-//! - linearizable reads (ReadIndex) see every write acknowledged before the read began;
+//! - linearizable reads (ReadIndex, on the leader or through a follower) see every write
+//!   acknowledged before the read began (writes go to the leader or through a follower too);
 //! - once the network heals and every member is up, a leader exists within a bounded number of
 //!   election timeouts and all members converge.
 //!
@@ -105,7 +106,7 @@ struct Sim {
     digests: BTreeMap<u64, [u8; 32]>,
     /// Acknowledged writes: sequence number → index.
     acked: BTreeMap<u64, u64>,
-    pending: BTreeMap<(u64, u64, u64), u64>,
+    pending: BTreeMap<(u64, u64), u64>,
     next_seq: u64,
     /// (member, read id) → writes acknowledged when the read was asked.
     reads: BTreeMap<(u64, u64), BTreeSet<u64>>,
@@ -119,8 +120,9 @@ struct Sim {
 
 type Check = Result<(), String>;
 
-fn cfg(id: u64, timeout: usize) -> ReplicaConfig {
+fn cfg(id: u64, timeout: usize, seq_base: u64) -> ReplicaConfig {
     let mut c = ReplicaConfig::new(id);
+    c.seq_base = Some(seq_base);
     c.election_tick = ELECTION;
     c.heartbeat_tick = 3;
     c.compact_after = 24;
@@ -150,7 +152,8 @@ impl Sim {
                     Replica::bootstrap(&store, &voters).expect("bootstrap");
                 }
                 let t = ELECTION + rng.below(ELECTION as u64) as usize;
-                let replica = Replica::open(&cfg(id, t), store.clone()).expect("open");
+                let replica =
+                    Replica::open(&cfg(id, t, rng.next() >> 8), store.clone()).expect("open");
                 Member {
                     id,
                     removed: false,
@@ -281,9 +284,10 @@ impl Sim {
 
     fn restart(&mut self, i: usize) -> Check {
         let t = ELECTION + self.rng.below(ELECTION as u64) as usize;
+        let base = self.rng.next() >> 8;
         let m = &mut self.members[i];
         let store = RaftStore::from_db(m.db.clone()).map_err(|e| e.to_string())?;
-        let r = Replica::open(&cfg(m.id, t), store).map_err(|e| e.to_string())?;
+        let r = Replica::open(&cfg(m.id, t, base), store).map_err(|e| e.to_string())?;
         m.replica = Some(r);
         Ok(())
     }
@@ -352,12 +356,22 @@ impl Sim {
                 r.tick();
             }
         }
-        // Client: writes and reads to whoever leads.
+        // Client: writes and reads, to the leader or (a third of them) to any member that is
+        // up (a follower forwards a write to the leader and asks it for the read index).
         if let Some(l) = self.leader() {
+            let target = |sim: &mut Sim| {
+                let i = sim.rng.below(n as u64) as usize;
+                if sim.rng.chance(0.33) && sim.members[i].replica.is_some() {
+                    i
+                } else {
+                    l
+                }
+            };
             if self.rng.chance(0.35) {
                 let seq = self.next_seq;
                 self.next_seq += 1;
-                let r = self.members[l].replica.as_mut().expect("leader is up");
+                let i = target(self);
+                let r = self.members[i].replica.as_mut().expect("member is up");
                 if let Ok(pid) = r.propose(&write_cmd(seq)) {
                     self.pending.insert(pid, seq);
                 }
@@ -366,9 +380,10 @@ impl Sim {
                 let id = self.next_read;
                 self.next_read += 1;
                 let acked: BTreeSet<u64> = self.acked.keys().copied().collect();
-                let m = &mut self.members[l];
+                let i = target(self);
+                let m = &mut self.members[i];
                 self.reads.insert((m.id, id), acked);
-                m.replica.as_mut().expect("leader is up").read_index(id);
+                m.replica.as_mut().expect("member is up").read_index(id);
             }
         }
         if self.membership && self.rng.chance(0.02) {

@@ -11,6 +11,9 @@
 //!   learner, and promotes it to voter once its log has caught up (the driver does that).
 //! - Neither, with a store that holds a cluster: a restart, rejoining as what it was.
 //!
+//! - Liveness: every node proposes a heartbeat each second (loading or serving); the leader
+//!   marks down a node whose heartbeats stopped for 5 s; its next heartbeat brings it up.
+//!
 //! Peers reach the group on the node's QUIC endpoint with any certificate of the cluster CA;
 //! each Raft frame must come from the id its sender's certificate names, and a `Join` from the
 //! id it asks to add.
@@ -24,11 +27,21 @@ use tokio::sync::watch;
 use ternfleet_control::driver::{ControlHandle, Driver, DriverConfig};
 use ternfleet_control::quic::{raft_id, QuicRaft, Resolver};
 use ternfleet_control::replica::{Replica, ReplicaConfig};
-use ternfleet_control::state::{ClusterState, Command, NodeCaps, Outcome};
+use ternfleet_control::state::{ClusterState, Command, NodeCaps, NodeStatus, Outcome};
 use ternfleet_control::{conf_change, ConfChangeType, RaftStore};
 use ternfleet_shared::mtls::{self, Identity};
 use ternfleet_shared::net::{read_frame, write_frame, CONNECT_TIMEOUT};
 use ternfleet_shared::wire::Frame;
+
+/// How often a node tells the group it is alive (and whether it is still loading).
+pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
+/// A node whose heartbeats stop for this long is marked down by the leader (a loading node
+/// heartbeats too, so a slow load is never taken for a death).
+pub const DOWN_AFTER: Duration = Duration::from_secs(5);
+
+/// What the node says of itself in a heartbeat: `Some(true)` loading, `Some(false)` serving,
+/// `None` not serving (draining, failed): no heartbeat, so the leader marks it down.
+pub type Health = Arc<dyn Fn() -> Option<bool> + Send + Sync>;
 
 /// How the node takes its seat.
 #[derive(Clone, Debug, Default)]
@@ -66,6 +79,7 @@ pub fn start(
     rt: &tokio::runtime::Handle,
     opts: &ControlOptions,
     seed: Option<Command>,
+    health: Health,
 ) -> Result<Arc<Member>, String> {
     let path = dir.join(id).join("raft.redb");
     let store = RaftStore::open(&path).map_err(|e| e.to_string())?;
@@ -107,6 +121,8 @@ pub fn start(
         _driver: driver,
     });
     rt.spawn(watch_leadership(member.clone()));
+    rt.spawn(heartbeats(member.clone(), health));
+    rt.spawn(watch_liveness(member.clone()));
     if opts.init_cluster {
         rt.spawn(init(member.clone(), seed));
     } else if let Some(target) = opts.join.clone() {
@@ -119,6 +135,7 @@ pub fn start(
 /// Logs every change of leader, term or membership (tests and operators read these lines).
 async fn watch_leadership(m: Arc<Member>) {
     let mut last = None;
+    let mut statuses: std::collections::BTreeMap<String, NodeStatus> = Default::default();
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
         tick.tick().await;
@@ -141,6 +158,92 @@ async fn watch_leadership(m: Arc<Member>) {
                 "control: membership"
             );
             last = Some(now);
+        }
+        for (id, n) in &state.nodes {
+            if statuses.get(id) != Some(&n.status) {
+                tracing::info!(
+                    placement_version = state.placement_version,
+                    "control: node {id} is {}",
+                    status_name(n.status)
+                );
+                statuses.insert(id.clone(), n.status);
+            }
+        }
+    }
+}
+
+fn status_name(s: NodeStatus) -> &'static str {
+    match s {
+        NodeStatus::Loading => "loading",
+        NodeStatus::Up => "up",
+        NodeStatus::Down => "down",
+        NodeStatus::Draining => "draining",
+        NodeStatus::Decommissioning => "decommissioning",
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Proposes a heartbeat every [`HEARTBEAT_EVERY`] (through the leader) while the node serves
+/// or loads.
+async fn heartbeats(m: Arc<Member>, health: Health) {
+    let mut tick = tokio::time::interval(HEARTBEAT_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let Some(loading) = health() else { continue };
+        if !m.handle.applied().borrow().nodes.contains_key(&m.id) {
+            continue; // not registered yet
+        }
+        let cmd = Command::Heartbeat {
+            id: m.id.clone(),
+            at_ms: now_ms(),
+            loading,
+        };
+        if let Err(e) = m.handle.propose(cmd).await {
+            tracing::debug!("control: heartbeat: {e}");
+        }
+    }
+}
+
+/// On the leader: marks down the nodes whose heartbeats stopped for [`DOWN_AFTER`] (as this
+/// leader saw the applied heartbeats arrive; a new leader gives every node that long again).
+async fn watch_liveness(m: Arc<Member>) {
+    let mut seen: std::collections::HashMap<String, (u64, Instant)> = Default::default();
+    let mut leading = false;
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    loop {
+        tick.tick().await;
+        let Ok(st) = m.handle.status().await else {
+            return;
+        };
+        if st.leader != Some(st.id) {
+            leading = false;
+            continue;
+        }
+        if !leading {
+            seen.clear();
+            leading = true;
+        }
+        let state = m.handle.applied().borrow().clone();
+        let now = Instant::now();
+        for (id, n) in &state.nodes {
+            let e = seen.entry(id.clone()).or_insert((n.last_heartbeat_ms, now));
+            if e.0 != n.last_heartbeat_ms {
+                *e = (n.last_heartbeat_ms, now);
+            }
+            if n.status == NodeStatus::Up && now - e.1 > DOWN_AFTER {
+                tracing::warn!(
+                    "control: no heartbeat from {id} for {DOWN_AFTER:?}: marking it down"
+                );
+                if let Err(err) = m.handle.propose(Command::MarkDown { id: id.clone() }).await {
+                    tracing::debug!("control: marking {id} down: {err}");
+                }
+            }
         }
     }
 }

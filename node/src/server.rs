@@ -170,6 +170,14 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
                 n_layer: man.n_layer as u32,
                 n_expert: man.moe.n_expert as u32,
             };
+            let health: crate::control::Health = {
+                let svc = svc.clone();
+                Arc::new(move || match svc.state() {
+                    NodeState::Ready => Some(false),
+                    NodeState::Loading { .. } => Some(true),
+                    NodeState::Unavailable(_) => None,
+                })
+            };
             let m = crate::control::start(
                 &me,
                 &opts.id,
@@ -179,6 +187,7 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
                 rt.handle(),
                 c,
                 Some(seed),
+                health,
             )
             .map_err(setup)?;
             Some(m)
