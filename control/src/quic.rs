@@ -229,9 +229,16 @@ async fn link(s: Arc<Shared>, to: u64, mut rx: mpsc::Receiver<Outgoing>) {
             if let Some(c) = control {
                 c.report_unreachable(to);
             }
-            // Do not spin on a dead peer: Raft resends what matters.
+            // Do not spin on a dead peer: Raft resends what matters. A dropped snapshot is
+            // reported, or the leader would wait for it forever.
             tokio::time::sleep(Duration::from_millis(100)).await;
-            while rx.try_recv().is_ok() {}
+            while let Ok(dropped) = rx.try_recv() {
+                if dropped.snapshot {
+                    if let Some(c) = control {
+                        c.report_snapshot(to, false);
+                    }
+                }
+            }
         }
     }
 }

@@ -13,7 +13,6 @@ use std::sync::mpsc::{sync_channel, Receiver};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
 use ternfleet_coordinator::kv_cache::SeqOptions;
 use ternfleet_coordinator::model::{ClusterSpec, ForwardError, Logits, Model, OpenOptions};
 use ternfleet_coordinator::remote::RemoteOptions;
@@ -36,27 +35,7 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 /// The tiny qwen3moe test model as a bundle (2 layers × 16 experts, top-4).
 fn bundle() -> PathBuf {
-    let out = root().join("target/cluster-test/bundle-mem-qwen3moe");
-    // Tests run in parallel and share bundles: one conversion at a time (the second finds
-    // the first's finished bundle and returns at once).
-    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
-    convert(
-        &ConvertOptions {
-            model: root().join("tests/data/models/tiny-qwen3moe-q8_0.gguf"),
-            out: out.clone(),
-            experts: None,
-            top_k: None,
-            calib: None,
-            calib_tokens: 1024,
-            expert_type: ExpertType::Keep,
-            seed: 0,
-            grouping: Default::default(),
-        },
-        &|_: &str, _: u64, _: u64| {},
-    )
-    .unwrap();
-    out
+    tiny_moe_bundle("mem-qwen3moe")
 }
 
 /// Faults the transport injects.

@@ -22,7 +22,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
 use ternfleet_shared::bundle::Manifest;
 use ternfleet_shared::cluster::ClusterFile;
 use ternfleet_shared::error::ErrorClass;
@@ -308,29 +307,9 @@ fn door(certs: &Path, addr: &str, name: &str) -> Vec<Result<Frame, String>> {
     })
 }
 
-fn tiny_bundle() -> PathBuf {
-    let out = root().join("target/cluster-test/bundle-control-qwen3moe");
-    convert(
-        &ConvertOptions {
-            model: root().join("tests/data/models/tiny-qwen3moe-q8_0.gguf"),
-            out: out.clone(),
-            experts: None,
-            top_k: None,
-            calib: None,
-            calib_tokens: 1024,
-            expert_type: ExpertType::parse("q8_0").unwrap(),
-            seed: 0,
-            grouping: Default::default(),
-        },
-        &|_: &str, _: u64, _: u64| {},
-    )
-    .unwrap();
-    out
-}
-
 #[test]
 fn three_voters_survive_leader_sigkill_and_a_full_restart() {
-    let bundle = tiny_bundle();
+    let bundle = tiny_moe_bundle("control-qwen3moe");
     let mut g = Group::new(&bundle);
     g.spawn(0, "127.0.0.1:0", &["--init-cluster"]);
     let first = g.addrs[0].clone();

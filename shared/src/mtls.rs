@@ -246,19 +246,24 @@ impl Identity {
     pub fn client_config(&self) -> Result<quinn::ClientConfig, MtlsError> {
         let tls = |e: rustls::Error| MtlsError::Tls(e.to_string());
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        let cfg = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(tls)?
             .with_root_certificates(self.roots()?)
             .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
             .map_err(tls)?;
-        cfg.alpn_protocols = vec![ALPN.to_vec()];
-        let q = quinn::crypto::rustls::QuicClientConfig::try_from(cfg)
-            .map_err(|e| MtlsError::Tls(e.to_string()))?;
-        let mut c = quinn::ClientConfig::new(Arc::new(q));
-        c.transport_config(Arc::new(transport()?));
-        Ok(c)
+        quic_client(cfg)
     }
+}
+
+/// A QUIC client configuration around a rustls one: our ALPN and transport settings.
+fn quic_client(mut cfg: rustls::ClientConfig) -> Result<quinn::ClientConfig, MtlsError> {
+    cfg.alpn_protocols = vec![ALPN.to_vec()];
+    let q = quinn::crypto::rustls::QuicClientConfig::try_from(cfg)
+        .map_err(|e| MtlsError::Tls(e.to_string()))?;
+    let mut c = quinn::ClientConfig::new(Arc::new(q));
+    c.transport_config(Arc::new(transport()?));
+    Ok(c)
 }
 
 impl Identity {
@@ -276,19 +281,14 @@ impl Identity {
         )
         .build()
         .map_err(|e| MtlsError::Tls(e.to_string()))?;
-        let mut cfg = rustls::ClientConfig::builder_with_provider(provider)
+        let cfg = rustls::ClientConfig::builder_with_provider(provider)
             .with_protocol_versions(&[&rustls::version::TLS13])
             .map_err(tls)?
             .dangerous()
             .with_custom_certificate_verifier(Arc::new(AnyMember(inner)))
             .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
             .map_err(tls)?;
-        cfg.alpn_protocols = vec![ALPN.to_vec()];
-        let q = quinn::crypto::rustls::QuicClientConfig::try_from(cfg)
-            .map_err(|e| MtlsError::Tls(e.to_string()))?;
-        let mut c = quinn::ClientConfig::new(Arc::new(q));
-        c.transport_config(Arc::new(transport()?));
-        Ok(c)
+        quic_client(cfg)
     }
 }
 

@@ -17,6 +17,35 @@ pub fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
+/// Converts the tiny qwen3moe test model (2 layers × 16 experts, top-4) into a bundle under
+/// target/cluster-test/bundle-NAME, experts kept in their type; reused (convert resumes).
+pub fn tiny_moe_bundle(name: &str) -> PathBuf {
+    use ternfleet_coordinator::convert::{convert, ConvertOptions, ExpertType};
+    let out = root()
+        .join("target/cluster-test")
+        .join(format!("bundle-{name}"));
+    // Tests run in parallel and share bundles: one conversion at a time (the second finds
+    // the first's finished bundle and returns at once).
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _g = LOCK.lock().unwrap_or_else(|p| p.into_inner());
+    convert(
+        &ConvertOptions {
+            model: root().join("tests/data/models/tiny-qwen3moe-q8_0.gguf"),
+            out: out.clone(),
+            experts: None,
+            top_k: None,
+            calib: None,
+            calib_tokens: 1024,
+            expert_type: ExpertType::Keep,
+            seed: 0,
+            grouping: Default::default(),
+        },
+        &|_: &str, _: u64, _: u64| {},
+    )
+    .unwrap();
+    out
+}
+
 /// An HTTP client with a bounded wait.
 pub fn agent() -> ureq::Agent {
     ureq::AgentBuilder::new()
