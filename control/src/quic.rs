@@ -21,7 +21,7 @@ use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
 use ternfleet_shared::mtls;
-use ternfleet_shared::net::{read_frame, write_frame, CONNECT_TIMEOUT};
+use ternfleet_shared::net::{write_frame, CONNECT_TIMEOUT};
 use ternfleet_shared::wire::Frame;
 
 use crate::driver::{ControlHandle, RaftTransport};
@@ -29,6 +29,9 @@ use crate::replica::Outgoing;
 
 /// Messages queued per peer before new ones are dropped.
 pub const PEER_QUEUE: usize = 1024;
+/// Largest Raft frame read from a peer: the replica's own message limit plus the frame's
+/// fields (below the wire's 256 MiB, so 64 streams of a peer cannot pin 16 GiB).
+pub const MAX_RAFT_FRAME: usize = crate::replica::MAX_MESSAGE_BYTES + 4096;
 /// Longest a message (a snapshot included) may take to go out.
 pub const SEND_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -134,7 +137,14 @@ async fn serve(s: Arc<Shared>, conn: quinn::Connection) {
         let s = s.clone();
         let conn = conn.clone();
         tokio::spawn(async move {
-            match tokio::time::timeout(SEND_TIMEOUT, read_frame(&mut recv)).await {
+            let read = async {
+                let b = recv
+                    .read_to_end(MAX_RAFT_FRAME)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Frame::decode(&b).map_err(|e| e.to_string())
+            };
+            match tokio::time::timeout(SEND_TIMEOUT, read).await {
                 Ok(Ok(f @ Frame::Raft { .. })) => {
                     if let Err(e) = s.receive(&conn, f) {
                         tracing::warn!("{e}");

@@ -113,6 +113,8 @@ struct Sim {
     next_read: u64,
     reads_served: u64,
     crashes: u64,
+    /// Snapshots sent (followers too far behind the compacted log).
+    snapshots: u64,
     /// Change membership while running.
     membership: bool,
     conf_changes: u64,
@@ -187,6 +189,7 @@ impl Sim {
             next_read: 1,
             reads_served: 0,
             crashes: 0,
+            snapshots: 0,
             membership: false,
             conf_changes: 0,
         }
@@ -438,6 +441,7 @@ impl Sim {
                 members,
                 faults,
                 tick,
+                snapshots,
                 ..
             } = self;
             let m = &mut members[i];
@@ -446,6 +450,7 @@ impl Sim {
             };
             let from = m.id;
             let mut send = |o: Outgoing| {
+                *snapshots += o.snapshot as u64;
                 let lost = rng.chance(faults.drop);
                 let at = *tick + rng.below(faults.max_delay + 1);
                 net.push(Packet {
@@ -735,7 +740,7 @@ fn seeds() -> Vec<u64> {
 
 fn run_many(n: u64, steps: u64, membership: bool) {
     let mut failed = Vec::new();
-    let (mut acked, mut crashes, mut reads, mut terms, mut changes) = (0, 0, 0, 0, 0);
+    let (mut acked, mut crashes, mut reads, mut terms, mut changes, mut snaps) = (0, 0, 0, 0, 0, 0);
     for seed in seeds() {
         // raft-rs asserts its own invariants by panicking: report those with the seed too.
         let result =
@@ -754,6 +759,7 @@ fn run_many(n: u64, steps: u64, membership: bool) {
                 reads += sim.reads_served;
                 terms += sim.leaders.len();
                 changes += sim.conf_changes;
+                snaps += sim.snapshots;
             }
             Err(e) => {
                 eprintln!("{n} voters: {e}\n  replay: TERNFLEET_SIM_SEED={seed} cargo test -p ternfleet-control --test sim");
@@ -762,12 +768,12 @@ fn run_many(n: u64, steps: u64, membership: bool) {
         }
     }
     eprintln!(
-        "{n} voters, {} seeds x {steps} ticks: {acked} writes acknowledged, {reads} linearizable reads, {crashes} crashes, {terms} terms with a leader, {changes} membership changes",
+        "{n} voters, {} seeds x {steps} ticks: {acked} writes acknowledged, {reads} linearizable reads, {crashes} crashes, {terms} terms with a leader, {changes} membership changes, {snaps} snapshots sent",
         seeds().len()
     );
     assert!(failed.is_empty(), "{n} voters: failing seeds {failed:?}");
     // The faults must have really happened and the group must have made progress.
-    assert!(acked > 0 && crashes > 0 && reads > 0 && terms > seeds().len());
+    assert!(acked > 0 && crashes > 0 && reads > 0 && terms > seeds().len() && snaps > 0);
     assert!(!membership || changes > 0);
 }
 
