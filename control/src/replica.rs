@@ -301,6 +301,13 @@ impl Replica {
                 msg.get_msg_type()
             )));
         }
+        // A snapshot's state is checked before raft-rs takes it: once stepped it would be in
+        // the next Ready, and a state that does not decode could then only stop this member.
+        if msg.get_msg_type() == MessageType::MsgSnapshot {
+            ClusterState::decode(&msg.get_snapshot().data).map_err(|e| {
+                ReplicaError::BadMessage(format!("snapshot from {}: {e}", msg.from))
+            })?;
+        }
         match self.node.step(msg) {
             // A message for a peer this member no longer knows (removed, or not yet added), or
             // a proposal forwarded to a member that no longer leads (its proposer times out).
@@ -602,5 +609,40 @@ fn send_all(msgs: Vec<Message>, send: &mut dyn FnMut(Outgoing)) {
             }),
             Err(e) => tracing::error!(to, "raft message not encodable: {e}"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_snapshot_whose_state_does_not_decode_is_refused_and_the_member_goes_on() {
+        let store = RaftStore::in_memory().unwrap();
+        Replica::bootstrap(&store, &[1, 2]).unwrap();
+        let mut r = Replica::open(&ReplicaConfig::new(2), store).unwrap();
+        let mut m = Message::default();
+        m.set_msg_type(MessageType::MsgSnapshot);
+        m.from = 1;
+        m.to = 2;
+        m.term = 5;
+        let mut snap = Snapshot::default();
+        snap.mut_metadata().index = 10;
+        snap.mut_metadata().term = 5;
+        snap.mut_metadata()
+            .set_conf_state(ConfState::from((vec![1, 2], vec![])));
+        snap.data = b"{not a state".to_vec().into();
+        m.set_snapshot(snap.clone());
+        let bytes = m.write_to_bytes().unwrap();
+        let e = r.step(&bytes).unwrap_err().to_string();
+        assert!(e.contains("snapshot from 1"), "{e}");
+        assert!(r.handle_ready(&mut |_| {}, None).is_ok());
+        assert_eq!(r.status().applied, 1, "nothing restored");
+        // The same snapshot with a real state is taken.
+        snap.data = ClusterState::default().encode().into();
+        m.set_snapshot(snap);
+        r.step(&m.write_to_bytes().unwrap()).unwrap();
+        r.handle_ready(&mut |_| {}, None).unwrap();
+        assert_eq!(r.status().applied, 10);
     }
 }
