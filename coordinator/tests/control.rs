@@ -250,8 +250,9 @@ impl Group {
 }
 
 /// As member n2, asks `addr` (member `name`) to add n9, sends a data-plane Hello, a Raft frame
-/// claiming to come from n3 and garbage on Raft streams: the two answers.
-fn door(certs: &Path, addr: &str, name: &str) -> Vec<Result<Frame, String>> {
+/// claiming to come from n3 and garbage on Raft streams: the two answers. The connection stays
+/// open until the member's log (`log`) shows the forged frame refused (at most 10 s).
+fn door(certs: &Path, addr: &str, name: &str, log: &Path) -> Vec<Result<Frame, String>> {
     let n2 = mtls::Identity::load(certs, "n2").unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -301,7 +302,18 @@ fn door(certs: &Path, addr: &str, name: &str) -> Vec<Result<Frame, String>> {
             s.write_all(&bytes).await.unwrap();
             s.finish().unwrap();
         }
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        let t0 = Instant::now();
+        loop {
+            let text = strip_ansi(&std::fs::read_to_string(log).unwrap_or_default());
+            if text.contains("Raft frame from \"n3\"") {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the forged Raft frame was not refused within 10 s"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         conn.close(0u32.into(), b"done");
         vec![join, hello]
     })
@@ -314,9 +326,9 @@ fn three_voters_survive_leader_sigkill_and_a_full_restart() {
     g.spawn(0, "127.0.0.1:0", &["--init-cluster"]);
     let first = g.addrs[0].clone();
     g.spawn(1, "127.0.0.1:0", &["--join", &first]);
-    // The third joins through a follower, which points it to the leader.
+    // The third joins through a follower (once n2 is one), which points it to the leader.
+    g.wait_log(1, 0, "added this node to the cluster", 15);
     let second = g.addrs[1].clone();
-    std::thread::sleep(Duration::from_millis(500));
     g.spawn(2, "127.0.0.1:0", &["--join", &second]);
     let (v, formed) = g.agree(&[0, 1, 2], None, &[0, 0, 0], 30);
     eprintln!("group formed in {formed:?}: {v:?}");
@@ -326,7 +338,12 @@ fn three_voters_survive_leader_sigkill_and_a_full_restart() {
     // The control plane's door: a member's valid certificate cannot speak for another
     // member, and garbage on a Raft stream harms nothing.
     let l = g.index_of(&v.leader);
-    let answers = door(&g.dir.path().join("certs"), &g.addrs[l], &v.leader);
+    let answers = door(
+        &g.dir.path().join("certs"),
+        &g.addrs[l],
+        &v.leader,
+        &g.logs[l],
+    );
     match &answers[0] {
         Ok(Frame::Joined {
             accepted: false,
@@ -346,11 +363,6 @@ fn three_voters_survive_leader_sigkill_and_a_full_restart() {
     assert_eq!(
         (same.leader.as_str(), same.term),
         (v.leader.as_str(), v.term)
-    );
-    let log = strip_ansi(&std::fs::read_to_string(&g.logs[l]).unwrap());
-    assert!(
-        log.contains("Raft frame from \"n3\""),
-        "the forged Raft frame was not refused"
     );
 
     // Liveness: every node heartbeats; a killed follower is marked down by the leader within
