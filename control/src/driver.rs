@@ -226,7 +226,7 @@ fn run(
     let mut reads: HashMap<u64, Waiting<Arc<ClusterState>>> = HashMap::new();
     let mut next_read = 1u64;
     let mut next_tick = Instant::now() + cfg.tick;
-    let mut published = replica.state().placement_version;
+    // Every change of the state is an applied entry: publish when the applied index moves.
     let mut published_applied = replica.status().applied;
     let result = loop {
         let now = Instant::now();
@@ -254,9 +254,10 @@ fn run(
                     Err(e) => tracing::debug!(raft_id = id, "control: promoting {l}: {e}"),
                 }
             }
-            expire(&mut proposals, cfg.request_timeout);
-            expire(&mut confs, cfg.request_timeout);
-            expire(&mut reads, cfg.request_timeout);
+            let t = cfg.request_timeout;
+            fail(&mut proposals, t, || ControlError::Timeout(t));
+            fail(&mut confs, t, || ControlError::Timeout(t));
+            fail(&mut reads, t, || ControlError::Timeout(t));
         }
         // Take this input and whatever else is queued, then handle one Ready for all of them.
         let mut inputs: Vec<Input> = input.into_iter().collect();
@@ -337,53 +338,42 @@ fn run(
             }
         }
         let applied = replica.status().applied;
-        let snapshot_state = (!out.reads.is_empty() || applied != published_applied)
-            .then(|| Arc::new(replica.state().clone()));
-        if let Some(s) = &snapshot_state {
+        if !out.reads.is_empty() || applied != published_applied {
+            let s = Arc::new(replica.state().clone());
             for rid in out.reads {
                 if let Some(w) = reads.remove(&rid) {
                     let _ = w.reply.send(Ok(s.clone()));
                 }
             }
-            if s.placement_version != published || applied != published_applied {
-                published = s.placement_version;
+            if applied != published_applied {
                 published_applied = applied;
-                state_tx.send_replace(s.clone());
+                state_tx.send_replace(s);
             }
         }
     };
-    let stopped = |why: &str| ControlError::Stopped(why.to_string());
     let why = result
         .as_ref()
         .err()
         .cloned()
         .unwrap_or_else(|| "shut down".into());
-    for (_, w) in proposals {
-        let _ = w.reply.send(Err(stopped(&why)));
-    }
-    for (_, w) in confs {
-        let _ = w.reply.send(Err(stopped(&why)));
-    }
-    for (_, w) in reads {
-        let _ = w.reply.send(Err(stopped(&why)));
-    }
+    let now = Duration::ZERO;
+    fail(&mut proposals, now, || ControlError::Stopped(why.clone()));
+    fail(&mut confs, now, || ControlError::Stopped(why.clone()));
+    fail(&mut reads, now, || ControlError::Stopped(why.clone()));
     if let Err(e) = &result {
         tracing::error!("{e}");
     }
     result
 }
 
-/// Fails the requests waiting longer than `timeout`.
-fn expire<K: Copy + Eq + std::hash::Hash, T>(map: &mut HashMap<K, Waiting<T>>, timeout: Duration) {
-    let old: Vec<K> = map
-        .iter()
-        .filter(|(_, w)| w.since.elapsed() > timeout)
-        .map(|(k, _)| *k)
-        .collect();
-    for k in old {
-        if let Some(w) = map.remove(&k) {
-            let _ = w.reply.send(Err(ControlError::Timeout(timeout)));
-        }
+/// Answers `err()` to the requests waiting at least `older` (`Duration::ZERO`: all of them).
+fn fail<K: Eq + std::hash::Hash, T>(
+    map: &mut HashMap<K, Waiting<T>>,
+    older: Duration,
+    err: impl Fn() -> ControlError,
+) {
+    for (_, w) in map.extract_if(|_, w| w.since.elapsed() >= older) {
+        let _ = w.reply.send(Err(err()));
     }
 }
 
