@@ -99,6 +99,12 @@ impl QuicRaft {
     pub async fn serve_connection(self: Arc<Self>, conn: quinn::Connection) {
         serve(self.shared.clone(), conn).await;
     }
+
+    /// Takes one Raft frame read elsewhere (a coordinator's connection, which carries expert
+    /// calls too): checked as on [`QuicRaft::serve_connection`]'s streams.
+    pub fn receive(&self, conn: &quinn::Connection, frame: Frame) -> Result<(), String> {
+        self.shared.receive(conn, frame)
+    }
 }
 
 impl Shared {

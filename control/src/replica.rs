@@ -356,7 +356,9 @@ impl Replica {
     }
 
     /// On the leader, with no membership change pending: a learner whose log has caught up
-    /// with the commit index (within `slack` entries), ready to become a voter.
+    /// with the commit index (within `slack` entries), ready to become a voter. A
+    /// coordinator's seat stays a learner (voters are nodes: a coordinator's restart never
+    /// touches the quorum).
     pub fn learner_to_promote(&self, slack: u64) -> Option<u64> {
         let r = &self.node.raft;
         if r.state != StateRole::Leader || r.pending_conf_index > self.applied {
@@ -367,6 +369,7 @@ impl Replica {
             .learners
             .iter()
             .copied()
+            .filter(|&id| !self.state.is_seat(id))
             .find(|&id| r.prs().get(id).is_some_and(|p| p.matched + slack >= commit))
     }
 

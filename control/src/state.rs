@@ -22,7 +22,7 @@ pub const MAX_COMMAND_BYTES: usize = 16 << 20;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum NodeStatus {
-    /// Registered, loading its experts: not routed to, and not declared down while loading.
+    /// Registered, loading its experts (its heartbeats say so: a slow load is not a death).
     Loading,
     /// Serving.
     Up,
@@ -35,9 +35,18 @@ pub enum NodeStatus {
 }
 
 impl NodeStatus {
-    /// Whether the coordinator may send rows to a node in this state.
+    /// Whether the node serves now.
     pub fn routable(self) -> bool {
         self == NodeStatus::Up
+    }
+
+    /// Whether the coordinator keeps the node among the holders of its experts: every state
+    /// but an operator's drain or decommission. (A node loading or marked down by missed
+    /// heartbeats stays a holder: the coordinator's own probe decides when to call it — a node
+    /// the leader cannot hear may still answer the coordinator, and a loading one is used the
+    /// moment it is ready, not a heartbeat later.)
+    pub fn in_service(self) -> bool {
+        !matches!(self, NodeStatus::Draining | NodeStatus::Decommissioning)
     }
 }
 
@@ -70,6 +79,14 @@ pub struct NodeRecord {
     pub experts: BTreeMap<u32, BTreeSet<u32>>,
 }
 
+/// A coordinator's seat in the Raft group (a learner: it never votes).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SeatRecord {
+    pub raft_id: u64,
+    /// QUIC `host:port` where the group reaches it.
+    pub addr: String,
+}
+
 /// A copy of one expert from one node to another, in flight.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Move {
@@ -88,6 +105,9 @@ pub struct ClusterState {
     pub bundle: Option<String>,
     /// Ids allowed to call the nodes.
     pub coordinators: BTreeSet<String>,
+    /// The coordinators that joined the Raft group (learners), by id.
+    #[serde(default)]
+    pub seats: BTreeMap<String, SeatRecord>,
     pub nodes: BTreeMap<String, NodeRecord>,
     /// Bumped by every command that changes who holds what or who may be routed to.
     pub placement_version: u64,
@@ -95,12 +115,16 @@ pub struct ClusterState {
     pub next_move: u64,
 }
 
+/// The first word of a snapshot file.
+pub const SNAPSHOT_MAGIC: &str = "ternfleet-snapshot";
+
 impl Default for ClusterState {
     fn default() -> Self {
         ClusterState {
             format: FORMAT_VERSION,
             bundle: None,
             coordinators: BTreeSet::new(),
+            seats: BTreeMap::new(),
             nodes: BTreeMap::new(),
             placement_version: 0,
             moves: BTreeMap::new(),
@@ -127,6 +151,12 @@ pub enum Command {
         addr: String,
         caps: NodeCaps,
     },
+    /// A coordinator of the placement takes a seat (a learner) or moves to a new address.
+    RegisterCoordinator {
+        id: String,
+        raft_id: u64,
+        addr: String,
+    },
     /// A node is alive (`loading`: still loading its experts).
     Heartbeat {
         id: String,
@@ -152,6 +182,11 @@ pub enum Command {
     AbortMove { id: u64 },
     /// Remove a node that holds no experts.
     Remove { id: String },
+    /// Operator: replace the state with a saved one (`ctl snapshot restore`), carried
+    /// encoded ([`ClusterState::encode`]: a state's integer-keyed maps do not survive serde's
+    /// buffering of an internally tagged enum). The placement version continues past both the
+    /// saved and the current one (versions never go back).
+    Restore { state: String },
     /// A no-op that carries a sequence number (tests, and a leader's barrier).
     Noop { seq: u64 },
 }
@@ -219,6 +254,71 @@ impl ClusterState {
         Ok(s)
     }
 
+    /// The state as a snapshot file: one header line (`ternfleet-snapshot format=F
+    /// sha256=HEX bytes=N`), then the encoded state.
+    pub fn to_snapshot_file(&self) -> Vec<u8> {
+        let body = self.encode();
+        let sum = Sha256::digest(&body);
+        let hex: String = sum.iter().map(|b| format!("{b:02x}")).collect();
+        let mut out = format!(
+            "{SNAPSHOT_MAGIC} format={} sha256={hex} bytes={}\n",
+            self.format,
+            body.len()
+        )
+        .into_bytes();
+        out.extend(body);
+        out
+    }
+
+    /// Reads [`ClusterState::to_snapshot_file`]'s output: the header, the length, the
+    /// checksum and the format version checked.
+    pub fn from_snapshot_file(b: &[u8]) -> Result<ClusterState, String> {
+        let nl = b
+            .iter()
+            .take(256)
+            .position(|&c| c == b'\n')
+            .ok_or("not a ternfleet snapshot (no header line)")?;
+        let header = std::str::from_utf8(&b[..nl]).map_err(|_| "not a ternfleet snapshot")?;
+        let mut words = header.split(' ');
+        if words.next() != Some(SNAPSHOT_MAGIC) {
+            return Err("not a ternfleet snapshot".into());
+        }
+        let (mut format, mut sum, mut len) = (None, None, None);
+        for w in words {
+            match w.split_once('=') {
+                Some(("format", v)) => format = v.parse::<u32>().ok(),
+                Some(("sha256", v)) => sum = Some(v.to_string()),
+                Some(("bytes", v)) => len = v.parse::<usize>().ok(),
+                _ => return Err(format!("snapshot header: unknown field {w:?}")),
+            }
+        }
+        let (Some(format), Some(sum), Some(len)) = (format, sum, len) else {
+            return Err("snapshot header: format, sha256 and bytes are required".into());
+        };
+        if format != FORMAT_VERSION {
+            return Err(format!(
+                "snapshot format {format}, this build reads {FORMAT_VERSION}"
+            ));
+        }
+        let body = &b[nl + 1..];
+        if body.len() != len {
+            return Err(format!(
+                "snapshot truncated or padded: {} bytes, the header says {len}",
+                body.len()
+            ));
+        }
+        let got: String = Sha256::digest(body)
+            .iter()
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        if got != sum {
+            return Err(format!(
+                "snapshot checksum mismatch: sha256 {got}, the header says {sum}"
+            ));
+        }
+        ClusterState::decode(body)
+    }
+
     /// SHA-256 of the encoded state: equal on members that applied the same commands.
     pub fn digest(&self) -> [u8; 32] {
         Sha256::digest(self.encode()).into()
@@ -279,6 +379,25 @@ impl ClusterState {
                 }
                 self.bump()
             }
+            Command::RegisterCoordinator { id, raft_id, addr } => {
+                if !self.coordinators.contains(id) {
+                    return reject(format!(
+                        "{id} is not a coordinator of this cluster (the placement names {:?})",
+                        self.coordinators
+                    ));
+                }
+                if let Some(n) = self.nodes.iter().find(|(_, n)| n.raft_id == *raft_id) {
+                    return reject(format!("raft id {raft_id} already belongs to node {}", n.0));
+                }
+                self.seats.insert(
+                    id.clone(),
+                    SeatRecord {
+                        raft_id: *raft_id,
+                        addr: addr.clone(),
+                    },
+                );
+                self.applied()
+            }
             Command::Heartbeat { id, at_ms, loading } => {
                 let Some(n) = self.nodes.get_mut(id) else {
                     return reject(format!("no node {id}"));
@@ -298,8 +417,10 @@ impl ClusterState {
             }
             Command::MarkDown { id } => match self.nodes.get(id).map(|n| n.status) {
                 None => reject(format!("no node {id}")),
-                // A loading node is slow, not dead; an operator's state is kept.
-                Some(NodeStatus::Up) => self.set_status(id, NodeStatus::Down),
+                // The leader proposes this after heartbeats stopped, and a loading node
+                // heartbeats too (so a slow load is never taken for a death): a silent one is
+                // down whether it was serving or loading. An operator's state is kept.
+                Some(NodeStatus::Up | NodeStatus::Loading) => self.set_status(id, NodeStatus::Down),
                 Some(_) => self.applied(),
             },
             Command::Drain { id } => match self.nodes.get(id).map(|n| n.status) {
@@ -307,7 +428,10 @@ impl ClusterState {
                 Some(NodeStatus::Decommissioning) => {
                     reject(format!("{id} is being decommissioned"))
                 }
-                Some(_) => self.set_status(id, NodeStatus::Draining),
+                Some(_) => match self.sole_holder_of(id) {
+                    Some(why) => reject(format!("draining {id} {why}")),
+                    None => self.set_status(id, NodeStatus::Draining),
+                },
             },
             Command::Recommission { id } => match self.nodes.get(id).map(|n| n.status) {
                 None => reject(format!("no node {id}")),
@@ -318,7 +442,10 @@ impl ClusterState {
             },
             Command::Decommission { id } => match self.nodes.get(id) {
                 None => reject(format!("no node {id}")),
-                Some(_) => self.set_status(id, NodeStatus::Decommissioning),
+                Some(_) => match self.sole_holder_of(id) {
+                    Some(why) => reject(format!("decommissioning {id} {why}")),
+                    None => self.set_status(id, NodeStatus::Decommissioning),
+                },
             },
             Command::BeginMove { mv, expect_version } => self.begin_move(mv, *expect_version),
             Command::CompleteMove { id } => {
@@ -363,8 +490,71 @@ impl ClusterState {
                 self.nodes.remove(id);
                 self.bump()
             }
+            Command::Restore { state } => {
+                let mut state = match ClusterState::decode(state.as_bytes()) {
+                    Ok(s) => s,
+                    Err(e) => return reject(e),
+                };
+                // The placement comes back (who holds what, operators' statuses, moves, the
+                // bundle); where a member is registered now, its registration (address, Raft
+                // id, capacity, last heartbeat) stays: the snapshot's addresses may be gone.
+                for (id, n) in state.nodes.iter_mut() {
+                    if let Some(cur) = self.nodes.get(id) {
+                        n.addr.clone_from(&cur.addr);
+                        n.raft_id = cur.raft_id;
+                        n.caps = cur.caps.clone();
+                        n.last_heartbeat_ms = cur.last_heartbeat_ms;
+                    }
+                }
+                for (id, seat) in &self.seats {
+                    state.seats.insert(id.clone(), seat.clone());
+                }
+                let version = self.placement_version.max(state.placement_version) + 1;
+                *self = state;
+                self.placement_version = version;
+                self.applied()
+            }
             Command::Noop { .. } => self.applied(),
         }
+    }
+
+    /// Why taking `id` out of service would leave an expert with no holder in service, if it
+    /// would (the first layer where it does).
+    fn sole_holder_of(&self, id: &str) -> Option<String> {
+        let n = self.nodes.get(id)?;
+        for (l, es) in &n.experts {
+            let alone: Vec<u32> = es
+                .iter()
+                .copied()
+                .filter(|e| {
+                    !self.nodes.iter().any(|(o, m)| {
+                        o != id
+                            && m.status.in_service()
+                            && m.experts.get(l).is_some_and(|s| s.contains(e))
+                    })
+                })
+                .collect();
+            if !alone.is_empty() {
+                return Some(format!(
+                    "would leave layer {l} experts {alone:?} on no node in service: place replicas elsewhere first"
+                ));
+            }
+        }
+        None
+    }
+
+    /// The member (id, QUIC address) with this Raft id: a node or a coordinator's seat.
+    pub fn raft_member(&self, raft_id: u64) -> Option<(String, String)> {
+        let node = self.nodes.iter().map(|(id, n)| (id, n.raft_id, &n.addr));
+        let seat = self.seats.iter().map(|(id, c)| (id, c.raft_id, &c.addr));
+        node.chain(seat)
+            .find(|(_, r, _)| *r == raft_id)
+            .map(|(id, _, addr)| (id.clone(), addr.clone()))
+    }
+
+    /// Whether this Raft id is a coordinator's seat (a learner that is never promoted).
+    pub fn is_seat(&self, raft_id: u64) -> bool {
+        self.seats.values().any(|c| c.raft_id == raft_id)
     }
 
     fn applied(&self) -> Outcome {
@@ -480,8 +670,8 @@ impl ClusterState {
         }
     }
 
-    /// The placement as a static cluster file, for the coordinator's router: only routable
-    /// nodes, each expert listed once per holder.
+    /// The placement as a static cluster file, for the coordinator's router: the nodes in
+    /// service ([`NodeStatus::in_service`]), each expert listed once per holder.
     pub fn to_cluster_file(&self) -> ClusterFile {
         ClusterFile {
             coordinators: self.coordinators.iter().cloned().collect(),
@@ -489,7 +679,7 @@ impl ClusterState {
             nodes: self
                 .nodes
                 .iter()
-                .filter(|(_, n)| n.status.routable())
+                .filter(|(_, n)| n.status.in_service())
                 .map(|(id, n)| NodeEntry {
                     id: id.clone(),
                     addr: n.addr.clone(),
@@ -548,12 +738,12 @@ mod tests {
     }
 
     #[test]
-    fn seed_then_route_only_to_up_nodes() {
+    fn seed_then_route_to_nodes_in_service() {
         let mut s = seeded();
-        assert!(
-            s.to_cluster_file().nodes.is_empty(),
-            "loading nodes are not routed to"
-        );
+        // Loading nodes stay holders (the coordinator's probe decides when to call them).
+        let p = s.to_cluster_file().placement(2, 8).unwrap();
+        assert_eq!(p.holders(1, 3).len(), 2);
+        assert_eq!(p.holders(1, 7).len(), 1);
         for id in ["n1", "n2"] {
             s.apply(&Command::Heartbeat {
                 id: id.into(),
@@ -561,9 +751,45 @@ mod tests {
                 loading: false,
             });
         }
-        let p = s.to_cluster_file().placement(2, 8).unwrap();
-        assert_eq!(p.holders(1, 3).len(), 2);
-        assert_eq!(p.holders(1, 7).len(), 1);
+        // A drain that would leave experts on no node in service is refused; once n1 holds
+        // replicas of n2's experts, n2 drains and leaves the routing file.
+        let refused = s.apply(&Command::Drain { id: "n2".into() });
+        assert!(
+            matches!(&refused, Outcome::Rejected(m) if m.contains("layer 0 experts [4, 5, 6, 7]")),
+            "{refused:?}"
+        );
+        for e in 4..8 {
+            let Outcome::MoveStarted { id, .. } = s.apply(&Command::BeginMove {
+                mv: Move {
+                    layer: 0,
+                    expert: e,
+                    from: None,
+                    to: "n1".into(),
+                },
+                expect_version: None,
+            }) else {
+                panic!("move refused")
+            };
+            s.apply(&Command::CompleteMove { id });
+        }
+        assert!(matches!(
+            s.apply(&Command::Drain { id: "n2".into() }),
+            Outcome::Rejected(m) if m.contains("layer 1")
+        ));
+        for l in 0..2 {
+            s.nodes
+                .get_mut("n1")
+                .unwrap()
+                .experts
+                .insert(l, (0..8).collect());
+        }
+        assert!(matches!(
+            s.apply(&Command::Drain { id: "n2".into() }),
+            Outcome::Applied { .. }
+        ));
+        let f = s.to_cluster_file();
+        assert_eq!(f.nodes.len(), 1);
+        assert_eq!(f.placement(2, 8).unwrap().holders(1, 7), &[0]);
         // A second seed is refused and changes nothing.
         let before = s.digest();
         assert!(matches!(
@@ -613,10 +839,49 @@ mod tests {
     }
 
     #[test]
+    fn coordinators_take_seats_and_only_named_ones() {
+        let mut s = seeded();
+        s.apply(&Command::Register {
+            id: "n1".into(),
+            raft_id: 11,
+            addr: "127.0.0.1:7001".into(),
+            caps: NodeCaps::default(),
+        });
+        let seat = |id: &str, raft_id| Command::RegisterCoordinator {
+            id: id.into(),
+            raft_id,
+            addr: "127.0.0.1:7500".into(),
+        };
+        assert!(
+            matches!(s.apply(&seat("intruder", 5)), Outcome::Rejected(m) if m.contains("not a coordinator"))
+        );
+        assert!(
+            matches!(s.apply(&seat("coordinator", 11)), Outcome::Rejected(m) if m.contains("node n1"))
+        );
+        let v = s.placement_version;
+        assert!(
+            matches!(s.apply(&seat("coordinator", 5)), Outcome::Applied { placement_version } if placement_version == v)
+        );
+        assert!(s.is_seat(5) && !s.is_seat(11));
+        assert_eq!(
+            s.raft_member(5),
+            Some(("coordinator".into(), "127.0.0.1:7500".into()))
+        );
+        assert_eq!(
+            s.raft_member(11),
+            Some(("n1".into(), "127.0.0.1:7001".into()))
+        );
+        assert_eq!(ClusterState::decode(&s.encode()).unwrap(), s);
+    }
+
+    #[test]
     fn loading_is_not_down_and_operator_states_stick() {
         let mut s = seeded();
+        // n2 holds a replica of everything n1 does, so n1 may be drained.
+        s.nodes.get_mut("n2").unwrap().experts = (0..2).map(|l| (l, (0..8).collect())).collect();
+        // Silent while loading (it would have heartbeated "loading"): down too.
         s.apply(&Command::MarkDown { id: "n1".into() });
-        assert_eq!(s.nodes["n1"].status, NodeStatus::Loading);
+        assert_eq!(s.nodes["n1"].status, NodeStatus::Down);
         s.apply(&Command::Heartbeat {
             id: "n1".into(),
             at_ms: 1,
@@ -635,6 +900,45 @@ mod tests {
             s.apply(&Command::Remove { id: "n1".into() }),
             Outcome::Rejected(m) if m.contains("holds")
         ));
+    }
+
+    #[test]
+    fn snapshot_files_round_trip_and_damage_is_named_and_restore_moves_versions_on() {
+        let s = seeded();
+        let f = s.to_snapshot_file();
+        assert_eq!(ClusterState::from_snapshot_file(&f).unwrap(), s);
+        let mut flipped = f.clone();
+        let last = flipped.len() - 2;
+        flipped[last] ^= 1;
+        assert!(ClusterState::from_snapshot_file(&flipped)
+            .unwrap_err()
+            .contains("checksum"));
+        assert!(ClusterState::from_snapshot_file(&f[..f.len() - 1])
+            .unwrap_err()
+            .contains("truncated"));
+        let text = String::from_utf8(f.clone()).unwrap();
+        let v2 = text.replacen("format=1", "format=9", 1);
+        assert!(ClusterState::from_snapshot_file(v2.as_bytes())
+            .unwrap_err()
+            .contains("format 9"));
+        assert!(ClusterState::from_snapshot_file(b"hello\n{}").is_err());
+        // Restored into a cluster that moved on: the same state, a later version.
+        let mut other = seeded();
+        other.nodes.get_mut("n1").unwrap().addr = "10.0.0.1:7400".into();
+        other.nodes.get_mut("n1").unwrap().experts.clear();
+        for _ in 0..4 {
+            other.bump();
+        }
+        let cmd = Command::Restore {
+            state: String::from_utf8(s.encode()).unwrap(),
+        };
+        let cmd = Command::decode(&cmd.encode()).unwrap();
+        other.apply(&cmd);
+        // The saved placement, the current address.
+        assert_eq!(other.nodes["n1"].experts, s.nodes["n1"].experts);
+        assert_eq!(other.nodes["n1"].addr, "10.0.0.1:7400");
+        assert_eq!(other.nodes["n2"], s.nodes["n2"]);
+        assert_eq!(other.placement_version, 6);
     }
 
     #[test]

@@ -106,6 +106,11 @@ pub enum Command {
     /// bound, then opens its experts (reporting progress to the coordinator, which waits for
     /// it). SIGTERM stops it cleanly.
     Node(NodeArgs),
+    /// Operate a cluster through a seated coordinator's admin API (mutual TLS, the
+    /// `operator` certificate): `status`, `node list|drain|recommission|decommission`,
+    /// `placement show`, `snapshot save|restore`. Tables by default; --json prints the admin
+    /// API's response.
+    Ctl(crate::ctl::CtlArgs),
 }
 
 /// `ternfleet certs`.
@@ -316,10 +321,27 @@ pub struct ServeArgs {
     /// With --cluster: the cluster CA and this process's certificate (ternfleet certs).
     #[arg(long)]
     pub certs: Option<PathBuf>,
-    /// With --cluster: milliseconds a node call may take before a replica is tried (default
-    /// 750, plus 0.5 ms per route).
+    /// With --cluster or --join: milliseconds a node call may take before a replica is tried
+    /// (default 750, plus 0.5 ms per route).
     #[arg(long = "step-deadline")]
     pub step_deadline: Option<u64>,
+    /// Bundles: take a seat in the control plane (a Raft learner) through the member at ADDR
+    /// (any node's QUIC host:port) and route with the committed placement, following every
+    /// change operators make; needs --certs. A restart rejoins by itself.
+    #[arg(long, value_name = "ADDR", conflicts_with = "cluster")]
+    pub join: Option<String>,
+    /// With --join: the QUIC address the control plane reaches this coordinator at
+    /// (default 127.0.0.1:0; give a routable address when nodes run on other machines).
+    #[arg(long, value_name = "ADDR")]
+    pub listen: Option<String>,
+    /// With --join: the admin gRPC API's address for `ternfleet ctl` (mutual TLS against the
+    /// cluster CA, the `operator` certificate only; default 127.0.0.1:50052; "" = none).
+    #[arg(long, value_name = "ADDR")]
+    pub admin: Option<String>,
+    /// With --join: the directory of the Raft store (STATE_DIR/ID/raft.redb; default
+    /// $XDG_STATE_HOME/ternfleet or ~/.local/state/ternfleet).
+    #[arg(long = "state-dir")]
+    pub state_dir: Option<PathBuf>,
 }
 
 impl ServeArgs {
@@ -341,6 +363,18 @@ impl ServeArgs {
              evict => evict, step_deadline => step_deadline_ms);
         if self.cluster.is_some() {
             c.cluster = self.cluster;
+        }
+        if self.join.is_some() {
+            c.join = self.join;
+        }
+        if let Some(l) = self.listen {
+            c.listen = l;
+        }
+        if let Some(a) = self.admin {
+            c.admin = a;
+        }
+        if self.state_dir.is_some() {
+            c.state_dir = self.state_dir;
         }
         if self.certs.is_some() {
             c.certs = self.certs;
@@ -584,6 +618,7 @@ pub fn cluster_spec(
             step_base: std::time::Duration::from_millis(step_deadline_ms.max(1)),
             ..Default::default()
         },
+        follow: None,
     }))
 }
 
@@ -942,6 +977,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Certs(a) => cmd_certs(a),
         Command::Cluster(a) => cmd_cluster(a),
         Command::Node(a) => cmd_node(a),
+        Command::Ctl(a) => crate::ctl::run(a),
     }
 }
 
@@ -1026,13 +1062,7 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
         io_threads: a.io_threads.clamp(1, 256),
         evict: a.evict,
         act: crate::model::weights::activation(arch),
-        state_dir: match a.state_dir {
-            Some(d) => Some(d),
-            None => std::env::var_os("XDG_STATE_HOME")
-                .map(PathBuf::from)
-                .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".local/state")))
-                .map(|d| d.join("ternfleet")),
-        },
+        state_dir: a.state_dir.or_else(crate::seat::default_state_dir),
         control: (a.init_cluster || a.join.is_some()).then(|| {
             ternfleet_node::control::ControlOptions {
                 init_cluster: a.init_cluster,

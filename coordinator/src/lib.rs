@@ -16,12 +16,18 @@
 //!   OpenAI-compatible HTTP API.
 //! - [`remote::RemoteExperts`] — the expert backend of a cluster: each layer's routes sent to
 //!   the nodes of a placement (one call per node), failover to replicas.
+//! - [`admin`] — the admin gRPC API of a seated coordinator (mutual TLS), what `ternfleet
+//!   ctl` talks to.
+//! - [`seat::Seat`] — `serve --join`: the coordinator as a Raft learner of the control plane,
+//!   routing with the newest committed placement.
 //! - [`sampler::Sampler`] — greedy / temperature / top-k / top-p / min-p / repetition penalty.
+pub mod admin;
 pub mod attention;
 pub mod bench;
 pub mod cli;
 pub mod compare;
 pub mod convert;
+pub mod ctl;
 pub mod engine;
 pub mod generate;
 pub mod kv_cache;
@@ -32,5 +38,6 @@ pub mod perplexity;
 pub mod remote;
 pub mod routing;
 pub mod sampler;
+pub mod seat;
 pub mod serve;
 pub mod tokenizer;

@@ -22,12 +22,12 @@
 
 use std::collections::BTreeMap;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use ternfleet_kernels::{Activations, GgmlType, Numerics};
 use ternfleet_node::expert::LocalExperts;
-use ternfleet_shared::cluster::Placement;
+use ternfleet_shared::cluster::{ClusterFile, NodeEntry, Placement};
 use ternfleet_shared::error::ErrorClass;
 use ternfleet_shared::expert::{
     ExpertBackend, ExpertBatch, ExpertError, Health, InFlight, RemoteStats, Route,
@@ -79,7 +79,8 @@ struct NodeHealth {
 
 struct Inner {
     transport: Arc<dyn Transport>,
-    placement: Placement,
+    /// The newest placement; node `i` is the transport's node `i` (the list only grows).
+    placement: RwLock<Arc<Placement>>,
     n_expert: usize,
     nodes: Mutex<Vec<NodeHealth>>,
     stats: Mutex<RemoteStats>,
@@ -124,7 +125,7 @@ impl RemoteExperts {
             .collect();
         let inner = Arc::new(Inner {
             transport,
-            placement,
+            placement: RwLock::new(Arc::new(placement)),
             n_expert,
             nodes: Mutex::new(nodes),
             stats: Mutex::new(RemoteStats::default()),
@@ -170,6 +171,16 @@ impl RemoteExperts {
                 layer: 0,
                 reason: format!("starting the node prober: {e}"),
             })?;
+        if let Some(feed) = c.follow.clone() {
+            let weak = Arc::downgrade(&inner);
+            std::thread::Builder::new()
+                .name("placement".into())
+                .spawn(move || follow(weak, feed))
+                .map_err(|e| ExpertError::Unavailable {
+                    layer: 0,
+                    reason: format!("starting the placement follower: {e}"),
+                })?;
+        }
         Ok(RemoteExperts {
             inner,
             local: LocalExperts::new(shared),
@@ -194,7 +205,7 @@ impl Drop for RemoteExperts {
         tracing::info!(
             "cluster: {} calls to {} nodes ({} failovers), {:.2} MB sent, {:.2} MB received, round trip mean {:.3} ms, worst {:.3} ms, longest failover stall {:.1} ms",
             s.calls,
-            self.inner.placement.nodes.len(),
+            self.inner.placement().nodes.len(),
             s.failovers,
             s.bytes_sent as f64 / 1e6,
             s.bytes_received as f64 / 1e6,
@@ -202,6 +213,52 @@ impl Drop for RemoteExperts {
             s.rtt_ns_max as f64 / 1e6,
             s.stall_ns_max as f64 / 1e6,
         );
+    }
+}
+
+/// The newest committed placement from the control plane: its version and the routing file
+/// (the nodes in service and what each holds).
+pub type PlacementFeed = tokio::sync::watch::Receiver<(u64, ClusterFile)>;
+
+/// Takes every newer placement from `feed` until the backend is dropped or the feed ends.
+fn follow(inner: Weak<Inner>, mut feed: PlacementFeed) {
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!("placement follower: {e}");
+            return;
+        }
+    };
+    let mut version = 0;
+    loop {
+        let (v, file) = feed.borrow_and_update().clone();
+        if v != version {
+            let Some(inner) = inner.upgrade() else { return };
+            match inner.update(&file) {
+                Ok(()) => {
+                    version = v;
+                    tracing::info!(
+                        placement_version = v,
+                        nodes = file.nodes.len(),
+                        "cluster: routing with placement version {v}"
+                    );
+                }
+                Err(e) => tracing::error!(
+                    placement_version = v,
+                    "cluster: placement version {v} not taken: {e}"
+                ),
+            }
+        }
+        let changed = rt
+            .block_on(async { tokio::time::timeout(Duration::from_secs(1), feed.changed()).await });
+        match changed {
+            Ok(Err(_)) => return, // the control plane stopped
+            _ if inner.strong_count() == 0 => return,
+            _ => {}
+        }
     }
 }
 
@@ -230,10 +287,77 @@ fn prober(inner: Weak<Inner>) {
 }
 
 impl Inner {
+    /// The placement now.
+    fn placement(&self) -> Arc<Placement> {
+        match self.placement.read() {
+            Ok(p) => p.clone(),
+            Err(p) => p.into_inner().clone(),
+        }
+    }
+
+    /// Routes with `file` from now on (a newer committed placement). Nodes keep their
+    /// indices: a node new to this coordinator is appended (and probed before it is used),
+    /// one no longer in the file stays with nothing to hold.
+    fn update(&self, file: &ClusterFile) -> Result<(), String> {
+        let old = self.placement();
+        let mut slots: Vec<(String, String)> = old
+            .nodes
+            .iter()
+            .map(|n| (n.id.clone(), n.addr.clone()))
+            .collect();
+        for n in &file.nodes {
+            match slots.iter_mut().find(|s| s.0 == n.id) {
+                Some(s) => s.1.clone_from(&n.addr),
+                None => slots.push((n.id.clone(), n.addr.clone())),
+            }
+        }
+        let moved = slots.len() != old.nodes.len()
+            || slots.iter().zip(&old.nodes).any(|(s, n)| s.1 != n.addr);
+        if moved {
+            self.transport.set_nodes(&slots)?;
+        }
+        let ordered = ClusterFile {
+            coordinators: file.coordinators.clone(),
+            bundle: file.bundle.clone(),
+            nodes: slots
+                .iter()
+                .map(|(id, addr)| {
+                    file.nodes
+                        .iter()
+                        .find(|n| n.id == *id)
+                        .cloned()
+                        .unwrap_or_else(|| NodeEntry {
+                            id: id.clone(),
+                            addr: addr.clone(),
+                            experts: Vec::new(),
+                        })
+                })
+                .collect(),
+        };
+        let p = ordered
+            .placement_with_gaps(old.n_layer(), self.n_expert)
+            .map_err(|e| e.to_string())?;
+        {
+            let mut n = self.nodes.lock().map_err(|_| "poisoned".to_string())?;
+            for (id, _) in &slots[n.len()..] {
+                tracing::info!(node = %id, "cluster: new node in the placement");
+                n.push(NodeHealth {
+                    id: id.clone(),
+                    down: Some(Instant::now()),
+                    why: "not contacted yet".into(),
+                });
+            }
+        }
+        if let Ok(mut g) = self.placement.write() {
+            *g = Arc::new(p);
+        }
+        Ok(())
+    }
+
     /// Sends `Hello` to every node and records who is ready; returns each node's state as
     /// text.
     fn probe_all(&self, timeout: Duration) -> Vec<(String, String)> {
-        let all: Vec<usize> = (0..self.placement.nodes.len()).collect();
+        let all: Vec<usize> = (0..self.placement().nodes.len()).collect();
         self.probe(&all, timeout)
     }
 
@@ -302,22 +426,18 @@ impl Inner {
                     h.why.clone_from(&text);
                 }
             }
-            out.push((self.placement.nodes[i].id.clone(), text));
+            out.push((self.node_id(i), text));
         }
         out
     }
 
     /// The first (layer, experts) with no ready holder.
     fn uncovered(&self) -> Option<(usize, Vec<u32>)> {
+        let placement = self.placement();
         let n = self.nodes.lock().ok()?;
-        for l in 0..self.placement.n_layer() {
+        for l in 0..placement.n_layer() {
             let missing: Vec<u32> = (0..self.n_expert)
-                .filter(|&e| {
-                    self.placement
-                        .holders(l, e)
-                        .iter()
-                        .all(|&h| n[h].down.is_some())
-                })
+                .filter(|&e| placement.holders(l, e).iter().all(|&h| n[h].down.is_some()))
                 .map(|e| e as u32)
                 .collect();
             if !missing.is_empty() {
@@ -341,16 +461,20 @@ impl Inner {
     /// The node to send `expert` of `layer` to: its first holder that is up and not in
     /// `tried` (`None` when every live holder failed this call).
     fn pick(&self, layer: usize, expert: usize, tried: &[usize]) -> Option<usize> {
+        let placement = self.placement();
         let n = self.nodes.lock().ok()?;
-        self.placement
+        placement
             .holders(layer, expert)
             .iter()
             .copied()
             .find(|h| n[*h].down.is_none() && !tried.contains(h))
     }
 
-    fn node_id(&self, i: usize) -> &str {
-        &self.placement.nodes[i].id
+    fn node_id(&self, i: usize) -> String {
+        self.placement()
+            .nodes
+            .get(i)
+            .map_or_else(|| format!("#{i}"), |n| n.id.clone())
     }
 }
 
@@ -404,15 +528,16 @@ fn send_parts(
     if !orphans.is_empty() {
         orphans.sort_unstable();
         orphans.dedup();
+        let placement = inner.placement();
         let n = inner.nodes.lock().ok();
         let holders: Vec<String> = orphans
             .iter()
-            .flat_map(|&e| inner.placement.holders(layer, e as usize).to_vec())
+            .flat_map(|&e| placement.holders(layer, e as usize).to_vec())
             .collect::<std::collections::BTreeSet<_>>()
             .into_iter()
             .map(|h| match &n {
                 Some(n) => format!("{} ({})", n[h].id, n[h].why),
-                None => inner.node_id(h).to_string(),
+                None => inner.node_id(h),
             })
             .collect();
         return Err(ExpertError::Unavailable {
@@ -627,11 +752,11 @@ impl InFlight for RemoteInFlight {
             {
                 Ok(r) => r,
                 Err(RecvTimeoutError::Timeout) => Err(NetError::Timeout {
-                    node: inner.node_id(p.node).to_string(),
+                    node: inner.node_id(p.node),
                     waited: p.sent.elapsed(),
                 }),
                 Err(RecvTimeoutError::Disconnected) => Err(NetError::Lost {
-                    node: inner.node_id(p.node).to_string(),
+                    node: inner.node_id(p.node),
                     msg: "the transport dropped the call".into(),
                 }),
             };
@@ -673,7 +798,7 @@ impl InFlight for RemoteInFlight {
                 Err(e) => (e.class(), e.to_string()),
             };
             let (class, msg) = failure;
-            let node = inner.node_id(p.node).to_string();
+            let node = inner.node_id(p.node);
             if Instant::now() >= deadline {
                 let mut experts: Vec<u32> =
                     p.routes.iter().map(|&r| self.routes[r].expert).collect();

@@ -122,10 +122,18 @@ impl Transport for Link {
 struct Setup {
     transport: Arc<MemTransport>,
     model: Model,
+    /// The placement (version 1 of a followed feed).
+    plan: ClusterFile,
+    /// Newer placements (when the model follows a feed).
+    feed: Option<tokio::sync::watch::Sender<(u64, ClusterFile)>>,
 }
 
 /// `n` in-memory nodes holding a plan with `replicas`, and a model whose experts run on them.
 fn setup(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64) -> Setup {
+    setup_with(b, n, replicas, drop, seed, false)
+}
+
+fn setup_with(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64, follow: bool) -> Setup {
     let man = Manifest::read(b).unwrap();
     let ids: Vec<(String, String)> = (1..=n).map(|i| (format!("n{i}"), "mem:1".into())).collect();
     let plan = ClusterFile::plan(&man, &ids, replicas).unwrap();
@@ -171,10 +179,17 @@ fn setup(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64) -> Setup {
         dropped: AtomicU64::new(0),
         nodes,
     });
+    let (feed, follow) = if follow {
+        let (tx, rx) = tokio::sync::watch::channel((1, plan.clone()));
+        (Some(tx), Some(rx))
+    } else {
+        (None, None)
+    };
     let model = Model::open_with(
         b,
         &OpenOptions {
             cluster: Some(ClusterSpec {
+                follow,
                 placement,
                 transport: Arc::new(Link(transport.clone())),
                 me: "coordinator".into(),
@@ -188,7 +203,12 @@ fn setup(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64) -> Setup {
         },
     )
     .unwrap();
-    Setup { transport, model }
+    Setup {
+        transport,
+        model,
+        plan,
+        feed,
+    }
 }
 
 const PROMPT: &str = "This License applies to any program";
@@ -302,4 +322,70 @@ fn with_every_holder_gone_the_step_fails_unavailable_and_the_cache_is_unchanged(
         got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
         want.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
     );
+}
+
+#[test]
+fn a_newer_placement_is_followed_a_drained_node_gets_no_call_and_comes_back() {
+    let _serial = serial();
+    let b = bundle();
+    let local = Model::open(&b).unwrap();
+    let want = run(&local, Numerics::Invariant, PROMPT, 6).unwrap();
+    // Every node holds every expert; version 2 drains n1 (it leaves the routing file).
+    let s = setup_with(&b, 3, 3, 0.0, 5, true);
+    assert!(run(&s.model, Numerics::Invariant, PROMPT, 6).unwrap() == want);
+    let served = |i: usize| s.transport.served[i].load(Ordering::SeqCst);
+    assert!(served(0) > 0, "n1 served nothing before the drain");
+    let mut drained = s.plan.clone();
+    drained.nodes.retain(|n| n.id != "n1");
+    let feed = s.feed.as_ref().unwrap();
+    feed.send((2, drained)).unwrap();
+    // The follower takes it at once; a bounded wait for the first step without n1.
+    let t = Instant::now();
+    loop {
+        let before = served(0);
+        assert!(run(&s.model, Numerics::Invariant, PROMPT, 6).unwrap() == want);
+        if served(0) == before {
+            break;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "n1 still called 5 s after its drain"
+        );
+    }
+    let before = served(0);
+    for _ in 0..3 {
+        assert!(run(&s.model, Numerics::Invariant, PROMPT, 6).unwrap() == want);
+    }
+    assert_eq!(served(0), before, "a drained node was called");
+    // A placement in which layer 0 expert 0 has no holder: calls that need it fail
+    // unavailable, naming the expert; the rest of the placement is taken.
+    let mut gap = s.plan.clone();
+    for n in &mut gap.nodes {
+        n.experts = vec!["0:1-15".into(), "1:*".into()];
+    }
+    feed.send((3, gap)).unwrap();
+    let t = Instant::now();
+    while s.model.experts.health() == Health::Ready {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the gap was not taken"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(
+        matches!(s.model.experts.health(), Health::Unavailable(m) if m.contains("[0]")),
+        "{:?}",
+        s.model.experts.health()
+    );
+    // Recommissioned: n1 is called again.
+    feed.send((4, s.plan.clone())).unwrap();
+    let t = Instant::now();
+    let before = served(0);
+    while served(0) == before {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "n1 not called again within 5 s"
+        );
+        assert!(run(&s.model, Numerics::Invariant, PROMPT, 6).unwrap() == want);
+    }
 }

@@ -19,7 +19,7 @@ mod common;
 use common::*;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ternfleet_shared::bundle::Manifest;
@@ -27,20 +27,6 @@ use ternfleet_shared::cluster::ClusterFile;
 use ternfleet_shared::error::ErrorClass;
 use ternfleet_shared::mtls;
 use ternfleet_shared::wire::Frame;
-
-fn bin() -> &'static str {
-    env!("CARGO_BIN_EXE_ternfleet")
-}
-
-/// A process killed (and reaped) when dropped, whatever the test's outcome.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
 
 struct Group {
     dir: tempfile::TempDir,
@@ -327,7 +313,7 @@ fn three_voters_survive_leader_sigkill_and_a_full_restart() {
     let first = g.addrs[0].clone();
     g.spawn(1, "127.0.0.1:0", &["--join", &first]);
     // The third joins through a follower (once n2 is one), which points it to the leader.
-    g.wait_log(1, 0, "added this node to the cluster", 15);
+    g.wait_log(1, 0, "added this member to the cluster", 15);
     let second = g.addrs[1].clone();
     g.spawn(2, "127.0.0.1:0", &["--join", &second]);
     let (v, formed) = g.agree(&[0, 1, 2], None, &[0, 0, 0], 30);
@@ -445,4 +431,367 @@ fn three_voters_survive_leader_sigkill_and_a_full_restart() {
         );
         std::thread::sleep(Duration::from_millis(50));
     }
+}
+
+/// A coordinator with a seat (`serve --join`): a learner (the voters stay the three nodes)
+/// that serves the single process's tokens from the committed placement, through a SIGKILL
+/// of the Raft leader mid-stream (no failed request), follows the placement the leader
+/// changes (the dead node marked down), and restarted after a SIGKILL serves again within
+/// the goal (10 s) from the committed placement.
+#[test]
+fn a_seated_coordinator_serves_through_a_leader_sigkill_and_restarts_within_10s() {
+    let bundle = tiny_moe_bundle("control-seat-qwen3moe");
+    let mut g = Group::new(&bundle);
+    let certs = g.dir.path().join("certs");
+    mtls::issue(&certs, "coordinator").unwrap();
+    g.spawn(0, "127.0.0.1:0", &["--init-cluster"]);
+    let first = g.addrs[0].clone();
+    g.spawn(1, "127.0.0.1:0", &["--join", &first]);
+    g.spawn(2, "127.0.0.1:0", &["--join", &first]);
+    g.agree(&[0, 1, 2], None, &[0, 0, 0], 30);
+
+    let single = Server::start(&bundle, &[], "seat-single");
+    let args: Vec<String> = vec![
+        "--join".into(),
+        first.clone(),
+        "--certs".into(),
+        certs.display().to_string(),
+        "--state-dir".into(),
+        g.dir.path().join("state").display().to_string(),
+    ];
+    let t = Instant::now();
+    let coord = Server::start(&bundle, &args, "seat-coordinator");
+    eprintln!("coordinator joined and ready in {:?}", t.elapsed());
+    assert!(coord
+        .log_text()
+        .contains("cluster: the committed placement arrived"));
+    let prompts = ["The capital of France is", "def fibonacci(n):"];
+    for (i, p) in prompts.iter().enumerate() {
+        let body = request(p, 12, i as u64);
+        assert_eq!(
+            completion(&coord.url, &body),
+            completion(&single.url, &body),
+            "{p:?}: seated coordinator vs one process"
+        );
+    }
+    // A learner: the voters are still the three nodes (agree() checks them).
+    let (v, _) = g.agree(&[0, 1, 2], None, &[0, 0, 0], 10);
+    let l = g.index_of(&v.leader);
+    g.wait_log(l, 0, "control: coordinator joined as a learner", 5);
+
+    // SIGKILL the Raft leader (a node holding experts) mid-stream: same tokens, no error.
+    let body = request("Explain photosynthesis in simple terms:", 160, 7);
+    let reference = completion(&single.url, &body);
+    let others: Vec<usize> = (0..3).filter(|&i| i != l).collect();
+    let marks: Vec<usize> = (0..3).map(|i| g.log_len(i)).collect();
+    let routed = coord.log_count("cluster: routing with placement version");
+    let (toks, lps, gap) = stream_with_fault(&coord.url, &body, 4, || g.kill(l));
+    assert_eq!((toks, lps), reference, "output after SIGKILL of the leader");
+    eprintln!("leader {} killed mid-stream: longest gap {gap:?}", v.leader);
+    let (v2, _) = g.agree(&others, Some(&v.leader), &marks, 10);
+    // The new leader marks the dead node down; the coordinator routes with that version.
+    g.wait_log(
+        g.index_of(&v2.leader),
+        marks[g.index_of(&v2.leader)],
+        &format!("control: node {} is down", v.leader),
+        15,
+    );
+    wait_for_log(
+        &coord,
+        "cluster: routing with placement version",
+        routed + 1,
+        10,
+    );
+
+    // The dead node returns; then SIGKILL the coordinator and restart it: it serves again
+    // from its store's committed placement within the goal.
+    let addr = g.addrs[l].clone();
+    g.spawn(l, &addr, &[]);
+    drop(coord);
+    let t = Instant::now();
+    let coord = Server::start(&bundle, &args, "seat-coordinator-restarted");
+    let back = t.elapsed();
+    eprintln!("coordinator restarted: ready after {back:?} (goal < 10 s)");
+    assert!(back < Duration::from_secs(10), "ready after {back:?}");
+    let body = request(prompts[0], 12, 0);
+    assert_eq!(
+        completion(&coord.url, &body),
+        completion(&single.url, &body)
+    );
+}
+
+/// `ternfleet ctl` against the seated coordinator's admin API: (status, stdout, stderr).
+fn ctl(admin: &str, certs: &Path, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(bin())
+        .args(["ctl", "--addr", admin, "--certs"])
+        .arg(certs)
+        .args(args)
+        .output()
+        .expect("running ternfleet ctl");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn ctl_json(admin: &str, certs: &Path, args: &[&str]) -> serde_json::Value {
+    let mut a = vec!["--json"];
+    a.extend_from_slice(args);
+    let (ok, out, err) = ctl(admin, certs, &a);
+    assert!(ok, "ctl {args:?} failed: {err}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("ctl {args:?}: {e}: {out}"))
+}
+
+/// Seated coordinator `args` for group `g`, admin API on port 0.
+fn seat_args(g: &Group, join: &str) -> Vec<String> {
+    vec![
+        "--join".into(),
+        join.into(),
+        "--certs".into(),
+        g.dir.path().join("certs").display().to_string(),
+        "--state-dir".into(),
+        g.dir.path().join("state").display().to_string(),
+        "--admin".into(),
+        "127.0.0.1:0".into(),
+    ]
+}
+
+/// Forms the three-node group of `g` (n1 --init-cluster, the others join it).
+fn form(g: &mut Group) {
+    g.spawn(0, "127.0.0.1:0", &["--init-cluster"]);
+    let first = g.addrs[0].clone();
+    g.spawn(1, "127.0.0.1:0", &["--join", &first]);
+    g.spawn(2, "127.0.0.1:0", &["--join", &first]);
+    g.agree(&[0, 1, 2], None, &[0, 0, 0], 30);
+}
+
+/// The operator's commands through `ternfleet ctl`: status (leader, voters, the learner
+/// seat), node list; drain, recommission and decommission under a load of concurrent
+/// requests (zero failed, every output the single process's); a drain that would leave
+/// experts on no node refused with the reason; a non-operator certificate refused; snapshot
+/// save, wipe every store, a new cluster, restore: the same placement.
+#[test]
+fn ctl_drains_and_recommissions_under_load_with_no_failed_request_and_restores_a_snapshot() {
+    let bundle = tiny_moe_bundle("control-ctl-qwen3moe");
+    let mut g = Group::new(&bundle);
+    let certs = g.dir.path().join("certs");
+    for id in ["coordinator", "operator"] {
+        mtls::issue(&certs, id).unwrap();
+    }
+    form(&mut g);
+    let single = Server::start(&bundle, &[], "ctl-single");
+    let coord = Server::start(&bundle, &seat_args(&g, &g.addrs[0]), "ctl-coordinator");
+    let admin = coord.line["admin"]
+        .as_str()
+        .expect("admin address")
+        .to_string();
+
+    let st = ctl_json(&admin, &certs, &["status"]);
+    let members = st["members"].as_array().unwrap();
+    let voters: Vec<&str> = members
+        .iter()
+        .filter(|m| m["role"] == "voter")
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(voters, ["n1", "n2", "n3"], "{st}");
+    assert!(
+        ["n1", "n2", "n3"].contains(&st["leader"].as_str().unwrap()),
+        "{st}"
+    );
+    assert!(
+        members
+            .iter()
+            .any(|m| m["id"] == "coordinator" && m["role"] == "learner" && m["state"] == "seat"),
+        "{st}"
+    );
+    let (ok, table, _) = ctl(&admin, &certs, &["node", "list"]);
+    assert!(
+        ok && table.starts_with("ID") && table.contains("n3"),
+        "{table}"
+    );
+    // Only the operator's certificate is taken.
+    let (ok, _, err) = ctl(&admin, &certs, &["--id", "n1", "status"]);
+    assert!(!ok && err.contains("PermissionDenied"), "{err}");
+
+    // Load: three clients, requests of fixed seeds whose outputs are known.
+    let bodies: Vec<serde_json::Value> = (0..6)
+        .map(|i| request(&format!("Request number {i} says"), 24, i))
+        .collect();
+    let want: Vec<_> = bodies.iter().map(|b| completion(&single.url, b)).collect();
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    /// Stops the clients however the scope ends (a failed assertion included).
+    struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    let (done, failed) = std::thread::scope(|s| {
+        let _stop = StopOnDrop(&stop);
+        let clients: Vec<_> = (0..3)
+            .map(|c| {
+                let (url, bodies, want, stop) = (&coord.url, &bodies, &want, &stop);
+                s.spawn(move || {
+                    let (mut done, mut failed) = (0usize, Vec::new());
+                    let mut k = c;
+                    let t0 = Instant::now();
+                    while !stop.load(std::sync::atomic::Ordering::SeqCst)
+                        && t0.elapsed() < Duration::from_secs(120)
+                    {
+                        let i = k % bodies.len();
+                        let (status, v) = post(url, &bodies[i]);
+                        if status != 200 {
+                            failed.push(format!("{status}: {v}"));
+                        } else {
+                            let (t, l) = logprobs_of(&v);
+                            let got = (t, l.iter().map(|&x| (x as f32).to_bits()).collect());
+                            if got != want[i] {
+                                failed.push(format!("request {i}: output differs"));
+                            }
+                        }
+                        done += 1;
+                        k += 1;
+                    }
+                    (done, failed)
+                })
+            })
+            .collect();
+        let routed = |n| wait_for_log(&coord, "cluster: routing with placement version", n, 10);
+        let count = || coord.log_count("cluster: routing with placement version");
+        // Drain n2: refused for n1 afterwards (its experts' other copies are on n2).
+        let n = count();
+        let r = ctl_json(&admin, &certs, &["node", "drain", "n2"]);
+        assert_eq!(r["status"], "draining", "{r}");
+        routed(n + 1);
+        let (ok, _, err) = ctl(&admin, &certs, &["node", "drain", "n1"]);
+        assert!(
+            !ok && err.contains("FailedPrecondition") && err.contains("place replicas elsewhere"),
+            "{err}"
+        );
+        let p = ctl_json(&admin, &certs, &["placement", "show"]);
+        assert_eq!(p["uncovered"], serde_json::json!([]), "{p}");
+        std::thread::sleep(Duration::from_millis(500));
+        let saved = g.dir.path().join("drained.snapshot");
+        let (ok, out, err) = ctl(
+            &admin,
+            &certs,
+            &["snapshot", "save", "-o", saved.to_str().unwrap()],
+        );
+        assert!(ok, "{err}");
+        eprintln!("{}", out.trim());
+        // Recommission: loading, then up (its heartbeat), routed again.
+        let r = ctl_json(&admin, &certs, &["node", "recommission", "n2"]);
+        assert_eq!(r["status"], "loading", "{r}");
+        g.wait_log(0, 0, "control: node n2 is up", 10);
+        // Decommission n3 (n1 and n2 hold its experts' other copies), then bring it back.
+        let r = ctl_json(&admin, &certs, &["node", "decommission", "n3"]);
+        assert_eq!(r["status"], "decommissioning", "{r}");
+        std::thread::sleep(Duration::from_millis(500));
+        ctl_json(&admin, &certs, &["node", "recommission", "n3"]);
+        std::thread::sleep(Duration::from_millis(500));
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut done = 0;
+        let mut failed = Vec::new();
+        for c in clients {
+            let (d, f) = c.join().expect("client");
+            done += d;
+            failed.extend(f);
+        }
+        (done, failed)
+    });
+    eprintln!("{done} requests during drain, recommission and decommission");
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    assert!(done >= 6, "the load did not run ({done} requests)");
+    let before = ctl_json(&admin, &certs, &["placement", "show"]);
+
+    // Snapshot save happened with n2 drained; wipe every store, start a new cluster (seeded
+    // from the cluster file), restore: the saved placement is back.
+    let saved = g.dir.path().join("drained.snapshot");
+    let want_nodes = {
+        let bytes = std::fs::read(&saved).unwrap();
+        let s = ternfleet_control::ClusterState::from_snapshot_file(&bytes).unwrap();
+        assert_eq!(
+            s.nodes["n2"].status,
+            ternfleet_control::NodeStatus::Draining
+        );
+        s.nodes
+            .iter()
+            .map(|(id, n)| (id.clone(), n.experts.clone()))
+            .collect::<Vec<_>>()
+    };
+    drop(coord);
+    for i in 0..3 {
+        g.kill(i);
+    }
+    std::fs::remove_dir_all(g.dir.path().join("state")).unwrap();
+    g.addrs = vec![String::new(); 3];
+    form(&mut g);
+    let coord = Server::start(&bundle, &seat_args(&g, &g.addrs[0]), "ctl-coordinator-new");
+    let admin = coord.line["admin"].as_str().unwrap().to_string();
+    let fresh = ctl_json(&admin, &certs, &["placement", "show"]);
+    assert!(
+        fresh["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|n| n["status"] != "draining"),
+        "{fresh}"
+    );
+    let r = ctl_json(
+        &admin,
+        &certs,
+        &["snapshot", "restore", saved.to_str().unwrap()],
+    );
+    // Versions never go back: past the new cluster's and the snapshot's.
+    let restored = r["placement_version"].as_u64().unwrap();
+    assert!(
+        restored > fresh["placement_version"].as_u64().unwrap(),
+        "{r} {fresh}"
+    );
+    assert!(
+        restored > 7.min(before["placement_version"].as_u64().unwrap()),
+        "{r}"
+    );
+    let after = ctl_json(&admin, &certs, &["placement", "show"]);
+    let n2 = after["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["id"] == "n2")
+        .unwrap()
+        .clone();
+    assert_eq!(n2["status"], "draining", "{after}");
+    let got: Vec<(String, serde_json::Value)> = after["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| (n["id"].as_str().unwrap().to_string(), n["experts"].clone()))
+        .collect();
+    let fresh_specs: Vec<(String, serde_json::Value)> = fresh["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| (n["id"].as_str().unwrap().to_string(), n["experts"].clone()))
+        .collect();
+    assert_eq!(got.len(), want_nodes.len());
+    assert_eq!(got, fresh_specs, "the same experts per node as the seed");
+    // A damaged snapshot is refused before it is sent.
+    let mut bad = std::fs::read(&saved).unwrap();
+    let last = bad.len() - 2;
+    bad[last] ^= 1;
+    let badf = g.dir.path().join("bad.snapshot");
+    std::fs::write(&badf, bad).unwrap();
+    let (ok, _, err) = ctl(
+        &admin,
+        &certs,
+        &["snapshot", "restore", badf.to_str().unwrap()],
+    );
+    assert!(!ok && err.contains("checksum"), "{err}");
+    // The restored state routes: n2 drained, requests still the single process's.
+    let body = request("The capital of France is", 12, 0);
+    assert_eq!(
+        completion(&coord.url, &body),
+        completion(&single.url, &body)
+    );
 }

@@ -29,9 +29,13 @@ use ternfleet_control::quic::{raft_id, QuicRaft, Resolver};
 use ternfleet_control::replica::{Replica, ReplicaConfig};
 use ternfleet_control::state::{ClusterState, Command, NodeCaps, NodeStatus, Outcome};
 use ternfleet_control::{conf_change, ConfChangeType, RaftStore};
+use ternfleet_shared::error::ErrorClass;
 use ternfleet_shared::mtls::{self, Identity};
 use ternfleet_shared::net::{read_frame, write_frame, CONNECT_TIMEOUT};
-use ternfleet_shared::wire::Frame;
+use ternfleet_shared::wire::{Frame, HEADER};
+
+/// How long a peer may take to finish a handshake or send a request.
+const PEER_READ_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// How often a node tells the group it is alive (and whether it is still loading).
 pub const HEARTBEAT_EVERY: Duration = Duration::from_secs(1);
@@ -61,14 +65,23 @@ pub struct Member {
 }
 
 fn lookup(state: &ClusterState, raft: u64) -> Option<(String, String)> {
-    state
-        .nodes
-        .iter()
-        .find(|(_, n)| n.raft_id == raft)
-        .map(|(id, n)| (id.clone(), n.addr.clone()))
+    state.raft_member(raft)
 }
 
-/// Starts the member. `seed`: the placement `--init-cluster` proposes when the group has none.
+/// What the member is.
+pub enum Role {
+    /// A node: a voter once caught up. `seed`: the placement `--init-cluster` proposes when
+    /// the group has none; `health`: what its heartbeats say.
+    Node {
+        seed: Option<Command>,
+        health: Health,
+    },
+    /// A coordinator (`serve --join`): a learner that follows the committed placement, never
+    /// a voter, never the leader; it proposes operators' commands.
+    Coordinator,
+}
+
+/// Starts the member.
 #[allow(clippy::too_many_arguments)]
 pub fn start(
     me: &Identity,
@@ -78,13 +91,19 @@ pub fn start(
     endpoint: quinn::Endpoint,
     rt: &tokio::runtime::Handle,
     opts: &ControlOptions,
-    seed: Option<Command>,
-    health: Health,
+    role: Role,
 ) -> Result<Arc<Member>, String> {
+    let coordinator = matches!(role, Role::Coordinator);
+    if coordinator && opts.init_cluster {
+        return Err(
+            "a coordinator cannot start a cluster: --init-cluster is for the first node".into(),
+        );
+    }
     let path = dir.join(id).join("raft.redb");
     let store = RaftStore::open(&path).map_err(|e| e.to_string())?;
     let me_raft = raft_id(id);
-    if store.initialized() {
+    let restart = store.initialized();
+    if restart {
         if opts.init_cluster || opts.join.is_some() {
             tracing::info!(
                 "control: {} already holds this node's cluster: restarting as a member (--init-cluster / --join ignored)",
@@ -121,13 +140,32 @@ pub fn start(
         _driver: driver,
     });
     rt.spawn(watch_leadership(member.clone()));
-    rt.spawn(heartbeats(member.clone(), health));
-    rt.spawn(watch_liveness(member.clone()));
-    if opts.init_cluster {
-        rt.spawn(init(member.clone(), seed));
-    } else if let Some(target) = opts.join.clone() {
-        let any = me.client_config_any_member().map_err(|e| e.to_string())?;
-        rt.spawn(join(member.clone(), endpoint, any, target));
+    match role {
+        Role::Node { seed, health } => {
+            rt.spawn(heartbeats(member.clone(), health));
+            rt.spawn(watch_liveness(member.clone()));
+            if opts.init_cluster && !restart {
+                rt.spawn(init(member.clone(), seed));
+            } else if let Some(target) = opts.join.clone().filter(|_| !restart) {
+                let any = me.client_config_any_member().map_err(|e| e.to_string())?;
+                rt.spawn(join(member.clone(), endpoint, any, vec![target], false));
+            }
+        }
+        Role::Coordinator => {
+            // A coordinator joins at every start: its QUIC address may have changed (the
+            // leader re-registers it). On a restart it asks the members its store knows.
+            let mut targets: Vec<String> = opts.join.iter().cloned().collect();
+            targets.extend(
+                handle
+                    .applied()
+                    .borrow()
+                    .nodes
+                    .values()
+                    .map(|n| n.addr.clone()),
+            );
+            let any = me.client_config_any_member().map_err(|e| e.to_string())?;
+            rt.spawn(join(member.clone(), endpoint, any, targets, true));
+        }
     }
     Ok(member)
 }
@@ -236,7 +274,8 @@ async fn watch_liveness(m: Arc<Member>) {
             if e.0 != n.last_heartbeat_ms {
                 *e = (n.last_heartbeat_ms, now);
             }
-            if n.status == NodeStatus::Up && now - e.1 > DOWN_AFTER {
+            let live = matches!(n.status, NodeStatus::Up | NodeStatus::Loading);
+            if live && now - e.1 > DOWN_AFTER {
                 tracing::warn!(
                     "control: no heartbeat from {id} for {DOWN_AFTER:?}: marking it down"
                 );
@@ -321,7 +360,22 @@ pub async fn answer_join(m: &Member, conn: &quinn::Connection, id: String, addr:
     if st.leader != Some(st.id) {
         return reply(false, leader, "not the leader".into());
     }
-    if let Some(why) = register(m, &id, &addr).await {
+    let seat = state.coordinators.contains(&id);
+    let why = if seat {
+        let cmd = Command::RegisterCoordinator {
+            id: id.clone(),
+            raft_id: raft_id(&id),
+            addr: addr.clone(),
+        };
+        match m.handle.propose(cmd).await {
+            Ok(Outcome::Rejected(why)) => Some(why),
+            Ok(_) => None,
+            Err(e) => Some(e.to_string()),
+        }
+    } else {
+        register(m, &id, &addr).await
+    };
+    if let Some(why) = why {
         return reply(false, leader, format!("registering {id}: {why}"));
     }
     let r = raft_id(&id);
@@ -330,24 +384,37 @@ pub async fn answer_join(m: &Member, conn: &quinn::Connection, id: String, addr:
         if let Err(e) = m.handle.change_membership(cc).await {
             return reply(false, leader, format!("adding {id} as a learner: {e}"));
         }
-        tracing::info!(%id, %addr, "control: {id} joined as a learner");
+        tracing::info!(%id, %addr, coordinator = seat, "control: {id} joined as a learner");
     }
     reply(true, leader, String::new())
 }
 
-/// Asks the member at `target` (then the leader it names) to add this node, until accepted.
-async fn join(m: Arc<Member>, endpoint: quinn::Endpoint, any: quinn::ClientConfig, target: String) {
-    let mut target = target;
-    let mut attempt = 0u32;
+/// Asks the members at `targets` in turn (then the leader one names) to add this member,
+/// until accepted or, unless `until_accepted` (a coordinator re-registering its address),
+/// until the leader's snapshot made it a member.
+async fn join(
+    m: Arc<Member>,
+    endpoint: quinn::Endpoint,
+    any: quinn::ClientConfig,
+    targets: Vec<String>,
+    until_accepted: bool,
+) {
+    if targets.is_empty() {
+        tracing::error!("control: no member to join through (give --join ADDR)");
+        return;
+    }
+    let mut target = targets[0].clone();
+    let mut attempt = 0usize;
     loop {
         attempt += 1;
+        let mut next = None;
         match ask_join(&m, &endpoint, &any, &target).await {
             Ok(Frame::Joined {
                 accepted: true,
                 member,
                 ..
             }) => {
-                tracing::info!("control: {member} at {target} added this node to the cluster");
+                tracing::info!("control: {member} at {target} added this member to the cluster");
                 return;
             }
             Ok(Frame::Joined {
@@ -358,10 +425,13 @@ async fn join(m: Arc<Member>, endpoint: quinn::Endpoint, any: quinn::ClientConfi
             }) => {
                 tracing::info!("control: join via {member} at {target}: {message}");
                 if !leader_addr.is_empty() {
-                    target = leader_addr;
+                    next = Some(leader_addr);
                 }
             }
-            Ok(other) => tracing::warn!("control: join via {target}: unexpected answer {other:?}"),
+            Ok(other) => tracing::warn!(
+                "control: join via {target}: unexpected answer {}",
+                other.name()
+            ),
             Err(e) => {
                 if attempt % 10 == 1 {
                     tracing::warn!("control: join via {target}: {e} (retrying)");
@@ -370,10 +440,11 @@ async fn join(m: Arc<Member>, endpoint: quinn::Endpoint, any: quinn::ClientConfi
         }
         // Already a member (the leader's snapshot arrived): done.
         if let Ok(s) = m.handle.status().await {
-            if s.voters.contains(&s.id) || s.learners.contains(&s.id) {
+            if !until_accepted && (s.voters.contains(&s.id) || s.learners.contains(&s.id)) {
                 return;
             }
         }
+        target = next.unwrap_or_else(|| targets[attempt % targets.len()].clone());
         tokio::time::sleep(Duration::from_millis(300)).await;
     }
 }
@@ -417,4 +488,58 @@ async fn ask_join(
     }
     conn.close(0u32.into(), b"joined");
     Ok(reply)
+}
+
+/// Serves a control-plane peer's connection: Raft frames on uni-streams, `Join` on
+/// bi-streams (each checked against the id the peer's certificate names).
+pub async fn serve_connection(conn: quinn::Connection, m: Arc<Member>) {
+    let raft = m.transport.clone().serve_connection(conn.clone());
+    let joins = async {
+        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
+            let (m, conn) = (m.clone(), conn.clone());
+            tokio::spawn(async move {
+                let cap = HEADER + 3 * ternfleet_shared::wire::MAX_TEXT;
+                let reply =
+                    match tokio::time::timeout(PEER_READ_TIMEOUT, recv.read_to_end(cap)).await {
+                        Ok(Ok(b)) => match Frame::decode(&b) {
+                            Ok(Frame::Join { id, addr }) => answer_join(&m, &conn, id, addr).await,
+                            Ok(other) => Frame::Error {
+                                class: ErrorClass::BadRequest,
+                                message: format!(
+                                    "a control-plane peer may send Join or Raft frames, not {}",
+                                    other.name()
+                                ),
+                            },
+                            Err(e) => Frame::Error {
+                                class: ErrorClass::BadRequest,
+                                message: e.to_string(),
+                            },
+                        },
+                        _ => return,
+                    };
+                if let Ok(bytes) = reply.encode() {
+                    if let Err(e) = write_frame(&mut send, &bytes).await {
+                        tracing::debug!("control: answering a peer: {e}");
+                    }
+                }
+            });
+        }
+    };
+    tokio::join!(raft, joins);
+}
+
+/// Accepts connections on an endpoint that serves only the control plane (a coordinator's
+/// seat): any certificate of the cluster CA, then [`serve_connection`].
+pub async fn accept_members(endpoint: quinn::Endpoint, m: Arc<Member>) {
+    while let Some(incoming) = endpoint.accept().await {
+        let m = m.clone();
+        tokio::spawn(async move {
+            let remote = incoming.remote_address();
+            match tokio::time::timeout(PEER_READ_TIMEOUT, incoming).await {
+                Ok(Ok(conn)) => serve_connection(conn, m).await,
+                Ok(Err(e)) => tracing::warn!(%remote, "control: handshake refused: {e}"),
+                Err(_) => tracing::warn!(%remote, "control: handshake timed out"),
+            }
+        });
+    }
 }

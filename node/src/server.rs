@@ -186,8 +186,10 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
                 endpoint.clone(),
                 rt.handle(),
                 c,
-                Some(seed),
-                health,
+                crate::control::Role::Node {
+                    seed: Some(seed),
+                    health,
+                },
             )
             .map_err(setup)?;
             Some(m)
@@ -336,7 +338,7 @@ async fn accept_loop(
                 // frame and Join is checked against the id its certificate names).
                 Err(_) if member.is_some() => {
                     if let Some(m) = member {
-                        control_connection(conn, m).await;
+                        crate::control::serve_connection(conn, m).await;
                     }
                     return;
                 }
@@ -347,7 +349,7 @@ async fn accept_loop(
                 }
             };
             tracing::info!(%remote, %peer, "node: connection");
-            connection(conn, peer, svc, permits).await;
+            connection(conn, peer, svc, permits, member).await;
         });
     }
 }
@@ -376,6 +378,7 @@ async fn stream(
     peer: String,
     svc: Arc<Service>,
     permits: Arc<tokio::sync::Semaphore>,
+    member: Option<Arc<Member>>,
 ) {
     let req = match tokio::time::timeout(READ_TIMEOUT, recv.read_to_end(HEADER + MAX_FRAME)).await {
         Ok(Ok(b)) => b,
@@ -402,6 +405,13 @@ async fn stream(
             message: e.to_string(),
         }),
         Ok(f @ Frame::Hello { .. }) => svc.handle(&peer, f),
+        Ok(Frame::Join { id, addr }) => match &member {
+            Some(m) => Ok(crate::control::answer_join(m, &conn, id, addr).await),
+            None => Ok(Frame::Error {
+                class: ErrorClass::BadRequest,
+                message: format!("node {} has no seat in a control plane", svc.id),
+            }),
+        },
         Ok(f) => {
             let Ok(_permit) = permits.acquire_owned().await else {
                 return;
@@ -439,51 +449,20 @@ async fn stream(
     }
 }
 
-/// A connection from a control-plane peer: Raft frames on uni-streams, `Join` on bi-streams.
-async fn control_connection(conn: quinn::Connection, m: Arc<Member>) {
-    let raft = m.transport.clone().serve_connection(conn.clone());
-    let joins = async {
-        while let Ok((mut send, mut recv)) = conn.accept_bi().await {
-            let (m, conn) = (m.clone(), conn.clone());
-            tokio::spawn(async move {
-                let cap = HEADER + 3 * ternfleet_shared::wire::MAX_TEXT;
-                let reply = match tokio::time::timeout(READ_TIMEOUT, recv.read_to_end(cap)).await {
-                    Ok(Ok(b)) => match Frame::decode(&b) {
-                        Ok(Frame::Join { id, addr }) => {
-                            crate::control::answer_join(&m, &conn, id, addr).await
-                        }
-                        Ok(other) => Frame::Error {
-                            class: ErrorClass::BadRequest,
-                            message: format!(
-                                "a control-plane peer may send Join or Raft frames, not {}",
-                                other.name()
-                            ),
-                        },
-                        Err(e) => Frame::Error {
-                            class: ErrorClass::BadRequest,
-                            message: e.to_string(),
-                        },
-                    },
-                    _ => return,
-                };
-                answer(&mut send, &reply, "control peer").await;
-            });
-        }
-    };
-    tokio::join!(raft, joins);
-}
-
+/// A coordinator's connection: expert calls and hints, and (a seated coordinator's, when this
+/// node has a seat too) Raft frames and `Join`.
 async fn connection(
     conn: quinn::Connection,
     peer: String,
     svc: Arc<Service>,
     permits: Arc<tokio::sync::Semaphore>,
+    member: Option<Arc<Member>>,
 ) {
     loop {
         tokio::select! {
             bi = conn.accept_bi() => match bi {
                 Ok((send, recv)) => {
-                    tokio::spawn(stream(send, recv, conn.clone(), peer.clone(), svc.clone(), permits.clone()));
+                    tokio::spawn(stream(send, recv, conn.clone(), peer.clone(), svc.clone(), permits.clone(), member.clone()));
                 }
                 Err(e) => {
                     tracing::debug!(%peer, "node: connection closed: {e}");
@@ -492,13 +471,25 @@ async fn connection(
             },
             uni = conn.accept_uni() => match uni {
                 Ok(mut recv) => {
-                    let (svc, peer) = (svc.clone(), peer.clone());
+                    let (svc, peer, member, conn) = (svc.clone(), peer.clone(), member.clone(), conn.clone());
                     tokio::spawn(async move {
-                        // A hint names at most MAX_HINT experts: a few hundred KiB at most.
-                        let cap = HEADER + 8 + 4 * ternfleet_shared::wire::MAX_HINT;
+                        // A hint names at most MAX_HINT experts: a few hundred KiB at most;
+                        // a Raft frame (with a seat) up to the Raft limit.
+                        let cap = match member {
+                            Some(_) => ternfleet_control::quic::MAX_RAFT_FRAME,
+                            None => HEADER + 8 + 4 * ternfleet_shared::wire::MAX_HINT,
+                        };
                         if let Ok(Ok(b)) = tokio::time::timeout(READ_TIMEOUT, recv.read_to_end(cap)).await {
-                            if let Ok(f @ Frame::Hint { .. }) = Frame::decode(&b) {
-                                let _ = svc.handle(&peer, f);
+                            match (Frame::decode(&b), member) {
+                                (Ok(f @ Frame::Hint { .. }), _) => {
+                                    let _ = svc.handle(&peer, f);
+                                }
+                                (Ok(f @ Frame::Raft { .. }), Some(m)) => {
+                                    if let Err(e) = m.transport.receive(&conn, f) {
+                                        tracing::warn!(%peer, "node: {e}");
+                                    }
+                                }
+                                _ => {}
                             }
                         }
                     });

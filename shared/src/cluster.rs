@@ -180,13 +180,34 @@ impl ClusterFile {
     /// Checks ids and addresses, and places every (layer, expert) of a model with
     /// `n_layer` layers of `n_expert` routed experts; every expert needs at least one holder.
     pub fn placement(&self, n_layer: usize, n_expert: usize) -> Result<Placement, ClusterError> {
+        self.build(n_layer, n_expert, true)
+    }
+
+    /// As [`ClusterFile::placement`], but an expert may have no holder (the replicated
+    /// placement while an operator drains the last copy, or nodes are down: calls to it
+    /// fail as unavailable instead of the whole placement being refused), and the file may
+    /// list no node.
+    pub fn placement_with_gaps(
+        &self,
+        n_layer: usize,
+        n_expert: usize,
+    ) -> Result<Placement, ClusterError> {
+        self.build(n_layer, n_expert, false)
+    }
+
+    fn build(
+        &self,
+        n_layer: usize,
+        n_expert: usize,
+        require_cover: bool,
+    ) -> Result<Placement, ClusterError> {
         if self.coordinators.is_empty() {
             return Err(invalid("coordinators is empty: name at least one id"));
         }
         for c in &self.coordinators {
             check_id(c).map_err(invalid)?;
         }
-        if self.nodes.is_empty() {
+        if self.nodes.is_empty() && require_cover {
             return Err(invalid("no [[node]] entries"));
         }
         let mut seen = BTreeSet::new();
@@ -237,6 +258,9 @@ impl ClusterFile {
         for (l, layer) in holders.iter_mut().enumerate() {
             for (e, h) in layer.iter_mut().enumerate() {
                 if h.is_empty() {
+                    if !require_cover {
+                        continue;
+                    }
                     return Err(invalid(format!(
                         "layer {l} expert {e} is held by no node (every expert needs one)"
                     )));

@@ -372,7 +372,7 @@ fn transport() -> Result<quinn::TransportConfig, MtlsError> {
 }
 
 /// Whether a DER certificate is valid for DNS name `id` (its subject alternative names).
-fn cert_names(cert: &CertificateDer<'_>, id: &str) -> bool {
+pub fn cert_names(cert: &CertificateDer<'_>, id: &str) -> bool {
     let Ok(ee) = webpki::EndEntityCert::try_from(cert) else {
         return false;
     };

@@ -97,6 +97,14 @@ pub trait Transport: Send + Sync {
     fn send(&self, node: usize, request: Arc<Vec<u8>>, deadline: Instant) -> Receiver<Reply>;
     /// Fire and forget (prefetch hints): no answer, failures ignored.
     fn hint(&self, node: usize, frame: Vec<u8>);
+    /// Brings the node list to `nodes` (id, `host:port`) in index order, when the placement
+    /// changed: the list only grows at its end (a node keeps its index for the transport's
+    /// life), and a changed address is used from the next connection. A transport with a
+    /// fixed list (the tests' in-memory one) refuses.
+    fn set_nodes(&self, nodes: &[(String, String)]) -> Result<(), String> {
+        let _ = nodes;
+        Err("this transport's node list is fixed".into())
+    }
 }
 
 /// Reads one frame: the stream's bytes up to its end (the sender finishes after one frame),
@@ -125,7 +133,7 @@ pub struct NodeStatus {
 
 struct Peer {
     id: String,
-    addr: String,
+    addr: Mutex<String>,
     conn: tokio::sync::Mutex<Option<quinn::Connection>>,
     status: Mutex<Option<NodeStatus>>,
 }
@@ -134,7 +142,7 @@ struct Inner {
     endpoint: quinn::Endpoint,
     client: quinn::ClientConfig,
     me: String,
-    peers: Vec<Peer>,
+    peers: std::sync::RwLock<Vec<Arc<Peer>>>,
 }
 
 /// The QUIC transport (see the module docs).
@@ -158,22 +166,14 @@ impl QuicTransport {
             endpoint(SocketAddr::from(([0, 0, 0, 0], 0)), None)
                 .map_err(|e| format!("QUIC client endpoint: {e}"))?
         };
-        let peers = nodes
-            .iter()
-            .map(|(id, addr)| Peer {
-                id: id.clone(),
-                addr: addr.clone(),
-                conn: tokio::sync::Mutex::new(None),
-                status: Mutex::new(None),
-            })
-            .collect();
+        let peers = nodes.iter().map(|(id, addr)| Peer::new(id, addr)).collect();
         Ok(QuicTransport {
             rt: Some(rt),
             inner: Arc::new(Inner {
                 endpoint,
                 client,
                 me: me.id.clone(),
-                peers,
+                peers: std::sync::RwLock::new(peers),
             }),
         })
     }
@@ -184,17 +184,20 @@ impl QuicTransport {
 
     /// What node `i` reported at its last `Hello` (connect or [`QuicTransport::poll`]).
     pub fn status(&self, node: usize) -> Option<NodeStatus> {
-        self.inner.peers.get(node)?.status.lock().ok()?.clone()
+        self.inner.peer(node)?.status.lock().ok()?.clone()
     }
 
     /// Asks node `i` for its status now (connecting if needed), waiting at most `timeout`.
     pub fn poll(&self, node: usize, timeout: Duration) -> Result<NodeStatus, NetError> {
-        let inner = self.inner.clone();
-        let fut = async move {
-            let conn = inner.connection(node).await?;
-            inner.hello(node, &conn).await
+        let peer = self.inner.peer_or_err(node)?;
+        let fut = {
+            let peer = peer.clone();
+            let inner = self.inner.clone();
+            async move {
+                let conn = inner.connection(&peer).await?;
+                inner.hello(&peer, &conn).await
+            }
         };
-        let peer = &self.inner.peers[node];
         self.rt()
             .block_on(async { tokio::time::timeout(timeout, fut).await })
             .unwrap_or_else(|_| {
@@ -217,10 +220,35 @@ impl Drop for QuicTransport {
     }
 }
 
+impl Peer {
+    fn new(id: &str, addr: &str) -> Arc<Peer> {
+        Arc::new(Peer {
+            id: id.to_string(),
+            addr: Mutex::new(addr.to_string()),
+            conn: tokio::sync::Mutex::new(None),
+            status: Mutex::new(None),
+        })
+    }
+
+    fn addr(&self) -> String {
+        self.addr.lock().map(|a| a.clone()).unwrap_or_default()
+    }
+}
+
 impl Inner {
-    /// The open connection to `i`, or a new one (handshake and `Hello` checked).
-    async fn connection(&self, i: usize) -> Result<quinn::Connection, NetError> {
-        let p = &self.peers[i];
+    fn peer(&self, i: usize) -> Option<Arc<Peer>> {
+        self.peers.read().ok()?.get(i).cloned()
+    }
+
+    fn peer_or_err(&self, i: usize) -> Result<Arc<Peer>, NetError> {
+        self.peer(i).ok_or_else(|| NetError::Protocol {
+            node: format!("#{i}"),
+            msg: "no such node in the transport".into(),
+        })
+    }
+
+    /// The open connection to `p`, or a new one (handshake and `Hello` checked).
+    async fn connection(&self, p: &Peer) -> Result<quinn::Connection, NetError> {
         let mut slot = p.conn.lock().await;
         if let Some(c) = slot.as_ref() {
             if c.close_reason().is_none() {
@@ -228,14 +256,15 @@ impl Inner {
             }
         }
         *slot = None;
+        let target = p.addr();
         let err = |msg: String| NetError::Connect {
             node: p.id.clone(),
-            addr: p.addr.clone(),
+            addr: target.clone(),
             msg,
         };
         let connect = async {
             // The client endpoint is IPv4 (0.0.0.0:0): take the name's IPv4 address.
-            let addr = tokio::net::lookup_host(&p.addr)
+            let addr = tokio::net::lookup_host(&target)
                 .await
                 .map_err(|e| err(format!("resolving: {e}")))?
                 .find(SocketAddr::is_ipv4)
@@ -246,20 +275,19 @@ impl Inner {
                 .map_err(|e| err(e.to_string()))?
                 .await
                 .map_err(|e| err(e.to_string()))?;
-            self.hello(i, &conn).await?;
+            self.hello(p, &conn).await?;
             Ok::<_, NetError>(conn)
         };
         let conn = tokio::time::timeout(CONNECT_TIMEOUT, connect)
             .await
             .map_err(|_| err(format!("no handshake within {CONNECT_TIMEOUT:?}")))??;
-        tracing::info!(node = %p.id, addr = %p.addr, "connected");
+        tracing::info!(node = %p.id, addr = %target, "connected");
         *slot = Some(conn.clone());
         Ok(conn)
     }
 
-    /// `Hello` on `conn`: the answer must be a `Status` from node `i`'s own id.
-    async fn hello(&self, i: usize, conn: &quinn::Connection) -> Result<NodeStatus, NetError> {
-        let p = &self.peers[i];
+    /// `Hello` on `conn`: the answer must be a `Status` from node `p`'s own id.
+    async fn hello(&self, p: &Peer, conn: &quinn::Connection) -> Result<NodeStatus, NetError> {
         let hello = Frame::Hello {
             id: self.me.clone(),
         }
@@ -324,15 +352,21 @@ impl Transport for QuicTransport {
     fn send(&self, node: usize, request: Arc<Vec<u8>>, deadline: Instant) -> Receiver<Reply> {
         let (tx, rx): (SyncSender<Reply>, _) = sync_channel(1);
         let inner = self.inner.clone();
-        let id = inner.peers[node].id.clone();
+        let peer = match inner.peer_or_err(node) {
+            Ok(p) => p,
+            Err(e) => {
+                let _ = tx.send(Err(e));
+                return rx;
+            }
+        };
+        let id = peer.id.clone();
         self.rt().spawn(async move {
             let waited = deadline.saturating_duration_since(Instant::now());
-            let peer = &inner.peers[node];
             let timeout = || NetError::Timeout {
                 node: id.clone(),
                 waited,
             };
-            let conn = match tokio::time::timeout(waited, inner.connection(node)).await {
+            let conn = match tokio::time::timeout(waited, inner.connection(&peer)).await {
                 Ok(Ok(c)) => c,
                 Ok(Err(e)) => {
                     let _ = tx.send(Err(e));
@@ -365,10 +399,12 @@ impl Transport for QuicTransport {
     }
 
     fn hint(&self, node: usize, frame: Vec<u8>) {
-        let inner = self.inner.clone();
+        let Some(peer) = self.inner.peer(node) else {
+            return;
+        };
         self.rt().spawn(async move {
             // Only on an open connection: a hint is not worth a connect.
-            let conn = match inner.peers[node].conn.try_lock() {
+            let conn = match peer.conn.try_lock() {
                 Ok(g) => g.clone(),
                 Err(_) => None,
             };
@@ -378,5 +414,39 @@ impl Transport for QuicTransport {
                 }
             }
         });
+    }
+
+    fn set_nodes(&self, nodes: &[(String, String)]) -> Result<(), String> {
+        let mut peers = self
+            .inner
+            .peers
+            .write()
+            .map_err(|_| "poisoned".to_string())?;
+        for (i, (id, addr)) in nodes.iter().enumerate() {
+            match peers.get(i) {
+                Some(p) if p.id == *id => {
+                    if p.addr() != *addr {
+                        tracing::info!(node = %id, %addr, "node moved: connecting there from now on");
+                        if let Ok(mut a) = p.addr.lock() {
+                            a.clone_from(addr);
+                        }
+                        // The next call connects afresh, to the new address.
+                        if let Ok(mut c) = p.conn.try_lock() {
+                            if let Some(c) = c.take() {
+                                c.close(0u32.into(), b"node moved");
+                            }
+                        }
+                    }
+                }
+                Some(p) => {
+                    return Err(format!(
+                        "node #{i} is {}, the new list says {id}: the list may only grow",
+                        p.id
+                    ))
+                }
+                None => peers.push(Peer::new(id, addr)),
+            }
+        }
+        Ok(())
     }
 }

@@ -171,6 +171,9 @@ pub struct ClusterSpec {
     /// This coordinator's id (the nodes check it against its certificate).
     pub me: String,
     pub opts: crate::remote::RemoteOptions,
+    /// Newer placements from the control plane (`serve --join`); `None`: the placement is
+    /// static (`--cluster FILE`).
+    pub follow: Option<crate::remote::PlacementFeed>,
 }
 
 impl std::fmt::Debug for ClusterSpec {

@@ -56,9 +56,21 @@ pub struct ServeConfig {
     pub cluster: Option<PathBuf>,
     /// With `cluster`: the cluster CA and this process's certificate (`ternfleet certs`).
     pub certs: Option<PathBuf>,
-    /// With `cluster`: milliseconds a node call may take before a replica is tried (plus
-    /// 0.5 ms per route).
+    /// With `cluster` or `join`: milliseconds a node call may take before a replica is tried
+    /// (plus 0.5 ms per route).
     pub step_deadline_ms: u64,
+    /// Bundles: take a seat in the control plane through the member at this QUIC
+    /// `host:port` and route with its committed placement (instead of `cluster`).
+    pub join: Option<String>,
+    /// With `join`: the QUIC address the control plane reaches this coordinator at (port 0:
+    /// any; give a routable address when the nodes are on other machines).
+    pub listen: String,
+    /// With `join`: the admin gRPC API's address (mutual TLS, the `operator` certificate;
+    /// `ternfleet ctl --addr`); empty = none.
+    pub admin: String,
+    /// With `join`: where the Raft store lives (`STATE_DIR/ID/raft.redb`; default
+    /// `$XDG_STATE_HOME/ternfleet` or `~/.local/state/ternfleet`).
+    pub state_dir: Option<PathBuf>,
     /// Requests generating at once.
     pub parallel: usize,
     /// Requests waiting beyond those; more get 429 at once.
@@ -116,6 +128,10 @@ impl Default for ServeConfig {
             cluster: None,
             certs: None,
             step_deadline_ms: 750,
+            join: None,
+            listen: "127.0.0.1:0".into(),
+            admin: "127.0.0.1:50052".into(),
+            state_dir: None,
             parallel: 16,
             max_queue: 64,
             ctx: 4096,
@@ -168,6 +184,12 @@ impl ServeConfig {
         }
         if self.tls_cert.is_some() != self.tls_key.is_some() {
             bail!("--tls-cert and --tls-key go together: give both or neither");
+        }
+        if self.join.is_some() && self.cluster.is_some() {
+            bail!("--join and --cluster exclude each other: the placement comes either from the control plane or from a static file");
+        }
+        if self.join.is_some() && self.certs.is_none() {
+            bail!("--join needs --certs DIR (the cluster CA and this coordinator's certificate: ternfleet certs)");
         }
         self.numerics()?;
         self.grpc_addr()?;

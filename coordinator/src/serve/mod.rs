@@ -73,6 +73,50 @@ async fn run(
         Some(l) => Some(l.local_addr().context("reading the bound gRPC address")?),
         None => None,
     };
+    // `--join`: the seat in the control plane (its QUIC endpoint bound now, for the start-up
+    // line; the placement is awaited on the engine thread).
+    let seat = match &cfg.join {
+        Some(join) => {
+            let certs = cfg.certs.as_deref().context("--join needs --certs DIR")?;
+            let dir = cfg
+                .state_dir
+                .clone()
+                .or_else(crate::seat::default_state_dir)
+                .context("--join needs --state-dir (no HOME to default to)")?;
+            Some(Arc::new(crate::seat::Seat::start(
+                certs,
+                &cfg.id,
+                &cfg.listen,
+                Some(join.clone()),
+                dir,
+            )?))
+        }
+        None => None,
+    };
+    // With a seat: the admin API (mutual TLS), bound now for the start-up line.
+    let admin = match (&seat, cfg.admin.as_str()) {
+        (Some(seat), a) if !a.is_empty() => {
+            let addr: std::net::SocketAddr = a
+                .parse()
+                .with_context(|| format!("--admin {a:?}: expected HOST:PORT"))?;
+            let listener = tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("binding the admin API to {addr}"))?;
+            let certs = cfg.certs.as_deref().context("--join needs --certs DIR")?;
+            let man = ternfleet_shared::bundle::Manifest::read(&cfg.model)?;
+            let svc = crate::admin::AdminService {
+                seat: seat.clone(),
+                n_layer: man.n_layer,
+                n_expert: man.moe.n_expert,
+            };
+            Some((listener, svc, crate::admin::tls(certs, &cfg.id)?))
+        }
+        _ => None,
+    };
+    let admin_bound = match &admin {
+        Some((l, _, _)) => Some(l.local_addr().context("reading the bound admin address")?),
+        None => None,
+    };
     {
         use std::io::Write;
         let mut line = serde_json::json!({
@@ -83,6 +127,12 @@ async fn run(
         });
         if let Some(g) = grpc_bound {
             line["grpc"] = serde_json::Value::String(g.to_string());
+        }
+        if let Some(s) = &seat {
+            line["quic"] = serde_json::Value::String(s.quic.to_string());
+        }
+        if let Some(a) = admin_bound {
+            line["admin"] = serde_json::Value::String(a.to_string());
         }
         let mut out = std::io::stdout().lock();
         writeln!(out, "{line}").context("writing the start-up line")?;
@@ -125,10 +175,11 @@ async fn run(
     // Load and compute on a thread of its own; the runtime only does I/O.
     let loader_state = state.clone();
     let loader_cfg = cfg.clone();
+    let loader_seat = seat.clone().map(|s| (s, tokio::runtime::Handle::current()));
     let compute = std::thread::Builder::new()
         .name("ternfleet-engine".into())
         .spawn(move || {
-            if let Err(e) = load_and_run(loader_cfg, loader_state, metrics, ready) {
+            if let Err(e) = load_and_run(loader_cfg, loader_state, metrics, ready, loader_seat) {
                 tracing::error!("{e:#}");
                 eprintln!("error: {e:#}");
                 std::process::exit(1);
@@ -177,15 +228,30 @@ async fn run(
             None => Ok(()),
         }
     };
+    let admin_server = async {
+        match admin {
+            Some((l, svc, tls)) => {
+                tracing::info!(
+                    "admin API (mutual TLS) on {}",
+                    admin_bound.map_or(String::new(), |a| a.to_string())
+                );
+                crate::admin::serve(l, svc, tls, stopped(stop_rx.clone()))
+                    .await
+                    .context("serving the admin API")
+            }
+            None => Ok(()),
+        }
+    };
     // In-flight streams end when the engine drains; bound the wait anyway.
     let drained = async {
         stopped(stop_rx.clone()).await;
         tokio::time::sleep(grace + Duration::from_secs(5)).await;
     };
     tokio::select! {
-        (h, g) = async { tokio::join!(http_server, grpc_server) } => {
+        (h, g, a) = async { tokio::join!(http_server, grpc_server, admin_server) } => {
             h.context("serving HTTP")?;
             g?;
+            a?;
         }
         () = drained => tracing::warn!("connections still open after the grace period; closing"),
     }
@@ -226,21 +292,26 @@ fn load_and_run(
     state: Arc<http::AppState>,
     metrics: Arc<metrics::Metrics>,
     ready: Arc<AtomicBool>,
+    seat: Option<(Arc<crate::seat::Seat>, tokio::runtime::Handle)>,
 ) -> Result<()> {
     let t = Instant::now();
+    let cluster = match &seat {
+        Some((seat, rt)) => Some(seat.cluster_spec(rt, &cfg.model, cfg.step_deadline_ms)?),
+        None => crate::cli::cluster_spec(
+            &cfg.model,
+            cfg.cluster.as_deref(),
+            cfg.certs.as_deref(),
+            &cfg.id,
+            cfg.step_deadline_ms,
+        )?,
+    };
     let mut model = Model::open_with(
         &cfg.model,
         &crate::model::OpenOptions {
             ram_budget: cfg.ram_budget_bytes()?,
             io_threads: Some(cfg.io_threads),
             evict: cfg.evict()?,
-            cluster: crate::cli::cluster_spec(
-                &cfg.model,
-                cfg.cluster.as_deref(),
-                cfg.certs.as_deref(),
-                &cfg.id,
-                cfg.step_deadline_ms,
-            )?,
+            cluster,
         },
     )
     .with_context(|| format!("loading {}", cfg.model.display()))?;

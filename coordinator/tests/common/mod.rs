@@ -3,11 +3,11 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::path::{Path, PathBuf};
-use std::process::Child;
+use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use serde_json::Value;
+use serde_json::{json, Value};
 use ternfleet_coordinator::kv_cache::SeqOptions;
 use ternfleet_coordinator::model::{ForwardError, Logits, Model};
 use ternfleet_kernels::Numerics;
@@ -148,4 +148,198 @@ pub fn logprobs_of(v: &serde_json::Value) -> (Vec<String>, Vec<f64>) {
         .map(|x| x.as_f64().unwrap_or(f64::NAN))
         .collect();
     (toks, lps)
+}
+
+// ---- processes and the HTTP API (the multi-process tests) ----
+
+pub fn bin() -> &'static str {
+    env!("CARGO_BIN_EXE_ternfleet")
+}
+
+pub fn log_dir() -> PathBuf {
+    let d = root().join("target/cluster-test");
+    let _ = std::fs::create_dir_all(&d);
+    d
+}
+
+pub fn signal(child: &Child, sig: i32) {
+    // SAFETY: kill(2) on our own child's pid; no memory is touched.
+    unsafe {
+        libc::kill(child.id() as i32, sig);
+    }
+}
+
+/// A process killed (and reaped) when dropped, whatever the test's outcome.
+pub struct Proc(pub Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        signal(&self.0, libc::SIGCONT);
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+pub struct Server {
+    pub proc: Proc,
+    pub url: String,
+    pub log: PathBuf,
+    /// The start-up line.
+    pub line: Value,
+}
+
+impl Server {
+    pub fn start(model: &Path, extra: &[String], name: &str) -> Server {
+        let log = log_dir().join(format!("{name}.log"));
+        let child = Command::new(bin())
+            .args(["serve", "-m"])
+            .arg(model)
+            .args(["--http", "127.0.0.1:0", "--grpc", "", "-t", "2"])
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).map_or(Stdio::null(), Stdio::from))
+            .spawn()
+            .expect("spawning ternfleet serve");
+        let mut proc = Proc(child);
+        let v = startup_line(&mut proc.0, 60);
+        let url = format!("http://{}", v["http"].as_str().expect("http"));
+        let s = Server {
+            proc,
+            url,
+            log,
+            line: v,
+        };
+        let t = Instant::now();
+        while get(&s.url, "/ready").0 != 200 {
+            assert!(
+                t.elapsed() < Duration::from_secs(120),
+                "{name}: not ready in 120 s"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        s
+    }
+
+    /// The log without colour codes.
+    pub fn log_text(&self) -> String {
+        let raw = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let mut out = String::with_capacity(raw.len());
+        let mut it = raw.chars();
+        while let Some(ch) = it.next() {
+            if ch == '\u{1b}' {
+                // CSI: ESC [ ... final byte in @..~
+                for c in it.by_ref() {
+                    if ('@'..='~').contains(&c) && c != '[' {
+                        break;
+                    }
+                }
+            } else {
+                out.push(ch);
+            }
+        }
+        out
+    }
+
+    pub fn log_count(&self, needle: &str) -> usize {
+        self.log_text().matches(needle).count()
+    }
+}
+
+pub fn post(url: &str, body: &Value) -> (u16, Value) {
+    let r = agent()
+        .post(&format!("{url}/v1/completions"))
+        .set("Content-Type", "application/json")
+        .send_string(&body.to_string());
+    let (s, b) = match r {
+        Ok(r) => (r.status(), r.into_string().unwrap_or_default()),
+        Err(ureq::Error::Status(c, r)) => (c, r.into_string().unwrap_or_default()),
+        Err(e) => (0, e.to_string()),
+    };
+    (s, serde_json::from_str(&b).unwrap_or(Value::String(b)))
+}
+
+pub fn request(prompt: &str, max_tokens: usize, seed: u64) -> Value {
+    json!({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.8, "seed": seed,
+           "logprobs": 0, "ignore_eos": true})
+}
+
+/// (token pieces, logprobs as f32 bits) of a completion.
+pub fn completion(url: &str, body: &Value) -> (Vec<String>, Vec<u32>) {
+    let (s, v) = post(url, body);
+    assert_eq!(s, 200, "{v}");
+    let (toks, lps) = logprobs_of(&v);
+    (toks, lps.iter().map(|&x| (x as f32).to_bits()).collect())
+}
+
+/// Streams a completion; after `after` tokens calls `fault` once. Returns the tokens,
+/// logprobs and the longest gap between two events.
+pub fn stream_with_fault(
+    url: &str,
+    body: &Value,
+    after: usize,
+    fault: impl FnOnce(),
+) -> (Vec<String>, Vec<u32>, Duration) {
+    let mut body = body.clone();
+    body["stream"] = json!(true);
+    let r = agent()
+        .post(&format!("{url}/v1/completions"))
+        .set("Content-Type", "application/json")
+        .send_string(&body.to_string())
+        .expect("the stream starts");
+    let mut reader = BufReader::new(r.into_reader());
+    let (mut toks, mut lps) = (Vec::new(), Vec::new());
+    let mut fault = Some(fault);
+    let mut last = Instant::now();
+    let mut gap = Duration::ZERO;
+    let mut line = String::new();
+    loop {
+        line.clear();
+        if reader.read_line(&mut line).expect("reading the stream") == 0 {
+            break;
+        }
+        let Some(data) = line.trim().strip_prefix("data: ") else {
+            continue;
+        };
+        if data == "[DONE]" {
+            break;
+        }
+        let v: Value = serde_json::from_str(data).unwrap_or_else(|e| panic!("{data}: {e}"));
+        assert!(v.get("error").is_none(), "stream error: {v}");
+        let lp = &v["choices"][0]["logprobs"];
+        if let (Some(t), Some(l)) = (lp["tokens"].as_array(), lp["token_logprobs"].as_array()) {
+            let now = Instant::now();
+            if !toks.is_empty() {
+                gap = gap.max(now - last);
+            }
+            last = now;
+            toks.extend(t.iter().map(|x| x.as_str().unwrap_or_default().to_string()));
+            lps.extend(
+                l.iter()
+                    .map(|x| (x.as_f64().unwrap_or(f64::NAN) as f32).to_bits()),
+            );
+        }
+        if toks.len() >= after {
+            if let Some(f) = fault.take() {
+                f();
+            }
+        }
+    }
+    assert!(
+        fault.is_none(),
+        "the stream ended before the fault was injected"
+    );
+    (toks, lps, gap)
+}
+
+/// Waits until `needle` appears in the coordinator's log at least `n` times.
+pub fn wait_for_log(s: &Server, needle: &str, n: usize, secs: u64) {
+    let t = Instant::now();
+    while s.log_count(needle) < n {
+        assert!(
+            t.elapsed() < Duration::from_secs(secs),
+            "no {needle:?} in the coordinator's log within {secs} s"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 }

@@ -1,0 +1,410 @@
+//! The admin API (`ternfleet.v1.Admin`, proto/ternfleet/v1/admin.proto) of a seated
+//! coordinator: what `ternfleet ctl` talks to. Always over mutual TLS on its own address
+//! (`serve --admin`, default 127.0.0.1:50052): the client's certificate must come from the
+//! cluster CA and name [`OPERATOR`]. The inference gRPC API may run without TLS behind API
+//! keys, so the two do not share a port.
+//!
+//! Reads are linearizable (a Raft ReadIndex through the seat, answered once the seat applied
+//! that far); writes are proposed through the seat (forwarded to the leader) and answered
+//! with their outcome: a command the state machine refuses is `FAILED_PRECONDITION` with its
+//! reason, no leader or no quorum within the control plane's timeout is `UNAVAILABLE`.
+
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use tonic::{Request, Response, Status};
+
+use ternfleet_control::state::NodeStatus;
+use ternfleet_control::{ClusterState, Command, ControlError, Outcome};
+use ternfleet_shared::proto::v1::admin_server::{Admin, AdminServer};
+use ternfleet_shared::proto::v1::{
+    ListNodesRequest, ListNodesResponse, Member, Node, NodeActionResponse, NodePlacement,
+    NodeRequest, SaveSnapshotRequest, SaveSnapshotResponse, ShowPlacementRequest,
+    ShowPlacementResponse, StatusRequest, StatusResponse,
+};
+
+use crate::seat::Seat;
+
+/// The certificate id the admin API accepts.
+pub const OPERATOR: &str = "operator";
+
+/// The admin service over a seat.
+pub struct AdminService {
+    pub seat: Arc<Seat>,
+    /// The bundle's shape (for placement gaps).
+    pub n_layer: usize,
+    pub n_expert: usize,
+}
+
+/// The status name of a node (as the admin API and `ctl` print it).
+pub fn status_name(s: NodeStatus) -> &'static str {
+    match s {
+        NodeStatus::Loading => "loading",
+        NodeStatus::Up => "up",
+        NodeStatus::Down => "down",
+        NodeStatus::Draining => "draining",
+        NodeStatus::Decommissioning => "decommissioning",
+    }
+}
+
+fn control_status(e: ControlError) -> Status {
+    match e {
+        ControlError::Timeout(_) | ControlError::NotLeader { .. } | ControlError::Stopped(_) => {
+            Status::unavailable(e.to_string())
+        }
+        ControlError::Busy(_) => Status::resource_exhausted(e.to_string()),
+        ControlError::Failed(m) => Status::internal(m),
+    }
+}
+
+fn check_operator<T>(req: &Request<T>) -> Result<(), Status> {
+    let certs = req
+        .peer_certs()
+        .ok_or_else(|| Status::unauthenticated("no client certificate"))?;
+    let leaf = certs
+        .first()
+        .ok_or_else(|| Status::unauthenticated("empty certificate chain"))?;
+    if ternfleet_shared::mtls::cert_names(leaf, OPERATOR) {
+        Ok(())
+    } else {
+        Err(Status::permission_denied(format!(
+            "the admin API takes the {OPERATOR:?} certificate (ternfleet certs issue --name {OPERATOR})"
+        )))
+    }
+}
+
+fn now_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// Experts a node holds.
+fn count(n: &ternfleet_control::NodeRecord) -> u64 {
+    n.experts.values().map(|s| s.len() as u64).sum()
+}
+
+/// `LAYER:E,E-E` specs of a per-layer set.
+fn specs<'a>(layers: impl Iterator<Item = (u32, &'a BTreeSet<u32>)>) -> Vec<String> {
+    layers
+        .filter(|(_, s)| !s.is_empty())
+        .map(|(l, s)| {
+            let mut parts: Vec<String> = Vec::new();
+            let v: Vec<u32> = s.iter().copied().collect();
+            let mut i = 0;
+            while i < v.len() {
+                let mut j = i;
+                while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
+                    j += 1;
+                }
+                parts.push(if j > i {
+                    format!("{}-{}", v[i], v[j])
+                } else {
+                    v[i].to_string()
+                });
+                i = j + 1;
+            }
+            format!("{l}:{}", parts.join(","))
+        })
+        .collect()
+}
+
+impl AdminService {
+    async fn state(&self) -> Result<Arc<ClusterState>, Status> {
+        self.seat.member.handle.read().await.map_err(control_status)
+    }
+
+    async fn node_command(
+        &self,
+        id: String,
+        cmd: impl FnOnce(String) -> Command,
+    ) -> Result<Response<NodeActionResponse>, Status> {
+        ternfleet_shared::cluster::check_id(&id).map_err(Status::invalid_argument)?;
+        let outcome = self
+            .seat
+            .member
+            .handle
+            .propose(cmd(id.clone()))
+            .await
+            .map_err(control_status)?;
+        let version = match outcome {
+            Outcome::Rejected(why) => return Err(Status::failed_precondition(why)),
+            Outcome::Applied { placement_version }
+            | Outcome::MoveStarted {
+                placement_version, ..
+            } => placement_version,
+        };
+        // The node's status as of this command (a read through the leader: the seat may not
+        // have applied it yet when the proposal is answered).
+        let state = self.state().await?;
+        Ok(Response::new(NodeActionResponse {
+            status: state
+                .nodes
+                .get(&id)
+                .map_or("removed", |n| status_name(n.status))
+                .to_string(),
+            id,
+            placement_version: version,
+        }))
+    }
+}
+
+#[tonic::async_trait]
+impl Admin for AdminService {
+    async fn status(
+        &self,
+        req: Request<StatusRequest>,
+    ) -> Result<Response<StatusResponse>, Status> {
+        check_operator(&req)?;
+        let state = self.state().await?;
+        let st = self
+            .seat
+            .member
+            .handle
+            .status()
+            .await
+            .map_err(control_status)?;
+        let now = now_ms();
+        let mut members = Vec::new();
+        let roles = st
+            .voters
+            .iter()
+            .map(|&r| (r, "voter"))
+            .chain(st.learners.iter().map(|&r| (r, "learner")));
+        for (raft, role) in roles {
+            let (id, addr) = state
+                .raft_member(raft)
+                .unwrap_or_else(|| (format!("raft-{raft}"), String::new()));
+            let node = state.nodes.get(&id);
+            members.push(Member {
+                role: role.into(),
+                state: node.map_or("seat", |n| status_name(n.status)).into(),
+                kind: if node.is_some() {
+                    "node"
+                } else {
+                    "coordinator"
+                }
+                .into(),
+                leader: st.leader == Some(raft),
+                addr,
+                experts: node.map_or(0, count),
+                ram_bytes: node.map_or(0, |n| n.caps.ram_bytes),
+                heartbeat_age_ms: node
+                    .filter(|n| n.last_heartbeat_ms > 0)
+                    .map_or(0, |n| now.saturating_sub(n.last_heartbeat_ms)),
+                id,
+            });
+        }
+        members.sort_by(|a, b| (&a.kind, &a.id).cmp(&(&b.kind, &b.id)));
+        Ok(Response::new(StatusResponse {
+            leader: st
+                .leader
+                .and_then(|l| state.raft_member(l))
+                .map(|(id, _)| id)
+                .unwrap_or_default(),
+            term: st.term,
+            commit: st.commit,
+            applied: st.applied,
+            placement_version: state.placement_version,
+            members,
+            bundle: state.bundle.clone().unwrap_or_default(),
+            coordinator: self.seat.id().to_string(),
+            moves: state.moves.len() as u64,
+        }))
+    }
+
+    async fn list_nodes(
+        &self,
+        req: Request<ListNodesRequest>,
+    ) -> Result<Response<ListNodesResponse>, Status> {
+        check_operator(&req)?;
+        let state = self.state().await?;
+        let st = self
+            .seat
+            .member
+            .handle
+            .status()
+            .await
+            .map_err(control_status)?;
+        let now = now_ms();
+        let nodes = state
+            .nodes
+            .iter()
+            .map(|(id, n)| Node {
+                id: id.clone(),
+                addr: n.addr.clone(),
+                status: status_name(n.status).into(),
+                kernels: n.caps.kernels.clone(),
+                experts: count(n),
+                ram_bytes: n.caps.ram_bytes,
+                disk_bytes: n.caps.disk_bytes,
+                heartbeat_age_ms: if n.last_heartbeat_ms > 0 {
+                    now.saturating_sub(n.last_heartbeat_ms)
+                } else {
+                    0
+                },
+                voter: st.voters.contains(&n.raft_id),
+            })
+            .collect();
+        Ok(Response::new(ListNodesResponse {
+            nodes,
+            placement_version: state.placement_version,
+        }))
+    }
+
+    async fn drain(
+        &self,
+        req: Request<NodeRequest>,
+    ) -> Result<Response<NodeActionResponse>, Status> {
+        check_operator(&req)?;
+        let id = req.into_inner().id;
+        self.node_command(id, |id| Command::Drain { id }).await
+    }
+
+    async fn recommission(
+        &self,
+        req: Request<NodeRequest>,
+    ) -> Result<Response<NodeActionResponse>, Status> {
+        check_operator(&req)?;
+        let id = req.into_inner().id;
+        self.node_command(id, |id| Command::Recommission { id })
+            .await
+    }
+
+    async fn decommission(
+        &self,
+        req: Request<NodeRequest>,
+    ) -> Result<Response<NodeActionResponse>, Status> {
+        check_operator(&req)?;
+        let id = req.into_inner().id;
+        self.node_command(id, |id| Command::Decommission { id })
+            .await
+    }
+
+    async fn show_placement(
+        &self,
+        req: Request<ShowPlacementRequest>,
+    ) -> Result<Response<ShowPlacementResponse>, Status> {
+        check_operator(&req)?;
+        let state = self.state().await?;
+        let nodes = state
+            .nodes
+            .iter()
+            .map(|(id, n)| NodePlacement {
+                id: id.clone(),
+                status: status_name(n.status).into(),
+                experts: specs(n.experts.iter().map(|(l, s)| (*l, s))),
+                count: count(n),
+            })
+            .collect();
+        let mut held = vec![BTreeSet::new(); self.n_layer];
+        for n in state.nodes.values().filter(|n| n.status.in_service()) {
+            for (l, s) in &n.experts {
+                if let Some(h) = held.get_mut(*l as usize) {
+                    h.extend(s.iter().copied());
+                }
+            }
+        }
+        let missing: Vec<(u32, BTreeSet<u32>)> = held
+            .iter()
+            .enumerate()
+            .map(|(l, h)| {
+                let all: BTreeSet<u32> = (0..self.n_expert as u32).collect();
+                (l as u32, all.difference(h).copied().collect())
+            })
+            .collect();
+        Ok(Response::new(ShowPlacementResponse {
+            placement_version: state.placement_version,
+            nodes,
+            uncovered: specs(missing.iter().map(|(l, s)| (*l, s))),
+            n_layer: self.n_layer as u32,
+            n_expert: self.n_expert as u32,
+        }))
+    }
+
+    async fn save_snapshot(
+        &self,
+        req: Request<SaveSnapshotRequest>,
+    ) -> Result<Response<SaveSnapshotResponse>, Status> {
+        check_operator(&req)?;
+        let state = self.state().await?;
+        let applied = self
+            .seat
+            .member
+            .handle
+            .status()
+            .await
+            .map_err(control_status)?
+            .applied;
+        Ok(Response::new(SaveSnapshotResponse {
+            snapshot: state.to_snapshot_file(),
+            placement_version: state.placement_version,
+            applied,
+        }))
+    }
+
+    async fn restore_snapshot(
+        &self,
+        req: Request<ternfleet_shared::proto::v1::RestoreSnapshotRequest>,
+    ) -> Result<Response<ternfleet_shared::proto::v1::RestoreSnapshotResponse>, Status> {
+        check_operator(&req)?;
+        let bytes = req.into_inner().snapshot;
+        let state = ClusterState::from_snapshot_file(&bytes).map_err(Status::invalid_argument)?;
+        let outcome = self
+            .seat
+            .member
+            .handle
+            .propose(Command::Restore {
+                state: String::from_utf8_lossy(&state.encode()).into_owned(),
+            })
+            .await
+            .map_err(control_status)?;
+        match outcome {
+            Outcome::Rejected(why) => Err(Status::failed_precondition(why)),
+            Outcome::Applied { placement_version }
+            | Outcome::MoveStarted {
+                placement_version, ..
+            } => Ok(Response::new(
+                ternfleet_shared::proto::v1::RestoreSnapshotResponse { placement_version },
+            )),
+        }
+    }
+}
+
+/// The admin API's TLS: this coordinator's certificate, clients verified against the
+/// cluster CA (a certificate is required).
+pub fn tls(certs: &Path, id: &str) -> Result<tonic::transport::ServerTlsConfig> {
+    // Checks the files and that the certificate names `id`.
+    ternfleet_shared::mtls::Identity::load(certs, id)?;
+    let read = |name: String| {
+        let p = certs.join(&name);
+        std::fs::read(&p).with_context(|| format!("reading {}", p.display()))
+    };
+    Ok(tonic::transport::ServerTlsConfig::new()
+        .identity(tonic::transport::Identity::from_pem(
+            read(format!("{id}.pem"))?,
+            read(format!("{id}.key"))?,
+        ))
+        .client_ca_root(tonic::transport::Certificate::from_pem(read(
+            "ca.pem".into(),
+        )?)))
+}
+
+/// Serves the admin API on `listener` until `shutdown`.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    svc: AdminService,
+    tls: tonic::transport::ServerTlsConfig,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    tonic::transport::Server::builder()
+        .tls_config(tls)?
+        .add_service(AdminServer::new(svc))
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            shutdown,
+        )
+        .await
+}

@@ -1,0 +1,422 @@
+//! `ternfleet ctl`: the operator's client of the admin API (`admin`), over mutual TLS with
+//! the `operator` certificate. Tables by default; `--json` prints the admin API's response
+//! as JSON (field names as in proto/ternfleet/v1/admin.proto).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Subcommand};
+use serde_json::{json, Value};
+
+use ternfleet_shared::proto::v1::admin_client::AdminClient;
+use ternfleet_shared::proto::v1::{
+    ListNodesRequest, NodeRequest, RestoreSnapshotRequest, SaveSnapshotRequest,
+    ShowPlacementRequest, StatusRequest,
+};
+
+/// `ternfleet ctl`.
+#[derive(Args, Debug)]
+pub struct CtlArgs {
+    /// The admin API of a seated coordinator (`serve --join`: its start-up line's `admin`).
+    #[arg(long, value_name = "ADDR", default_value = "127.0.0.1:50052")]
+    pub addr: String,
+    /// The cluster CA and this operator's certificate (ternfleet certs issue --name operator).
+    #[arg(long)]
+    pub certs: PathBuf,
+    /// The certificate to present.
+    #[arg(long, default_value = crate::admin::OPERATOR)]
+    pub id: String,
+    /// The coordinator's id (the name its certificate must carry).
+    #[arg(long = "coordinator-id", default_value = "coordinator")]
+    pub coordinator_id: String,
+    /// Print the admin API's response as JSON.
+    #[arg(long, global = true)]
+    pub json: bool,
+    #[command(subcommand)]
+    pub cmd: CtlCmd,
+}
+
+/// `ternfleet ctl` subcommands.
+#[derive(Subcommand, Debug)]
+pub enum CtlCmd {
+    /// Members (role, state, experts held, RAM, heartbeat age), leader, term, commit and
+    /// applied indexes, placement version.
+    Status,
+    /// Nodes: list, drain, recommission, decommission.
+    Node {
+        #[command(subcommand)]
+        cmd: NodeCmd,
+    },
+    /// The committed placement.
+    Placement {
+        #[command(subcommand)]
+        cmd: PlacementCmd,
+    },
+    /// Save or restore the replicated state (checksummed, format-versioned).
+    Snapshot {
+        #[command(subcommand)]
+        cmd: SnapshotCmd,
+    },
+}
+
+/// `ternfleet ctl node`.
+#[derive(Subcommand, Debug)]
+pub enum NodeCmd {
+    /// Every node: address, status, kernels, experts, RAM, heartbeat age, voter.
+    List,
+    /// Stop routing to the node; it keeps its files. Refused when an expert would be left on
+    /// no node in service.
+    Drain { id: String },
+    /// Route to a drained or decommissioned node again (loading, then up).
+    Recommission { id: String },
+    /// Take the node out for good (refused when an expert would be left on no node in
+    /// service).
+    Decommission { id: String },
+}
+
+/// `ternfleet ctl placement`.
+#[derive(Subcommand, Debug)]
+pub enum PlacementCmd {
+    /// Who holds which experts, and experts on no node in service.
+    Show,
+}
+
+/// `ternfleet ctl snapshot`.
+#[derive(Subcommand, Debug)]
+pub enum SnapshotCmd {
+    /// Write the replicated state to a file.
+    Save {
+        #[arg(short = 'o', long = "output")]
+        output: PathBuf,
+    },
+    /// Replace the replicated state with a saved one (checksum and format checked first).
+    Restore { file: PathBuf },
+}
+
+async fn connect(a: &CtlArgs) -> Result<AdminClient<tonic::transport::Channel>> {
+    ternfleet_shared::mtls::Identity::load(&a.certs, &a.id)?;
+    let read = |name: String| {
+        let p = a.certs.join(&name);
+        std::fs::read(&p).with_context(|| format!("reading {}", p.display()))
+    };
+    let tls = tonic::transport::ClientTlsConfig::new()
+        .ca_certificate(tonic::transport::Certificate::from_pem(read(
+            "ca.pem".into(),
+        )?))
+        .identity(tonic::transport::Identity::from_pem(
+            read(format!("{}.pem", a.id))?,
+            read(format!("{}.key", a.id))?,
+        ))
+        .domain_name(a.coordinator_id.clone());
+    let channel = tonic::transport::Channel::from_shared(format!("https://{}", a.addr))
+        .with_context(|| format!("--addr {:?}: expected HOST:PORT", a.addr))?
+        .tls_config(tls)?
+        .connect_timeout(Duration::from_secs(5))
+        .timeout(Duration::from_secs(30))
+        .connect()
+        .await
+        .with_context(|| format!("cannot reach the admin API at {}", a.addr))?;
+    Ok(AdminClient::new(channel))
+}
+
+fn status_err(addr: &str) -> impl Fn(tonic::Status) -> anyhow::Error + '_ {
+    move |s| anyhow::anyhow!("{addr}: {:?}: {}", s.code(), s.message())
+}
+
+/// Prints rows as a table with a header, columns padded.
+fn table(header: &[&str], rows: &[Vec<String>]) {
+    let mut w: Vec<usize> = header.iter().map(|h| h.len()).collect();
+    for r in rows {
+        for (i, c) in r.iter().enumerate() {
+            w[i] = w[i].max(c.len());
+        }
+    }
+    let line = |cells: Vec<String>| {
+        let s: Vec<String> = cells
+            .iter()
+            .enumerate()
+            .map(|(i, c)| format!("{c:<width$}", width = w[i]))
+            .collect();
+        println!("{}", s.join("  ").trim_end());
+    };
+    line(header.iter().map(|h| h.to_string()).collect());
+    for r in rows {
+        line(r.clone());
+    }
+}
+
+fn mib(b: u64) -> String {
+    if b == 0 {
+        "-".into()
+    } else {
+        format!("{:.0} MiB", b as f64 / (1 << 20) as f64)
+    }
+}
+
+fn age(ms: u64) -> String {
+    if ms == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}s", ms as f64 / 1e3)
+    }
+}
+
+/// Runs `ternfleet ctl`.
+pub fn run(a: CtlArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    rt.block_on(run_async(a))
+}
+
+async fn run_async(a: CtlArgs) -> Result<()> {
+    let mut c = connect(&a).await?;
+    let err = status_err(&a.addr);
+    match &a.cmd {
+        CtlCmd::Status => {
+            let r = c.status(StatusRequest {}).await.map_err(&err)?.into_inner();
+            let members: Vec<Value> = r
+                .members
+                .iter()
+                .map(|m| {
+                    json!({"id": m.id, "role": m.role, "state": m.state, "kind": m.kind,
+                           "leader": m.leader, "addr": m.addr, "experts": m.experts,
+                           "ram_bytes": m.ram_bytes, "heartbeat_age_ms": m.heartbeat_age_ms})
+                })
+                .collect();
+            if a.json {
+                let v = json!({"leader": r.leader, "term": r.term, "commit": r.commit,
+                    "applied": r.applied, "placement_version": r.placement_version,
+                    "members": members, "bundle": r.bundle, "coordinator": r.coordinator,
+                    "moves": r.moves});
+                println!("{v}");
+                return Ok(());
+            }
+            println!(
+                "leader {}  term {}  commit {}  applied {} (lag {})  placement version {}  moves {}",
+                if r.leader.is_empty() { "none" } else { &r.leader },
+                r.term,
+                r.commit,
+                r.applied,
+                r.commit.saturating_sub(r.applied),
+                r.placement_version,
+                r.moves
+            );
+            println!(
+                "bundle {}  answered by {}",
+                r.bundle.chars().take(16).collect::<String>(),
+                r.coordinator
+            );
+            let rows: Vec<Vec<String>> = r
+                .members
+                .iter()
+                .map(|m| {
+                    vec![
+                        m.id.clone(),
+                        m.kind.clone(),
+                        format!("{}{}", m.role, if m.leader { " (leader)" } else { "" }),
+                        m.state.clone(),
+                        m.experts.to_string(),
+                        mib(m.ram_bytes),
+                        age(m.heartbeat_age_ms),
+                        m.addr.clone(),
+                    ]
+                })
+                .collect();
+            table(
+                &[
+                    "ID",
+                    "KIND",
+                    "ROLE",
+                    "STATE",
+                    "EXPERTS",
+                    "RAM",
+                    "HEARTBEAT",
+                    "ADDRESS",
+                ],
+                &rows,
+            );
+        }
+        CtlCmd::Node { cmd: NodeCmd::List } => {
+            let r = c
+                .list_nodes(ListNodesRequest {})
+                .await
+                .map_err(&err)?
+                .into_inner();
+            if a.json {
+                let nodes: Vec<Value> = r
+                    .nodes
+                    .iter()
+                    .map(|n| {
+                        json!({"id": n.id, "addr": n.addr, "status": n.status,
+                               "kernels": n.kernels, "experts": n.experts,
+                               "ram_bytes": n.ram_bytes, "disk_bytes": n.disk_bytes,
+                               "heartbeat_age_ms": n.heartbeat_age_ms, "voter": n.voter})
+                    })
+                    .collect();
+                println!(
+                    "{}",
+                    json!({"nodes": nodes, "placement_version": r.placement_version})
+                );
+                return Ok(());
+            }
+            let rows: Vec<Vec<String>> = r
+                .nodes
+                .iter()
+                .map(|n| {
+                    vec![
+                        n.id.clone(),
+                        n.status.clone(),
+                        n.experts.to_string(),
+                        n.kernels.clone(),
+                        mib(n.ram_bytes),
+                        age(n.heartbeat_age_ms),
+                        if n.voter { "yes" } else { "no" }.into(),
+                        n.addr.clone(),
+                    ]
+                })
+                .collect();
+            table(
+                &[
+                    "ID",
+                    "STATUS",
+                    "EXPERTS",
+                    "KERNELS",
+                    "RAM",
+                    "HEARTBEAT",
+                    "VOTER",
+                    "ADDRESS",
+                ],
+                &rows,
+            );
+        }
+        CtlCmd::Node { cmd } => {
+            let (verb, id) = match cmd {
+                NodeCmd::Drain { id } => ("drain", id),
+                NodeCmd::Recommission { id } => ("recommission", id),
+                NodeCmd::Decommission { id } => ("decommission", id),
+                NodeCmd::List => unreachable!("handled above"),
+            };
+            let req = NodeRequest { id: id.clone() };
+            let r = match cmd {
+                NodeCmd::Drain { .. } => c.drain(req).await,
+                NodeCmd::Recommission { .. } => c.recommission(req).await,
+                _ => c.decommission(req).await,
+            }
+            .map_err(|s| anyhow::anyhow!("{verb} {id}: {:?}: {}", s.code(), s.message()))?
+            .into_inner();
+            if a.json {
+                println!(
+                    "{}",
+                    json!({"id": r.id, "status": r.status, "placement_version": r.placement_version})
+                );
+            } else {
+                println!(
+                    "{}: {} (placement version {})",
+                    r.id, r.status, r.placement_version
+                );
+            }
+        }
+        CtlCmd::Placement {
+            cmd: PlacementCmd::Show,
+        } => {
+            let r = c
+                .show_placement(ShowPlacementRequest {})
+                .await
+                .map_err(&err)?
+                .into_inner();
+            if a.json {
+                let nodes: Vec<Value> = r
+                    .nodes
+                    .iter()
+                    .map(|n| json!({"id": n.id, "status": n.status, "experts": n.experts, "count": n.count}))
+                    .collect();
+                println!(
+                    "{}",
+                    json!({"placement_version": r.placement_version, "nodes": nodes,
+                           "uncovered": r.uncovered, "n_layer": r.n_layer, "n_expert": r.n_expert})
+                );
+                return Ok(());
+            }
+            println!(
+                "placement version {}: {} layers x {} routed experts",
+                r.placement_version, r.n_layer, r.n_expert
+            );
+            let rows: Vec<Vec<String>> = r
+                .nodes
+                .iter()
+                .map(|n| {
+                    vec![
+                        n.id.clone(),
+                        n.status.clone(),
+                        n.count.to_string(),
+                        n.experts.join(" "),
+                    ]
+                })
+                .collect();
+            table(&["ID", "STATUS", "COUNT", "EXPERTS"], &rows);
+            if r.uncovered.is_empty() {
+                println!("every expert has a holder in service");
+            } else {
+                println!("on no node in service: {}", r.uncovered.join(" "));
+            }
+        }
+        CtlCmd::Snapshot {
+            cmd: SnapshotCmd::Save { output },
+        } => {
+            let r = c
+                .save_snapshot(SaveSnapshotRequest {})
+                .await
+                .map_err(&err)?
+                .into_inner();
+            // Checked before it is written: a damaged transfer never becomes a file.
+            ternfleet_control::ClusterState::from_snapshot_file(&r.snapshot)
+                .map_err(|e| anyhow::anyhow!("the snapshot received is damaged: {e}"))?;
+            if output.exists() {
+                bail!("{} exists: not replaced", output.display());
+            }
+            std::fs::write(output, &r.snapshot)
+                .with_context(|| format!("writing {}", output.display()))?;
+            if a.json {
+                println!(
+                    "{}",
+                    json!({"file": output.display().to_string(), "bytes": r.snapshot.len(),
+                           "placement_version": r.placement_version, "applied": r.applied})
+                );
+            } else {
+                println!(
+                    "saved {} ({} bytes, placement version {}, applied index {})",
+                    output.display(),
+                    r.snapshot.len(),
+                    r.placement_version,
+                    r.applied
+                );
+            }
+        }
+        CtlCmd::Snapshot {
+            cmd: SnapshotCmd::Restore { file },
+        } => {
+            let bytes =
+                std::fs::read(file).with_context(|| format!("reading {}", file.display()))?;
+            ternfleet_control::ClusterState::from_snapshot_file(&bytes)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+            let r = c
+                .restore_snapshot(RestoreSnapshotRequest { snapshot: bytes })
+                .await
+                .map_err(&err)?
+                .into_inner();
+            if a.json {
+                println!("{}", json!({"placement_version": r.placement_version}));
+            } else {
+                println!(
+                    "restored {} (placement version {} now)",
+                    file.display(),
+                    r.placement_version
+                );
+            }
+        }
+    }
+    Ok(())
+}
