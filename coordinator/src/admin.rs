@@ -36,6 +36,8 @@ pub struct AdminService {
     /// The bundle's shape (for placement gaps).
     pub n_layer: usize,
     pub n_expert: usize,
+    /// `sizes[layer][expert]`: bytes of each routed expert's blob (the bundle manifest).
+    pub sizes: Vec<Vec<u64>>,
 }
 
 /// The status name of a node (as the admin API and `ctl` print it).
@@ -321,6 +323,77 @@ impl Admin for AdminService {
             uncovered: specs(missing.iter().map(|(l, s)| (*l, s))),
             n_layer: self.n_layer as u32,
             n_expert: self.n_expert as u32,
+        }))
+    }
+
+    async fn plan_placement(
+        &self,
+        req: Request<ternfleet_shared::proto::v1::PlanPlacementRequest>,
+    ) -> Result<Response<ternfleet_shared::proto::v1::PlanPlacementResponse>, Status> {
+        use ternfleet_control::planner::{plan, Plan, PlanInput};
+        use ternfleet_shared::proto::v1::{NodeLoad, PlanPlacementResponse, PlannedMove};
+        check_operator(&req)?;
+        let r = req.into_inner();
+        let defaults = PlanInput::default();
+        let pick = |v: f64, d: f64| if v > 0.0 && v.is_finite() { v } else { d };
+        let state = self.state().await?;
+        let load: Vec<Vec<u64>> = self
+            .seat
+            .routed
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or_default();
+        let routed_rows: u64 = load.iter().flatten().sum();
+        let mut load_full = vec![vec![0u64; self.n_expert]; self.n_layer];
+        for (l, row) in load.iter().enumerate().take(self.n_layer) {
+            for (e, &c) in row.iter().enumerate().take(self.n_expert) {
+                load_full[l][e] = c;
+            }
+        }
+        let input = PlanInput {
+            n_layer: self.n_layer,
+            n_expert: self.n_expert,
+            sizes: self.sizes.clone(),
+            load: if routed_rows > 0 {
+                load_full
+            } else {
+                Vec::new()
+            },
+            replicas: if r.replicas > 0 {
+                r.replicas as usize
+            } else {
+                defaults.replicas
+            },
+            hot_factor: pick(r.hot_factor, defaults.hot_factor),
+            tolerance: pick(r.tolerance, defaults.tolerance),
+        };
+        let p = plan(&state, &input).map_err(|e| Status::failed_precondition(e.to_string()))?;
+        Ok(Response::new(PlanPlacementResponse {
+            placement_version: state.placement_version,
+            moves: p
+                .moves
+                .iter()
+                .map(|m| PlannedMove {
+                    layer: m.layer,
+                    expert: m.expert,
+                    from: m.from.clone().unwrap_or_default(),
+                    to: m.to.clone(),
+                })
+                .collect(),
+            nodes: p
+                .load_after
+                .iter()
+                .map(|(id, after)| NodeLoad {
+                    id: id.clone(),
+                    before: p.load_before.get(id).copied().unwrap_or(0.0),
+                    after: *after,
+                    bytes_after: p.bytes_after.get(id).copied().unwrap_or(0),
+                })
+                .collect(),
+            hot: p.hot.iter().map(|(l, e)| format!("{l}:{e}")).collect(),
+            imbalance_before: Plan::imbalance(&p.load_before),
+            imbalance_after: Plan::imbalance(&p.load_after),
+            routed_rows,
         }))
     }
 

@@ -619,6 +619,7 @@ pub fn cluster_spec(
             ..Default::default()
         },
         follow: None,
+        routed: Default::default(),
     }))
 }
 

@@ -11,8 +11,8 @@ use serde_json::{json, Value};
 
 use ternfleet_shared::proto::v1::admin_client::AdminClient;
 use ternfleet_shared::proto::v1::{
-    ListNodesRequest, NodeRequest, RestoreSnapshotRequest, SaveSnapshotRequest,
-    ShowPlacementRequest, StatusRequest,
+    ListNodesRequest, NodeRequest, PlanPlacementRequest, RestoreSnapshotRequest,
+    SaveSnapshotRequest, ShowPlacementRequest, StatusRequest,
 };
 
 /// `ternfleet ctl`.
@@ -80,6 +80,20 @@ pub enum NodeCmd {
 pub enum PlacementCmd {
     /// Who holds which experts, and experts on no node in service.
     Show,
+    /// Propose a placement (a dry run: nothing moves): --replicas holders per expert, one
+    /// more for hot experts (by the rows the coordinator routed), balanced by routing-weighted
+    /// load over node bandwidth within RAM and disk budgets, with the fewest moves.
+    Plan {
+        /// Holders per expert.
+        #[arg(long, default_value_t = 2)]
+        replicas: u32,
+        /// An expert routed at least this many times the mean gets one more replica.
+        #[arg(long = "hot-factor", default_value_t = 2.0)]
+        hot_factor: f64,
+        /// Balance until the most loaded node is within this fraction of the mean.
+        #[arg(long, default_value_t = 0.10)]
+        tolerance: f64,
+    },
 }
 
 /// `ternfleet ctl snapshot`.
@@ -362,6 +376,90 @@ async fn run_async(a: CtlArgs) -> Result<()> {
             } else {
                 println!("on no node in service: {}", r.uncovered.join(" "));
             }
+        }
+        CtlCmd::Placement {
+            cmd:
+                PlacementCmd::Plan {
+                    replicas,
+                    hot_factor,
+                    tolerance,
+                },
+        } => {
+            let r = c
+                .plan_placement(PlanPlacementRequest {
+                    replicas: *replicas,
+                    hot_factor: *hot_factor,
+                    tolerance: *tolerance,
+                })
+                .await
+                .map_err(&err)?
+                .into_inner();
+            if a.json {
+                let moves: Vec<Value> = r
+                    .moves
+                    .iter()
+                    .map(|m| json!({"layer": m.layer, "expert": m.expert, "from": m.from, "to": m.to}))
+                    .collect();
+                let nodes: Vec<Value> = r
+                    .nodes
+                    .iter()
+                    .map(|n| json!({"id": n.id, "before": n.before, "after": n.after, "bytes_after": n.bytes_after}))
+                    .collect();
+                println!(
+                    "{}",
+                    json!({"placement_version": r.placement_version, "moves": moves,
+                           "nodes": nodes, "hot": r.hot, "imbalance_before": r.imbalance_before,
+                           "imbalance_after": r.imbalance_after, "routed_rows": r.routed_rows})
+                );
+                return Ok(());
+            }
+            println!(
+                "plan at placement version {}: {} moves, max/mean load {:.2} -> {:.2} ({})",
+                r.placement_version,
+                r.moves.len(),
+                r.imbalance_before,
+                r.imbalance_after,
+                if r.routed_rows > 0 {
+                    format!("{} routed rows observed", r.routed_rows)
+                } else {
+                    "no routing observed yet: uniform load assumed".into()
+                }
+            );
+            if !r.hot.is_empty() {
+                println!("hot experts (one more replica): {}", r.hot.join(" "));
+            }
+            let rows: Vec<Vec<String>> = r
+                .nodes
+                .iter()
+                .map(|n| {
+                    vec![
+                        n.id.clone(),
+                        format!("{:.3}", n.before),
+                        format!("{:.3}", n.after),
+                        mib(n.bytes_after),
+                    ]
+                })
+                .collect();
+            table(&["NODE", "LOAD BEFORE", "LOAD AFTER", "BYTES AFTER"], &rows);
+            let rows: Vec<Vec<String>> = r
+                .moves
+                .iter()
+                .map(|m| {
+                    vec![
+                        format!("{}:{}", m.layer, m.expert),
+                        if m.from.is_empty() {
+                            "(new replica)".into()
+                        } else {
+                            m.from.clone()
+                        },
+                        m.to.clone(),
+                    ]
+                })
+                .collect();
+            if !rows.is_empty() {
+                table(&["EXPERT", "FROM", "TO"], &rows);
+            }
+            println!("(a dry run: `placement apply` comes with expert moves)");
         }
         CtlCmd::Snapshot {
             cmd: SnapshotCmd::Save { output },

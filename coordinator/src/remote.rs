@@ -88,7 +88,13 @@ struct Inner {
     me: String,
     /// The bundle's manifest digest: a node serving another bundle is not used.
     bundle: String,
+    /// Rows routed to each (layer, expert) so far (what the placement planner balances).
+    routed: RoutingCounts,
 }
+
+/// Rows routed to each routed expert, `[layer][expert]`, shared with whoever plans the
+/// placement (the admin API).
+pub type RoutingCounts = Arc<Mutex<Vec<Vec<u64>>>>;
 
 /// The remote backend (see the module docs).
 pub struct RemoteExperts {
@@ -132,6 +138,7 @@ impl RemoteExperts {
             opts,
             me: me.to_string(),
             bundle: bundle.to_string(),
+            routed: c.routed.clone(),
         });
         let start = Instant::now();
         let mut last_log = Instant::now() - Duration::from_secs(10);
@@ -622,6 +629,7 @@ impl ExpertBackend for RemoteExperts {
         let n_shared = self.local_count(layer);
         let mut remote = Vec::new();
         let mut local_routes = Vec::new();
+        let mut counted = Vec::new();
         for (i, r) in b.routes.iter().enumerate() {
             if r.token as usize >= n_tokens {
                 return Err(ExpertError::BadToken {
@@ -633,6 +641,7 @@ impl ExpertBackend for RemoteExperts {
             let e = r.expert as usize;
             if e < self.inner.n_expert {
                 remote.push(i);
+                counted.push(e);
             } else if e < self.inner.n_expert + n_shared {
                 local_routes.push(i);
             } else {
@@ -641,6 +650,18 @@ impl ExpertBackend for RemoteExperts {
                     expert: r.expert,
                     n_experts: self.inner.n_expert + n_shared,
                 });
+            }
+        }
+        if let Ok(mut c) = self.inner.routed.lock() {
+            if c.len() <= layer {
+                c.resize(layer + 1, Vec::new());
+            }
+            let row = &mut c[layer];
+            if row.len() < self.inner.n_expert {
+                row.resize(self.inner.n_expert, 0);
+            }
+            for e in counted {
+                row[e] += 1;
             }
         }
         if b.input.ty() != want {

@@ -30,6 +30,8 @@ pub struct Seat {
     pub quic: std::net::SocketAddr,
     identity: Identity,
     id: String,
+    /// Rows routed to each expert by this coordinator (the planner's load).
+    pub routed: crate::remote::RoutingCounts,
 }
 
 /// Where a process keeps its Raft store unless told: `$XDG_STATE_HOME/ternfleet` or
@@ -86,6 +88,7 @@ impl Seat {
             quic,
             identity,
             id: id.to_string(),
+            routed: Default::default(),
         })
     }
 
@@ -163,6 +166,7 @@ impl Seat {
                 ..Default::default()
             },
             follow: Some(rx),
+            routed: self.routed.clone(),
         })
     }
 }

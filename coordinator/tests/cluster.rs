@@ -1153,36 +1153,6 @@ fn a_lossy_delayed_link_completes_with_identical_output() {
 }
 
 /// Network namespaces joined by veth pairs (deleted on drop, with everything in them).
-struct Netns {
-    names: Vec<String>,
-}
-
-impl Netns {
-    fn ip(args: &[&str]) -> Result<(), String> {
-        let out = Command::new("ip")
-            .args(args)
-            .output()
-            .map_err(|e| format!("ip: {e}"))?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(format!(
-                "ip {}: {}",
-                args.join(" "),
-                String::from_utf8_lossy(&out.stderr).trim()
-            ))
-        }
-    }
-}
-
-impl Drop for Netns {
-    fn drop(&mut self) {
-        for n in &self.names {
-            let _ = Netns::ip(&["netns", "del", n]);
-        }
-    }
-}
-
 #[test]
 fn coordinator_and_two_nodes_in_their_own_network_namespaces() {
     let b = bundle(&tiny("tiny-qwen3moe-q8_0.gguf"), "qwen3moe", None, "keep");

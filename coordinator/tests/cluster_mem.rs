@@ -190,6 +190,7 @@ fn setup_with(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64, follow:
         &OpenOptions {
             cluster: Some(ClusterSpec {
                 follow,
+                routed: Default::default(),
                 placement,
                 transport: Arc::new(Link(transport.clone())),
                 me: "coordinator".into(),

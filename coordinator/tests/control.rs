@@ -29,6 +29,8 @@ use ternfleet_shared::mtls;
 use ternfleet_shared::wire::Frame;
 
 struct Group {
+    /// The network namespace each node runs in (`None`: this one).
+    netns: Vec<Option<String>>,
     dir: tempfile::TempDir,
     bundle: PathBuf,
     ids: Vec<String>,
@@ -83,13 +85,16 @@ impl Group {
             .iter()
             .map(|i| (i.clone(), "127.0.0.1:1".to_string()))
             .collect();
-        let plan = ClusterFile::plan(&man, &list, 2).unwrap();
+        let mut plan = ClusterFile::plan(&man, &list, 2).unwrap();
+        // Two coordinators may serve from the control plane's placement at once.
+        plan.coordinators = vec!["coordinator".into(), "c2".into()];
         std::fs::write(dir.path().join("cluster.toml"), plan.to_toml()).unwrap();
         let logs = ids
             .iter()
             .map(|id| dir.path().join(format!("{id}.log")))
             .collect();
         Group {
+            netns: vec![None; 3],
             dir,
             bundle: bundle.to_owned(),
             addrs: vec![String::new(); 3],
@@ -105,7 +110,15 @@ impl Group {
             .append(true)
             .open(&self.logs[i])
             .unwrap();
-        let child = Command::new(bin())
+        let mut cmd = match &self.netns[i] {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns, bin()]);
+                c
+            }
+            None => Command::new(bin()),
+        };
+        let child = cmd
             .args(["node", "-m"])
             .arg(&self.bundle)
             .args(["--id", &self.ids[i], "--certs"])
@@ -434,7 +447,8 @@ fn three_voters_survive_leader_sigkill_and_a_full_restart() {
 }
 
 /// A coordinator with a seat (`serve --join`): a learner (the voters stay the three nodes)
-/// that serves the single process's tokens from the committed placement, through a SIGKILL
+/// that serves the single process's tokens from the committed placement (and a second one
+/// beside it, from the same placement), through a SIGKILL
 /// of the Raft leader mid-stream (no failed request), follows the placement the leader
 /// changes (the dead node marked down), and restarted after a SIGKILL serves again within
 /// the goal (10 s) from the committed placement.
@@ -451,14 +465,7 @@ fn a_seated_coordinator_serves_through_a_leader_sigkill_and_restarts_within_10s(
     g.agree(&[0, 1, 2], None, &[0, 0, 0], 30);
 
     let single = Server::start(&bundle, &[], "seat-single");
-    let args: Vec<String> = vec![
-        "--join".into(),
-        first.clone(),
-        "--certs".into(),
-        certs.display().to_string(),
-        "--state-dir".into(),
-        g.dir.path().join("state").display().to_string(),
-    ];
+    let args = seat_args(&g, &first);
     let t = Instant::now();
     let coord = Server::start(&bundle, &args, "seat-coordinator");
     eprintln!("coordinator joined and ready in {:?}", t.elapsed());
@@ -474,10 +481,22 @@ fn a_seated_coordinator_serves_through_a_leader_sigkill_and_restarts_within_10s(
             "{p:?}: seated coordinator vs one process"
         );
     }
-    // A learner: the voters are still the three nodes (agree() checks them).
+    // A second coordinator, joining through another node, serves beside the first from the
+    // same placement.
+    mtls::issue(&certs, "c2").unwrap();
+    let mut args2 = seat_args(&g, &g.addrs[1]);
+    args2.extend(["--id".to_string(), "c2".to_string()]);
+    let c2 = Server::start(&bundle, &args2, "seat-coordinator-2");
+    let body = request(prompts[1], 12, 5);
+    let want = completion(&single.url, &body);
+    assert_eq!(completion(&coord.url, &body), want, "first coordinator");
+    assert_eq!(completion(&c2.url, &body), want, "second coordinator");
+    drop(c2);
+    // Learners: the voters are still the three nodes (agree() checks them).
     let (v, _) = g.agree(&[0, 1, 2], None, &[0, 0, 0], 10);
     let l = g.index_of(&v.leader);
     g.wait_log(l, 0, "control: coordinator joined as a learner", 5);
+    g.wait_log(l, 0, "control: c2 joined as a learner", 5);
 
     // SIGKILL the Raft leader (a node holding experts) mid-stream: same tokens, no error.
     let body = request("Explain photosynthesis in simple terms:", 160, 7);
@@ -704,6 +723,20 @@ fn ctl_drains_and_recommissions_under_load_with_no_failed_request_and_restores_a
     assert!(failed.is_empty(), "failed requests: {failed:?}");
     assert!(done >= 6, "the load did not run ({done} requests)");
     let before = ctl_json(&admin, &certs, &["placement", "show"]);
+    // A plan from the rows the coordinator routed: within the tolerance (10 %) or better
+    // balanced than now.
+    let plan = ctl_json(&admin, &certs, &["placement", "plan"]);
+    let (b, a) = (
+        plan["imbalance_before"].as_f64().unwrap(),
+        plan["imbalance_after"].as_f64().unwrap(),
+    );
+    assert!(plan["routed_rows"].as_u64().unwrap() > 0, "{plan}");
+    assert!(a <= b.max(1.10) + 1e-9, "{plan}");
+    eprintln!(
+        "placement plan on the observed routing: max/mean load {b:.3} -> {a:.3}, {} moves, hot {}",
+        plan["moves"].as_array().unwrap().len(),
+        plan["hot"]
+    );
 
     // Snapshot save happened with n2 drained; wipe every store, start a new cluster (seeded
     // from the cluster file), restore: the saved placement is back.
@@ -793,5 +826,157 @@ fn ctl_drains_and_recommissions_under_load_with_no_failed_request_and_restores_a
     assert_eq!(
         completion(&coord.url, &body),
         completion(&single.url, &body)
+    );
+}
+
+/// Three namespaces, one node each, joined by a bridge in a fourth: taking a node's link down
+/// partitions it from the others (both ways, every packet), bringing it up heals.
+struct Lan {
+    ns: Netns,
+    tag: u32,
+}
+
+impl Lan {
+    fn new() -> Result<Lan, String> {
+        let tag = std::process::id() % 100_000;
+        let mut ns = Netns { names: Vec::new() };
+        let hub = format!("tfh{tag}");
+        Netns::ip(&["netns", "add", &hub])?;
+        ns.names.push(hub.clone());
+        Netns::ip(&["-n", &hub, "link", "add", "br0", "type", "bridge"])?;
+        Netns::ip(&["-n", &hub, "link", "set", "br0", "up"])?;
+        for i in 1..=3 {
+            let name = format!("tfp{i}x{tag}");
+            Netns::ip(&["netns", "add", &name])?;
+            ns.names.push(name.clone());
+            Netns::ip(&["-n", &name, "link", "set", "lo", "up"])?;
+            let (h, n) = (format!("tfq{i}x{tag}h"), format!("tfq{i}x{tag}n"));
+            Netns::ip(&["link", "add", &h, "type", "veth", "peer", "name", &n])?;
+            Netns::ip(&["link", "set", &h, "netns", &hub])?;
+            Netns::ip(&["link", "set", &n, "netns", &name])?;
+            Netns::ip(&["-n", &hub, "link", "set", &h, "master", "br0", "up"])?;
+            let addr = format!("10.232.0.{i}/24");
+            Netns::ip(&["-n", &name, "addr", "add", &addr, "dev", &n])?;
+            Netns::ip(&["-n", &name, "link", "set", &n, "up"])?;
+        }
+        Ok(Lan { ns, tag })
+    }
+
+    fn ns(&self, i: usize) -> String {
+        self.ns.names[i + 1].clone()
+    }
+
+    fn addr(i: usize) -> String {
+        format!("10.232.0.{}:7400", i + 1)
+    }
+
+    /// Cuts (or heals) node `i`'s link to the bridge.
+    fn cut(&self, i: usize, cut: bool) {
+        let h = format!("tfq{}x{}h", i + 1, self.tag);
+        let state = if cut { "down" } else { "up" };
+        Netns::ip(&["-n", &self.ns.names[0], "link", "set", &h, state]).unwrap();
+    }
+}
+
+/// Partitions on a real network (namespaces): one follower cut off — the majority commits
+/// (marks it down), the minority commits nothing (no leader, its placement version stands
+/// still), and healed it catches up with the leader undisturbed (pre-vote); then the leader
+/// cut off — the majority elects a new one within the goal (< 5 s) and the old leader steps
+/// down (check-quorum), healed it follows.
+#[test]
+fn a_partitioned_voter_commits_nothing_the_majority_goes_on_and_both_heal() {
+    let bundle = tiny_moe_bundle("control-lan-qwen3moe");
+    let lan = match Lan::new() {
+        Ok(l) => l,
+        Err(e) => {
+            ternfleet_shared::testing::skip(
+                "partition test",
+                &format!("cannot make namespaces: {e}"),
+            );
+            return;
+        }
+    };
+    let mut g = Group::new(&bundle);
+    g.netns = (0..3).map(|i| Some(lan.ns(i))).collect();
+    g.spawn(0, &Lan::addr(0), &["--init-cluster"]);
+    g.spawn(1, &Lan::addr(1), &["--join", &Lan::addr(0)]);
+    g.spawn(2, &Lan::addr(2), &["--join", &Lan::addr(0)]);
+    let (v, _) = g.agree(&[0, 1, 2], None, &[0, 0, 0], 30);
+    for id in ["n1", "n2", "n3"] {
+        g.wait_log(0, 0, &format!("control: node {id} is up"), 15);
+    }
+    let l = g.index_of(&v.leader);
+    let f = (0..3).find(|&i| i != l).unwrap();
+    let other = 3 - l - f;
+
+    // A follower cut off.
+    let marks: Vec<usize> = (0..3).map(|i| g.log_len(i)).collect();
+    let before = g.max_version(f, 0);
+    lan.cut(f, true);
+    let t0 = Instant::now();
+    g.wait_log(
+        l,
+        marks[l],
+        &format!("control: node {} is down", g.ids[f]),
+        15,
+    );
+    let majority = t0.elapsed();
+    // The minority: no leader (pre-vote finds no quorum), nothing committed.
+    g.wait_log(f, marks[f], "leader=none", 15);
+    let during = g.max_version(f, marks[f]);
+    assert!(
+        during <= before,
+        "the cut-off node applied placement version {during} (> {before}) with no quorum"
+    );
+    let majority_version = g.max_version(l, marks[l]);
+    assert!(majority_version > before, "the majority committed nothing");
+    eprintln!(
+        "follower {} cut off: majority marked it down after {majority:?}, its version stayed {before}, the majority's reached {majority_version}",
+        g.ids[f]
+    );
+    // Healed: it catches up and is up again; the leader keeps leading.
+    let marks: Vec<usize> = (0..3).map(|i| g.log_len(i)).collect();
+    lan.cut(f, false);
+    let t0 = Instant::now();
+    g.wait_log(
+        l,
+        marks[l],
+        &format!("control: node {} is up", g.ids[f]),
+        15,
+    );
+    while g.max_version(f, marks[f]) < majority_version {
+        assert!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the healed node did not catch up"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    eprintln!("healed: caught up and up again after {:?}", t0.elapsed());
+    let (v2, _) = g.agree(&[0, 1, 2], None, &[0, 0, 0], 10);
+    assert_eq!(
+        v2.leader, v.leader,
+        "the returning member disrupted the leader"
+    );
+
+    // The leader cut off: a new one on the majority side, the old one steps down.
+    let marks: Vec<usize> = (0..3).map(|i| g.log_len(i)).collect();
+    lan.cut(l, true);
+    let t0 = Instant::now();
+    let (v3, _) = g.agree(&[f, other], Some(&v.leader), &marks, 10);
+    let failover = t0.elapsed();
+    g.wait_log(l, marks[l], "leader=none", 10);
+    eprintln!(
+        "leader {} cut off: {} leads term {} after {failover:?}; the old leader stepped down",
+        v.leader, v3.leader, v3.term
+    );
+    assert!(failover < Duration::from_secs(5), "{failover:?}");
+    let marks: Vec<usize> = (0..3).map(|i| g.log_len(i)).collect();
+    lan.cut(l, false);
+    let mut from = vec![0; 3];
+    from[l] = marks[l];
+    let (v4, _) = g.agree(&[0, 1, 2], None, &from, 15);
+    assert_eq!(
+        v4.leader, v3.leader,
+        "the old leader took over again on its return"
     );
 }

@@ -174,6 +174,8 @@ pub struct ClusterSpec {
     /// Newer placements from the control plane (`serve --join`); `None`: the placement is
     /// static (`--cluster FILE`).
     pub follow: Option<crate::remote::PlacementFeed>,
+    /// Where the backend counts the rows routed to each expert.
+    pub routed: crate::remote::RoutingCounts,
 }
 
 impl std::fmt::Debug for ClusterSpec {

@@ -104,10 +104,17 @@ async fn run(
                 .with_context(|| format!("binding the admin API to {addr}"))?;
             let certs = cfg.certs.as_deref().context("--join needs --certs DIR")?;
             let man = ternfleet_shared::bundle::Manifest::read(&cfg.model)?;
+            let mut sizes = vec![vec![0u64; man.moe.n_expert]; man.n_layer];
+            for e in &man.experts {
+                if let Some(x) = sizes.get_mut(e.layer).and_then(|l| l.get_mut(e.expert)) {
+                    *x = e.part.bytes;
+                }
+            }
             let svc = crate::admin::AdminService {
                 seat: seat.clone(),
                 n_layer: man.n_layer,
                 n_expert: man.moe.n_expert,
+                sizes,
             };
             Some((listener, svc, crate::admin::tls(certs, &cfg.id)?))
         }

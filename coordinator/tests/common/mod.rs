@@ -343,3 +343,35 @@ pub fn wait_for_log(s: &Server, needle: &str, n: usize, secs: u64) {
         std::thread::sleep(Duration::from_millis(50));
     }
 }
+
+/// Network namespaces deleted when dropped.
+pub struct Netns {
+    pub names: Vec<String>,
+}
+
+impl Netns {
+    /// Runs `ip ARGS`.
+    pub fn ip(args: &[&str]) -> Result<(), String> {
+        let out = Command::new("ip")
+            .args(args)
+            .output()
+            .map_err(|e| format!("ip: {e}"))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(format!(
+                "ip {}: {}",
+                args.join(" "),
+                String::from_utf8_lossy(&out.stderr).trim()
+            ))
+        }
+    }
+}
+
+impl Drop for Netns {
+    fn drop(&mut self) {
+        for n in &self.names {
+            let _ = Netns::ip(&["netns", "del", n]);
+        }
+    }
+}
