@@ -15,7 +15,9 @@ fn main() {
     let out = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     std::fs::write(out.join("ternfleet_descriptor.bin"), fds.encode_to_vec())
         .expect("writing the descriptor set to OUT_DIR");
+    // Serializable, so `ternfleet ctl --json` prints exactly the admin API's response.
     tonic_prost_build::configure()
+        .type_attribute(".ternfleet.v1", "#[derive(serde::Serialize)]")
         .compile_fds(fds)
         .expect("generating the gRPC code");
 }

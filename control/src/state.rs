@@ -35,6 +35,17 @@ pub enum NodeStatus {
 }
 
 impl NodeStatus {
+    /// Its name as logs, the admin API and `ctl` print it.
+    pub fn name(self) -> &'static str {
+        match self {
+            NodeStatus::Loading => "loading",
+            NodeStatus::Up => "up",
+            NodeStatus::Down => "down",
+            NodeStatus::Draining => "draining",
+            NodeStatus::Decommissioning => "decommissioning",
+        }
+    }
+
     /// Whether the node serves now.
     pub fn routable(self) -> bool {
         self == NodeStatus::Up

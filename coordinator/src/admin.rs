@@ -16,7 +16,6 @@ use std::sync::Arc;
 use anyhow::{Context, Result};
 use tonic::{Request, Response, Status};
 
-use ternfleet_control::state::NodeStatus;
 use ternfleet_control::{ClusterState, Command, ControlError, Outcome};
 use ternfleet_shared::proto::v1::admin_server::{Admin, AdminServer};
 use ternfleet_shared::proto::v1::{
@@ -38,17 +37,6 @@ pub struct AdminService {
     pub n_expert: usize,
     /// `sizes[layer][expert]`: bytes of each routed expert's blob (the bundle manifest).
     pub sizes: Vec<Vec<u64>>,
-}
-
-/// The status name of a node (as the admin API and `ctl` print it).
-pub fn status_name(s: NodeStatus) -> &'static str {
-    match s {
-        NodeStatus::Loading => "loading",
-        NodeStatus::Up => "up",
-        NodeStatus::Down => "down",
-        NodeStatus::Draining => "draining",
-        NodeStatus::Decommissioning => "decommissioning",
-    }
 }
 
 fn control_status(e: ControlError) -> Status {
@@ -118,11 +106,14 @@ impl AdminService {
         self.seat.member.handle.read().await.map_err(control_status)
     }
 
+    /// An operator's command on one node (`req` names it), answered with its status after.
     async fn node_command(
         &self,
-        id: String,
+        req: Request<NodeRequest>,
         cmd: impl FnOnce(String) -> Command,
     ) -> Result<Response<NodeActionResponse>, Status> {
+        check_operator(&req)?;
+        let id = req.into_inner().id;
         ternfleet_shared::cluster::check_id(&id).map_err(Status::invalid_argument)?;
         let outcome = self
             .seat
@@ -145,7 +136,7 @@ impl AdminService {
             status: state
                 .nodes
                 .get(&id)
-                .map_or("removed", |n| status_name(n.status))
+                .map_or("removed", |n| n.status.name())
                 .to_string(),
             id,
             placement_version: version,
@@ -182,7 +173,7 @@ impl Admin for AdminService {
             let node = state.nodes.get(&id);
             members.push(Member {
                 role: role.into(),
-                state: node.map_or("seat", |n| status_name(n.status)).into(),
+                state: node.map_or("seat", |n| n.status.name()).into(),
                 kind: if node.is_some() {
                     "node"
                 } else {
@@ -237,7 +228,7 @@ impl Admin for AdminService {
             .map(|(id, n)| Node {
                 id: id.clone(),
                 addr: n.addr.clone(),
-                status: status_name(n.status).into(),
+                status: n.status.name().into(),
                 kernels: n.caps.kernels.clone(),
                 experts: count(n),
                 ram_bytes: n.caps.ram_bytes,
@@ -260,18 +251,14 @@ impl Admin for AdminService {
         &self,
         req: Request<NodeRequest>,
     ) -> Result<Response<NodeActionResponse>, Status> {
-        check_operator(&req)?;
-        let id = req.into_inner().id;
-        self.node_command(id, |id| Command::Drain { id }).await
+        self.node_command(req, |id| Command::Drain { id }).await
     }
 
     async fn recommission(
         &self,
         req: Request<NodeRequest>,
     ) -> Result<Response<NodeActionResponse>, Status> {
-        check_operator(&req)?;
-        let id = req.into_inner().id;
-        self.node_command(id, |id| Command::Recommission { id })
+        self.node_command(req, |id| Command::Recommission { id })
             .await
     }
 
@@ -279,9 +266,7 @@ impl Admin for AdminService {
         &self,
         req: Request<NodeRequest>,
     ) -> Result<Response<NodeActionResponse>, Status> {
-        check_operator(&req)?;
-        let id = req.into_inner().id;
-        self.node_command(id, |id| Command::Decommission { id })
+        self.node_command(req, |id| Command::Decommission { id })
             .await
     }
 
@@ -296,7 +281,7 @@ impl Admin for AdminService {
             .iter()
             .map(|(id, n)| NodePlacement {
                 id: id.clone(),
-                status: status_name(n.status).into(),
+                status: n.status.name().into(),
                 experts: specs(n.experts.iter().map(|(l, s)| (*l, s))),
                 count: count(n),
             })

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Subcommand};
-use serde_json::{json, Value};
+use serde_json::json;
 
 use ternfleet_shared::proto::v1::admin_client::AdminClient;
 use ternfleet_shared::proto::v1::{
@@ -176,6 +176,12 @@ fn age(ms: u64) -> String {
     }
 }
 
+/// Prints an admin API response as JSON (the proto's field names).
+fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
+    println!("{}", serde_json::to_string(v)?);
+    Ok(())
+}
+
 /// Runs `ternfleet ctl`.
 pub fn run(a: CtlArgs) -> Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -191,22 +197,8 @@ async fn run_async(a: CtlArgs) -> Result<()> {
     match &a.cmd {
         CtlCmd::Status => {
             let r = c.status(StatusRequest {}).await.map_err(&err)?.into_inner();
-            let members: Vec<Value> = r
-                .members
-                .iter()
-                .map(|m| {
-                    json!({"id": m.id, "role": m.role, "state": m.state, "kind": m.kind,
-                           "leader": m.leader, "addr": m.addr, "experts": m.experts,
-                           "ram_bytes": m.ram_bytes, "heartbeat_age_ms": m.heartbeat_age_ms})
-                })
-                .collect();
             if a.json {
-                let v = json!({"leader": r.leader, "term": r.term, "commit": r.commit,
-                    "applied": r.applied, "placement_version": r.placement_version,
-                    "members": members, "bundle": r.bundle, "coordinator": r.coordinator,
-                    "moves": r.moves});
-                println!("{v}");
-                return Ok(());
+                return print_json(&r);
             }
             println!(
                 "leader {}  term {}  commit {}  applied {} (lag {})  placement version {}  moves {}",
@@ -260,21 +252,7 @@ async fn run_async(a: CtlArgs) -> Result<()> {
                 .map_err(&err)?
                 .into_inner();
             if a.json {
-                let nodes: Vec<Value> = r
-                    .nodes
-                    .iter()
-                    .map(|n| {
-                        json!({"id": n.id, "addr": n.addr, "status": n.status,
-                               "kernels": n.kernels, "experts": n.experts,
-                               "ram_bytes": n.ram_bytes, "disk_bytes": n.disk_bytes,
-                               "heartbeat_age_ms": n.heartbeat_age_ms, "voter": n.voter})
-                    })
-                    .collect();
-                println!(
-                    "{}",
-                    json!({"nodes": nodes, "placement_version": r.placement_version})
-                );
-                return Ok(());
+                return print_json(&r);
             }
             let rows: Vec<Vec<String>> = r
                 .nodes
@@ -322,10 +300,7 @@ async fn run_async(a: CtlArgs) -> Result<()> {
             .map_err(|s| anyhow::anyhow!("{verb} {id}: {:?}: {}", s.code(), s.message()))?
             .into_inner();
             if a.json {
-                println!(
-                    "{}",
-                    json!({"id": r.id, "status": r.status, "placement_version": r.placement_version})
-                );
+                print_json(&r)?;
             } else {
                 println!(
                     "{}: {} (placement version {})",
@@ -342,17 +317,7 @@ async fn run_async(a: CtlArgs) -> Result<()> {
                 .map_err(&err)?
                 .into_inner();
             if a.json {
-                let nodes: Vec<Value> = r
-                    .nodes
-                    .iter()
-                    .map(|n| json!({"id": n.id, "status": n.status, "experts": n.experts, "count": n.count}))
-                    .collect();
-                println!(
-                    "{}",
-                    json!({"placement_version": r.placement_version, "nodes": nodes,
-                           "uncovered": r.uncovered, "n_layer": r.n_layer, "n_expert": r.n_expert})
-                );
-                return Ok(());
+                return print_json(&r);
             }
             println!(
                 "placement version {}: {} layers x {} routed experts",
@@ -395,23 +360,7 @@ async fn run_async(a: CtlArgs) -> Result<()> {
                 .map_err(&err)?
                 .into_inner();
             if a.json {
-                let moves: Vec<Value> = r
-                    .moves
-                    .iter()
-                    .map(|m| json!({"layer": m.layer, "expert": m.expert, "from": m.from, "to": m.to}))
-                    .collect();
-                let nodes: Vec<Value> = r
-                    .nodes
-                    .iter()
-                    .map(|n| json!({"id": n.id, "before": n.before, "after": n.after, "bytes_after": n.bytes_after}))
-                    .collect();
-                println!(
-                    "{}",
-                    json!({"placement_version": r.placement_version, "moves": moves,
-                           "nodes": nodes, "hot": r.hot, "imbalance_before": r.imbalance_before,
-                           "imbalance_after": r.imbalance_after, "routed_rows": r.routed_rows})
-                );
-                return Ok(());
+                return print_json(&r);
             }
             println!(
                 "plan at placement version {}: {} moves, max/mean load {:.2} -> {:.2} ({})",
@@ -506,7 +455,7 @@ async fn run_async(a: CtlArgs) -> Result<()> {
                 .map_err(&err)?
                 .into_inner();
             if a.json {
-                println!("{}", json!({"placement_version": r.placement_version}));
+                print_json(&r)?;
             } else {
                 println!(
                     "restored {} (placement version {} now)",

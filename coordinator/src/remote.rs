@@ -467,8 +467,13 @@ impl Inner {
 
     /// The node to send `expert` of `layer` to: its first holder that is up and not in
     /// `tried` (`None` when every live holder failed this call).
-    fn pick(&self, layer: usize, expert: usize, tried: &[usize]) -> Option<usize> {
-        let placement = self.placement();
+    fn pick(
+        &self,
+        placement: &Placement,
+        layer: usize,
+        expert: usize,
+        tried: &[usize],
+    ) -> Option<usize> {
         let n = self.nodes.lock().ok()?;
         placement
             .holders(layer, expert)
@@ -525,9 +530,12 @@ fn send_parts(
     let (layer, input, routes) = (b.layer, b.input, b.routes);
     let mut by_node: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
     let mut orphans: Vec<u32> = Vec::new();
+    // One placement for the whole call (a newer one may arrive meanwhile: the next call
+    // takes it).
+    let placement = inner.placement();
     for &r in which {
         let e = routes[r].expert as usize;
-        match inner.pick(layer, e, tried) {
+        match inner.pick(&placement, layer, e, tried) {
             Some(n) => by_node.entry(n).or_default().push(r),
             None => orphans.push(e as u32),
         }
@@ -535,7 +543,6 @@ fn send_parts(
     if !orphans.is_empty() {
         orphans.sort_unstable();
         orphans.dedup();
-        let placement = inner.placement();
         let n = inner.nodes.lock().ok();
         let holders: Vec<String> = orphans
             .iter()
@@ -708,8 +715,9 @@ impl ExpertBackend for RemoteExperts {
 
     fn prefetch(&self, layer: usize, experts: &[u32]) {
         let mut by_node: BTreeMap<usize, Vec<u32>> = BTreeMap::new();
+        let placement = self.inner.placement();
         for &e in experts {
-            if let Some(n) = self.inner.pick(layer, e as usize, &[]) {
+            if let Some(n) = self.inner.pick(&placement, layer, e as usize, &[]) {
                 by_node.entry(n).or_default().push(e);
             }
         }

@@ -202,21 +202,11 @@ async fn watch_leadership(m: Arc<Member>) {
                 tracing::info!(
                     placement_version = state.placement_version,
                     "control: node {id} is {}",
-                    status_name(n.status)
+                    n.status.name()
                 );
                 statuses.insert(id.clone(), n.status);
             }
         }
-    }
-}
-
-fn status_name(s: NodeStatus) -> &'static str {
-    match s {
-        NodeStatus::Loading => "loading",
-        NodeStatus::Up => "up",
-        NodeStatus::Down => "down",
-        NodeStatus::Draining => "draining",
-        NodeStatus::Decommissioning => "decommissioning",
     }
 }
 
