@@ -17,6 +17,7 @@ use anyhow::{Context, Result};
 use tonic::{Request, Response, Status};
 
 use ternfleet_control::{ClusterState, Command, ControlError, Outcome};
+use ternfleet_shared::cluster::format_ranges;
 use ternfleet_shared::proto::v1::admin_server::{Admin, AdminServer};
 use ternfleet_shared::proto::v1::{
     ListNodesRequest, ListNodesResponse, Member, Node, NodeActionResponse, NodePlacement,
@@ -80,30 +81,32 @@ fn count(n: &ternfleet_control::NodeRecord) -> u64 {
 fn specs<'a>(layers: impl Iterator<Item = (u32, &'a BTreeSet<u32>)>) -> Vec<String> {
     layers
         .filter(|(_, s)| !s.is_empty())
-        .map(|(l, s)| {
-            let mut parts: Vec<String> = Vec::new();
-            let v: Vec<u32> = s.iter().copied().collect();
-            let mut i = 0;
-            while i < v.len() {
-                let mut j = i;
-                while j + 1 < v.len() && v[j + 1] == v[j] + 1 {
-                    j += 1;
-                }
-                parts.push(if j > i {
-                    format!("{}-{}", v[i], v[j])
-                } else {
-                    v[i].to_string()
-                });
-                i = j + 1;
-            }
-            format!("{l}:{}", parts.join(","))
-        })
+        .map(|(l, s)| format!("{l}:{}", format_ranges(s.iter().map(|&e| e as usize))))
         .collect()
+}
+
+/// Milliseconds since a node's last committed heartbeat (0: none yet).
+fn heartbeat_age(n: &ternfleet_control::NodeRecord, now: u64) -> u64 {
+    if n.last_heartbeat_ms > 0 {
+        now.saturating_sub(n.last_heartbeat_ms)
+    } else {
+        0
+    }
 }
 
 impl AdminService {
     async fn state(&self) -> Result<Arc<ClusterState>, Status> {
         self.seat.member.handle.read().await.map_err(control_status)
+    }
+
+    /// The seat's Raft status (term, leader, indexes, members).
+    async fn replica(&self) -> Result<ternfleet_control::replica::ReplicaStatus, Status> {
+        self.seat
+            .member
+            .handle
+            .status()
+            .await
+            .map_err(control_status)
     }
 
     /// An operator's command on one node (`req` names it), answered with its status after.
@@ -152,13 +155,7 @@ impl Admin for AdminService {
     ) -> Result<Response<StatusResponse>, Status> {
         check_operator(&req)?;
         let state = self.state().await?;
-        let st = self
-            .seat
-            .member
-            .handle
-            .status()
-            .await
-            .map_err(control_status)?;
+        let st = self.replica().await?;
         let now = now_ms();
         let mut members = Vec::new();
         let roles = st
@@ -184,9 +181,7 @@ impl Admin for AdminService {
                 addr,
                 experts: node.map_or(0, count),
                 ram_bytes: node.map_or(0, |n| n.caps.ram_bytes),
-                heartbeat_age_ms: node
-                    .filter(|n| n.last_heartbeat_ms > 0)
-                    .map_or(0, |n| now.saturating_sub(n.last_heartbeat_ms)),
+                heartbeat_age_ms: node.map_or(0, |n| heartbeat_age(n, now)),
                 id,
             });
         }
@@ -214,13 +209,7 @@ impl Admin for AdminService {
     ) -> Result<Response<ListNodesResponse>, Status> {
         check_operator(&req)?;
         let state = self.state().await?;
-        let st = self
-            .seat
-            .member
-            .handle
-            .status()
-            .await
-            .map_err(control_status)?;
+        let st = self.replica().await?;
         let now = now_ms();
         let nodes = state
             .nodes
@@ -233,11 +222,7 @@ impl Admin for AdminService {
                 experts: count(n),
                 ram_bytes: n.caps.ram_bytes,
                 disk_bytes: n.caps.disk_bytes,
-                heartbeat_age_ms: if n.last_heartbeat_ms > 0 {
-                    now.saturating_sub(n.last_heartbeat_ms)
-                } else {
-                    0
-                },
+                heartbeat_age_ms: heartbeat_age(n, now),
                 voter: st.voters.contains(&n.raft_id),
             })
             .collect();
@@ -388,14 +373,7 @@ impl Admin for AdminService {
     ) -> Result<Response<SaveSnapshotResponse>, Status> {
         check_operator(&req)?;
         let state = self.state().await?;
-        let applied = self
-            .seat
-            .member
-            .handle
-            .status()
-            .await
-            .map_err(control_status)?
-            .applied;
+        let applied = self.replica().await?.applied;
         Ok(Response::new(SaveSnapshotResponse {
             snapshot: state.to_snapshot_file(),
             placement_version: state.placement_version,

@@ -572,16 +572,8 @@ pub fn cluster_spec(
     let Some(certs) = certs else {
         bail!("--cluster needs --certs DIR (the cluster CA and this process's certificate: ternfleet certs)");
     };
-    if !model.is_dir() {
-        bail!(
-            "--cluster: {} is not a bundle directory (make one: ternfleet convert -m {} -o DIR)",
-            model.display(),
-            model.display()
-        );
-    }
-    let man = ternfleet_shared::bundle::Manifest::read(model)?;
+    let (man, digest) = read_bundle(model, "--cluster")?;
     let cf = ternfleet_shared::cluster::ClusterFile::read(file)?;
-    let digest = ternfleet_shared::bundle::manifest_digest(model)?;
     if let Some(want) = cf.bundle.as_deref().filter(|w| *w != digest) {
         bail!(
             "{}: the placement is for bundle {want}, {} is {digest}",
@@ -598,29 +590,57 @@ pub fn cluster_spec(
         );
     }
     let me = ternfleet_shared::mtls::Identity::load(certs, id)?;
+    tracing::info!(
+        nodes = placement.nodes.len(),
+        "cluster {}: connecting to the nodes",
+        file.display()
+    );
+    Ok(Some(quic_cluster(&me, placement, step_deadline_ms)?))
+}
+
+/// A bundle's manifest and its digest; `flag` names the option that needs a bundle.
+pub fn read_bundle(
+    model: &std::path::Path,
+    flag: &str,
+) -> Result<(ternfleet_shared::bundle::Manifest, String)> {
+    if !model.is_dir() {
+        bail!(
+            "{flag}: {} is not a bundle directory (make one: ternfleet convert -m {} -o DIR)",
+            model.display(),
+            model.display()
+        );
+    }
+    Ok((
+        ternfleet_shared::bundle::Manifest::read(model)?,
+        ternfleet_shared::bundle::manifest_digest(model)?,
+    ))
+}
+
+/// The cluster of `placement` reached over QUIC as `me`, with the step deadline; static
+/// (no placement feed) until the caller gives it one.
+pub fn quic_cluster(
+    me: &ternfleet_shared::mtls::Identity,
+    placement: ternfleet_shared::cluster::Placement,
+    step_deadline_ms: u64,
+) -> Result<crate::model::ClusterSpec> {
     let nodes: Vec<(String, String)> = placement
         .nodes
         .iter()
         .map(|n| (n.id.clone(), n.addr.clone()))
         .collect();
-    let transport = ternfleet_shared::net::QuicTransport::new(&me, &nodes)
+    let transport = ternfleet_shared::net::QuicTransport::new(me, &nodes)
         .map_err(|e| anyhow::anyhow!("cluster transport: {e}"))?;
-    tracing::info!(
-        nodes = nodes.len(),
-        "cluster {}: connecting to the nodes",
-        file.display()
-    );
-    Ok(Some(crate::model::ClusterSpec {
+    Ok(crate::model::ClusterSpec {
         placement,
         transport: std::sync::Arc::new(transport),
-        me: id.to_string(),
+        me: me.id.clone(),
         opts: crate::remote::RemoteOptions {
             step_base: std::time::Duration::from_millis(step_deadline_ms.max(1)),
             ..Default::default()
         },
         follow: None,
         routed: Default::default(),
-    }))
+    })
 }
 
 /// `ternfleet generate`.

@@ -106,15 +106,7 @@ impl Seat {
         model: &Path,
         step_deadline_ms: u64,
     ) -> Result<crate::model::ClusterSpec> {
-        if !model.is_dir() {
-            bail!(
-                "--join: {} is not a bundle directory (make one: ternfleet convert -m {} -o DIR)",
-                model.display(),
-                model.display()
-            );
-        }
-        let man = ternfleet_shared::bundle::Manifest::read(model)?;
-        let digest = ternfleet_shared::bundle::manifest_digest(model)?;
+        let (man, digest) = crate::cli::read_bundle(model, "--join")?;
         let mut applied = self.member.handle.applied();
         let t = Instant::now();
         let state = rt.block_on(async {
@@ -148,26 +140,12 @@ impl Seat {
         }
         let file = state.to_cluster_file();
         let placement = file.placement_with_gaps(man.n_layer, man.moe.n_expert)?;
-        let nodes: Vec<(String, String)> = placement
-            .nodes
-            .iter()
-            .map(|n| (n.id.clone(), n.addr.clone()))
-            .collect();
-        let transport = ternfleet_shared::net::QuicTransport::new(&self.identity, &nodes)
-            .map_err(|e| anyhow::anyhow!("cluster transport: {e}"))?;
+        let mut spec = crate::cli::quic_cluster(&self.identity, placement, step_deadline_ms)?;
         let (tx, rx) = watch::channel((state.placement_version, file));
         rt.spawn(publish(self.member.handle.applied(), tx));
-        Ok(crate::model::ClusterSpec {
-            placement,
-            transport: Arc::new(transport),
-            me: self.id.clone(),
-            opts: crate::remote::RemoteOptions {
-                step_base: Duration::from_millis(step_deadline_ms.max(1)),
-                ..Default::default()
-            },
-            follow: Some(rx),
-            routed: self.routed.clone(),
-        })
+        spec.follow = Some(rx);
+        spec.routed = self.routed.clone();
+        Ok(spec)
     }
 }
 

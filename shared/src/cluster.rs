@@ -109,13 +109,18 @@ fn parse_set(s: &str, n: usize, what: &str) -> Result<BTreeSet<usize>, String> {
     Ok(out)
 }
 
-/// `0-5,9,12-13` for a sorted set.
+/// `*` for all `n` experts, else [`format_ranges`].
 fn format_set(s: &BTreeSet<usize>, n: usize) -> String {
     if s.len() == n && n > 0 {
         return "*".into();
     }
+    format_ranges(s.iter().copied())
+}
+
+/// `0-5,9,12-13` for ascending numbers.
+pub fn format_ranges(s: impl IntoIterator<Item = usize>) -> String {
     let mut parts = Vec::new();
-    let mut it = s.iter().copied().peekable();
+    let mut it = s.into_iter().peekable();
     while let Some(a) = it.next() {
         let mut b = a;
         while it.peek() == Some(&(b + 1)) {
