@@ -300,17 +300,35 @@ pub fn plan(state: &ClusterState, input: &PlanInput) -> Result<Plan, PlanError> 
     }
     // The moves: per expert, new holders; a new holder replaces a dropped one where there
     // is one (a relocation), else it is a new replica.
+    // A node being decommissioned is a source first: each of its experts leaves it by a
+    // relocation (so it ends up holding nothing and can be removed).
+    let leaving: Vec<(&String, &crate::state::NodeRecord)> = state
+        .nodes
+        .iter()
+        .filter(|(_, n)| n.status == crate::state::NodeStatus::Decommissioning)
+        .collect();
     let mut moves = Vec::new();
     for l in 0..nl {
         for e in 0..ne {
             let was: BTreeSet<usize> = current[l][e].iter().copied().collect();
             let now: BTreeSet<usize> = holders[l][e].iter().copied().collect();
-            let mut gone: Vec<usize> = was.difference(&now).copied().collect();
+            let mut gone: Vec<String> =
+                was.difference(&now).map(|&i| nodes[i].id.clone()).collect();
+            gone.extend(
+                leaving
+                    .iter()
+                    .filter(|(_, n)| {
+                        n.experts
+                            .get(&(l as u32))
+                            .is_some_and(|s| s.contains(&(e as u32)))
+                    })
+                    .map(|(id, _)| (*id).clone()),
+            );
             for &to in now.difference(&was) {
                 moves.push(Move {
                     layer: l as u32,
                     expert: e as u32,
-                    from: gone.pop().map(|i| nodes[i].id.clone()),
+                    from: gone.pop(),
                     to: nodes[to].id.clone(),
                 });
             }
@@ -463,6 +481,25 @@ mod tests {
             after,
             p.moves.len()
         );
+    }
+
+    #[test]
+    fn a_decommissioned_node_is_the_source_of_every_copy_of_its_experts() {
+        let mut s = two_full_two_empty();
+        s.nodes.get_mut("n1").unwrap().status = NodeStatus::Decommissioning;
+        let inp = PlanInput {
+            tolerance: f64::INFINITY,
+            ..input(Vec::new())
+        };
+        let p = plan(&s, &inp).unwrap();
+        check_valid(&s, &p, &inp);
+        assert!(!p.target.contains_key("n1"));
+        // n2 keeps its copies; each expert's second copy leaves n1 for n3 or n4.
+        assert_eq!(p.moves.len(), 16, "{:?}", p.moves);
+        assert!(p
+            .moves
+            .iter()
+            .all(|m| m.from.as_deref() == Some("n1") && m.to != "n2"));
     }
 
     #[test]

@@ -187,6 +187,12 @@ pub enum Command {
         mv: Move,
         expect_version: Option<u64>,
     },
+    /// Start a plan's moves at once (all or none; one placement version), guarded by the
+    /// version the plan was made at.
+    BeginMoves {
+        moves: Vec<Move>,
+        expect_version: Option<u64>,
+    },
     /// The copy is on `to` and verified: switch holders.
     CompleteMove { id: u64 },
     /// Give a move up (copy failed, node gone).
@@ -209,6 +215,12 @@ pub enum Outcome {
     Applied { placement_version: u64 },
     /// Applied and a move id assigned.
     MoveStarted { id: u64, placement_version: u64 },
+    /// Applied: moves `first`, `first + 1`, … (`count` of them) started.
+    MovesStarted {
+        first: u64,
+        count: u64,
+        placement_version: u64,
+    },
     /// Refused, nothing changed.
     Rejected(String),
 }
@@ -451,14 +463,42 @@ impl ClusterState {
                 }
                 Some(s) => reject(format!("{id} is {s:?}, not drained")),
             },
+            // Allowed while the node is the only holder of some experts: it keeps serving
+            // those ([`ClusterState::to_cluster_file`]) until moves have copied them
+            // elsewhere, then it is removed.
             Command::Decommission { id } => match self.nodes.get(id) {
                 None => reject(format!("no node {id}")),
-                Some(_) => match self.sole_holder_of(id) {
-                    Some(why) => reject(format!("decommissioning {id} {why}")),
-                    None => self.set_status(id, NodeStatus::Decommissioning),
-                },
+                Some(_) => self.set_status(id, NodeStatus::Decommissioning),
             },
             Command::BeginMove { mv, expect_version } => self.begin_move(mv, *expect_version),
+            Command::BeginMoves {
+                moves,
+                expect_version,
+            } => {
+                if let Some(v) = expect_version.filter(|v| *v != self.placement_version) {
+                    return reject(format!(
+                        "placement changed (version {} now, the plan was made at {v}): plan again",
+                        self.placement_version
+                    ));
+                }
+                let mut next = self.clone();
+                let first = next.next_move;
+                for mv in moves {
+                    if let Outcome::Rejected(why) = next.begin_move(mv, None) {
+                        return reject(format!(
+                            "layer {} expert {} to {}: {why} (no move started)",
+                            mv.layer, mv.expert, mv.to
+                        ));
+                    }
+                }
+                next.placement_version = self.placement_version + 1;
+                *self = next;
+                Outcome::MovesStarted {
+                    first,
+                    count: moves.len() as u64,
+                    placement_version: self.placement_version,
+                }
+            }
             Command::CompleteMove { id } => {
                 let Some(mv) = self.moves.remove(id) else {
                     return reject(format!("no move {id}"));
@@ -486,10 +526,17 @@ impl ClusterState {
                     return reject(format!("no node {id}"));
                 };
                 let held: usize = n.experts.values().map(BTreeSet::len).sum();
-                if held > 0 {
-                    return reject(format!(
-                        "{id} still holds {held} experts: decommission it first"
-                    ));
+                // A decommissioned node goes once every expert it holds has a holder in
+                // service elsewhere.
+                let covered =
+                    n.status == NodeStatus::Decommissioning && self.sole_holder_of(id).is_none();
+                if held > 0 && !covered {
+                    return reject(match n.status {
+                        NodeStatus::Decommissioning => format!(
+                            "{id} is the only holder of some of its {held} experts: let the re-replicating moves finish"
+                        ),
+                        _ => format!("{id} still holds {held} experts: decommission it first"),
+                    });
                 }
                 if self
                     .moves
@@ -532,26 +579,11 @@ impl ClusterState {
     /// Why taking `id` out of service would leave an expert with no holder in service, if it
     /// would (the first layer where it does).
     fn sole_holder_of(&self, id: &str) -> Option<String> {
-        let n = self.nodes.get(id)?;
-        for (l, es) in &n.experts {
-            let alone: Vec<u32> = es
-                .iter()
-                .copied()
-                .filter(|e| {
-                    !self.nodes.iter().any(|(o, m)| {
-                        o != id
-                            && m.status.in_service()
-                            && m.experts.get(l).is_some_and(|s| s.contains(e))
-                    })
-                })
-                .collect();
-            if !alone.is_empty() {
-                return Some(format!(
-                    "would leave layer {l} experts {alone:?} on no node in service: place replicas elsewhere first"
-                ));
-            }
-        }
-        None
+        let (l, alone) = self.sole_held(id).into_iter().next()?;
+        Some(format!(
+            "would leave layer {l} experts {:?} on no node in service: place replicas elsewhere first",
+            alone.into_iter().collect::<Vec<_>>()
+        ))
     }
 
     /// The member (id, QUIC address) with this Raft id: a node or a coordinator's seat.
@@ -681,21 +713,53 @@ impl ClusterState {
         }
     }
 
+    /// The experts of node `id` that no other node in service holds.
+    fn sole_held(&self, id: &str) -> BTreeMap<u32, BTreeSet<u32>> {
+        let Some(n) = self.nodes.get(id) else {
+            return BTreeMap::new();
+        };
+        n.experts
+            .iter()
+            .map(|(l, es)| {
+                let alone = es
+                    .iter()
+                    .copied()
+                    .filter(|e| {
+                        !self.nodes.iter().any(|(o, m)| {
+                            o != id
+                                && m.status.in_service()
+                                && m.experts.get(l).is_some_and(|s| s.contains(e))
+                        })
+                    })
+                    .collect::<BTreeSet<u32>>();
+                (*l, alone)
+            })
+            .filter(|(_, s)| !s.is_empty())
+            .collect()
+    }
+
     /// The placement as a static cluster file, for the coordinator's router: the nodes in
-    /// service ([`NodeStatus::in_service`]), each expert listed once per holder.
+    /// service ([`NodeStatus::in_service`]), each expert listed once per holder; a node being
+    /// decommissioned with the experts only it holds (until moves re-replicate them).
     pub fn to_cluster_file(&self) -> ClusterFile {
+        let listed = |id: &str, n: &NodeRecord| -> Option<BTreeMap<u32, BTreeSet<u32>>> {
+            match n.status {
+                NodeStatus::Decommissioning => Some(self.sole_held(id)).filter(|m| !m.is_empty()),
+                s if s.in_service() => Some(n.experts.clone()),
+                _ => None,
+            }
+        };
         ClusterFile {
             coordinators: self.coordinators.iter().cloned().collect(),
             bundle: self.bundle.clone(),
             nodes: self
                 .nodes
                 .iter()
-                .filter(|(_, n)| n.status.in_service())
-                .map(|(id, n)| NodeEntry {
+                .filter_map(|(id, n)| listed(id, n).map(|ex| (id, n, ex)))
+                .map(|(id, n, experts)| NodeEntry {
                     id: id.clone(),
                     addr: n.addr.clone(),
-                    experts: n
-                        .experts
+                    experts: experts
                         .iter()
                         .map(|(l, s)| {
                             let list: Vec<String> = s.iter().map(u32::to_string).collect();
@@ -883,6 +947,86 @@ mod tests {
             Some(("n1".into(), "127.0.0.1:7001".into()))
         );
         assert_eq!(ClusterState::decode(&s.encode()).unwrap(), s);
+    }
+
+    #[test]
+    fn a_decommissioned_node_serves_what_only_it_holds_until_moves_take_it_then_goes() {
+        let mut s = seeded();
+        // n1 alone holds experts 0 and 1 of both layers; 2 and 3 are on n2 too.
+        assert!(matches!(
+            s.apply(&Command::Decommission { id: "n1".into() }),
+            Outcome::Applied { .. }
+        ));
+        assert_eq!(s.nodes["n1"].status, NodeStatus::Decommissioning);
+        let f = s.to_cluster_file();
+        let n1 = f.nodes.iter().find(|n| n.id == "n1").unwrap();
+        assert_eq!(n1.experts, ["0:0,1", "1:0,1"]);
+        assert!(matches!(
+            s.apply(&Command::Remove { id: "n1".into() }),
+            Outcome::Rejected(m) if m.contains("only holder")
+        ));
+        for l in 0..2 {
+            for e in 0..2 {
+                let mv = Move {
+                    layer: l,
+                    expert: e,
+                    from: Some("n1".into()),
+                    to: "n2".into(),
+                };
+                let id = match s.apply(&Command::BeginMove {
+                    mv,
+                    expect_version: None,
+                }) {
+                    Outcome::MoveStarted { id, .. } => id,
+                    o => panic!("{o:?}"),
+                };
+                s.apply(&Command::CompleteMove { id });
+            }
+        }
+        // Nothing only it holds: out of the routing, and removable (its copies of 2 and 3
+        // are covered by n2).
+        assert!(s.to_cluster_file().nodes.iter().all(|n| n.id != "n1"));
+        assert!(matches!(
+            s.apply(&Command::Remove { id: "n1".into() }),
+            Outcome::Applied { .. }
+        ));
+        assert!(!s.nodes.contains_key("n1"));
+    }
+
+    #[test]
+    fn a_plans_moves_start_all_or_none_at_one_version() {
+        let mut s = seeded();
+        let mv = |e: u32, to: &str| Move {
+            layer: 0,
+            expert: e,
+            from: Some("n1".into()),
+            to: to.into(),
+        };
+        let v = s.placement_version;
+        // The second is bad (n1 already holds expert 2): nothing starts.
+        let bad = Command::BeginMoves {
+            moves: vec![mv(0, "n2"), mv(2, "n1")],
+            expect_version: Some(v),
+        };
+        assert!(matches!(s.apply(&bad), Outcome::Rejected(m) if m.contains("no move started")));
+        assert!(s.moves.is_empty());
+        assert_eq!(s.placement_version, v);
+        let good = Command::BeginMoves {
+            moves: vec![mv(0, "n2"), mv(1, "n2")],
+            expect_version: Some(v),
+        };
+        let good = Command::decode(&good.encode()).unwrap();
+        assert_eq!(
+            s.apply(&good),
+            Outcome::MovesStarted {
+                first: 1,
+                count: 2,
+                placement_version: v + 1
+            }
+        );
+        assert_eq!(s.moves.len(), 2);
+        // Planned at a version since gone: refused.
+        assert!(matches!(s.apply(&good), Outcome::Rejected(m) if m.contains("plan again")));
     }
 
     #[test]

@@ -130,6 +130,9 @@ impl AdminService {
             Outcome::Applied { placement_version }
             | Outcome::MoveStarted {
                 placement_version, ..
+            }
+            | Outcome::MovesStarted {
+                placement_version, ..
             } => placement_version,
         };
         // The node's status as of this command (a read through the leader: the seat may not
@@ -143,7 +146,96 @@ impl AdminService {
                 .to_string(),
             id,
             placement_version: version,
+            moves: Vec::new(),
         }))
+    }
+
+    /// The rows the coordinator routed per expert, by layer.
+    fn routed(&self) -> Vec<Vec<u64>> {
+        self.seat
+            .routed
+            .lock()
+            .map(|c| c.clone())
+            .unwrap_or_default()
+    }
+
+    fn routed_rows(&self) -> u64 {
+        self.routed().iter().flatten().sum()
+    }
+
+    /// A plan over `state` by the routing observed so far (uniform before any); zero or
+    /// non-finite options take the planner's defaults.
+    fn plan(
+        &self,
+        state: &ClusterState,
+        replicas: u32,
+        hot_factor: f64,
+        tolerance: f64,
+    ) -> Result<ternfleet_control::planner::Plan, Status> {
+        use ternfleet_control::planner::{plan, PlanInput};
+        let defaults = PlanInput::default();
+        let pick = |v: f64, d: f64| if v > 0.0 && v.is_finite() { v } else { d };
+        let load = self.routed();
+        let routed_rows: u64 = load.iter().flatten().sum();
+        let mut load_full = vec![vec![0u64; self.n_expert]; self.n_layer];
+        for (l, row) in load.iter().enumerate().take(self.n_layer) {
+            for (e, &c) in row.iter().enumerate().take(self.n_expert) {
+                load_full[l][e] = c;
+            }
+        }
+        let input = PlanInput {
+            n_layer: self.n_layer,
+            n_expert: self.n_expert,
+            sizes: self.sizes.clone(),
+            load: if routed_rows > 0 {
+                load_full
+            } else {
+                Vec::new()
+            },
+            replicas: if replicas > 0 {
+                replicas as usize
+            } else {
+                defaults.replicas
+            },
+            hot_factor: pick(hot_factor, defaults.hot_factor),
+            tolerance: if tolerance.is_infinite() {
+                tolerance
+            } else {
+                pick(tolerance, defaults.tolerance)
+            },
+        };
+        plan(state, &input).map_err(|e| Status::failed_precondition(e.to_string()))
+    }
+
+    /// Starts `moves` in one `begin_moves` (all or none), guarded by the placement version
+    /// they were planned at. The ids of the moves started.
+    async fn start_moves(
+        &self,
+        state: &ClusterState,
+        moves: &[ternfleet_control::Move],
+    ) -> Result<Vec<u64>, Status> {
+        if moves.is_empty() {
+            return Ok(Vec::new());
+        }
+        let cmd = Command::BeginMoves {
+            moves: moves.to_vec(),
+            expect_version: Some(state.placement_version),
+        };
+        let outcome = self
+            .seat
+            .member
+            .handle
+            .propose(cmd)
+            .await
+            .map_err(control_status)?;
+        match outcome {
+            Outcome::MovesStarted { first, count, .. } => {
+                tracing::info!(moves = count, "admin: started {count} moves");
+                Ok((first..first + count).collect())
+            }
+            Outcome::Rejected(why) => Err(Status::failed_precondition(why)),
+            other => Err(Status::internal(format!("begin_moves answered {other:?}"))),
+        }
     }
 }
 
@@ -247,12 +339,45 @@ impl Admin for AdminService {
             .await
     }
 
+    /// Decommission: the node stops taking experts (it serves those only it holds), and its
+    /// experts are re-replicated by moves off it (resumable: asked again, it starts what is
+    /// missing or reports the moves still in flight). `Remove` takes it out once they are
+    /// done.
     async fn decommission(
         &self,
         req: Request<NodeRequest>,
     ) -> Result<Response<NodeActionResponse>, Status> {
-        self.node_command(req, |id| Command::Decommission { id })
-            .await
+        let replicas = req.get_ref().replicas;
+        let mut r = self
+            .node_command(req, |id| Command::Decommission { id })
+            .await?
+            .into_inner();
+        let state = self.state().await?;
+        let id = r.id.clone();
+        let involved = |m: &ternfleet_control::Move| m.from.as_deref() == Some(id.as_str());
+        let in_flight: Vec<u64> = state
+            .moves
+            .iter()
+            .filter(|(_, m)| involved(m))
+            .map(|(&k, _)| k)
+            .collect();
+        r.moves = if !in_flight.is_empty() || !state.moves.is_empty() {
+            // Moves in flight: the plan would be made against a placement about to change.
+            in_flight
+        } else {
+            let p = self.plan(&state, replicas, 0.0, f64::INFINITY)?;
+            let off: Vec<ternfleet_control::Move> =
+                p.moves.into_iter().filter(|m| involved(m)).collect();
+            self.start_moves(&state, &off).await?
+        };
+        Ok(Response::new(r))
+    }
+
+    async fn remove(
+        &self,
+        req: Request<NodeRequest>,
+    ) -> Result<Response<NodeActionResponse>, Status> {
+        self.node_command(req, |id| Command::Remove { id }).await
     }
 
     async fn show_placement(
@@ -293,6 +418,17 @@ impl Admin for AdminService {
             uncovered: specs(missing.iter().map(|(l, s)| (*l, s))),
             n_layer: self.n_layer as u32,
             n_expert: self.n_expert as u32,
+            moves: state
+                .moves
+                .iter()
+                .map(|(&id, m)| ternfleet_shared::proto::v1::MoveInFlight {
+                    id,
+                    layer: m.layer,
+                    expert: m.expert,
+                    from: m.from.clone().unwrap_or_default(),
+                    to: m.to.clone(),
+                })
+                .collect(),
         }))
     }
 
@@ -300,45 +436,25 @@ impl Admin for AdminService {
         &self,
         req: Request<ternfleet_shared::proto::v1::PlanPlacementRequest>,
     ) -> Result<Response<ternfleet_shared::proto::v1::PlanPlacementResponse>, Status> {
-        use ternfleet_control::planner::{plan, Plan, PlanInput};
+        use ternfleet_control::planner::Plan;
         use ternfleet_shared::proto::v1::{NodeLoad, PlanPlacementResponse, PlannedMove};
         check_operator(&req)?;
         let r = req.into_inner();
-        let defaults = PlanInput::default();
-        let pick = |v: f64, d: f64| if v > 0.0 && v.is_finite() { v } else { d };
         let state = self.state().await?;
-        let load: Vec<Vec<u64>> = self
-            .seat
-            .routed
-            .lock()
-            .map(|c| c.clone())
-            .unwrap_or_default();
-        let routed_rows: u64 = load.iter().flatten().sum();
-        let mut load_full = vec![vec![0u64; self.n_expert]; self.n_layer];
-        for (l, row) in load.iter().enumerate().take(self.n_layer) {
-            for (e, &c) in row.iter().enumerate().take(self.n_expert) {
-                load_full[l][e] = c;
+        let p = self.plan(&state, r.replicas, r.hot_factor, r.tolerance)?;
+        let mut started = Vec::new();
+        if r.apply {
+            if !state.moves.is_empty() {
+                return Err(Status::failed_precondition(format!(
+                    "{} moves are in flight: let them finish (ctl placement show), then plan again",
+                    state.moves.len()
+                )));
             }
+            started = self.start_moves(&state, &p.moves).await?;
         }
-        let input = PlanInput {
-            n_layer: self.n_layer,
-            n_expert: self.n_expert,
-            sizes: self.sizes.clone(),
-            load: if routed_rows > 0 {
-                load_full
-            } else {
-                Vec::new()
-            },
-            replicas: if r.replicas > 0 {
-                r.replicas as usize
-            } else {
-                defaults.replicas
-            },
-            hot_factor: pick(r.hot_factor, defaults.hot_factor),
-            tolerance: pick(r.tolerance, defaults.tolerance),
-        };
-        let p = plan(&state, &input).map_err(|e| Status::failed_precondition(e.to_string()))?;
+        let routed_rows = self.routed_rows();
         Ok(Response::new(PlanPlacementResponse {
+            started,
             placement_version: state.placement_version,
             moves: p
                 .moves
@@ -401,6 +517,9 @@ impl Admin for AdminService {
             Outcome::Rejected(why) => Err(Status::failed_precondition(why)),
             Outcome::Applied { placement_version }
             | Outcome::MoveStarted {
+                placement_version, ..
+            }
+            | Outcome::MovesStarted {
                 placement_version, ..
             } => Ok(Response::new(
                 ternfleet_shared::proto::v1::RestoreSnapshotResponse { placement_version },

@@ -211,6 +211,14 @@ pub struct NodeArgs {
     /// follower points to the leader): added as a learner, promoted to voter once caught up.
     #[arg(long, value_name = "ADDR")]
     pub join: Option<String>,
+    /// With a control plane: delete the blob file of an expert that a move took off this
+    /// node (only when the bundle directory is this node's own copy; default: keep it).
+    #[arg(long)]
+    pub prune: bool,
+    /// With a control plane: copy experts that moves bring here at most this fast, per
+    /// second (e.g. 100MiB; 0: unlimited), so copying leaves serving its network and disk.
+    #[arg(long = "move-rate", value_parser = parse_size, default_value = "200MiB")]
+    pub move_rate: u64,
 }
 
 /// `ternfleet serve` (flags override --config).
@@ -973,7 +981,7 @@ fn init_runtime(threads: Option<usize>) -> Result<()> {
     Ok(())
 }
 
-fn progress_bar(template: &str) -> indicatif::ProgressBar {
+pub(crate) fn progress_bar(template: &str) -> indicatif::ProgressBar {
     let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template(template)
@@ -1090,6 +1098,8 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
                 join: a.join.clone(),
             }
         }),
+        prune: a.prune,
+        move_rate: a.move_rate,
     })?;
     Ok(())
 }

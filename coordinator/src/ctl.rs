@@ -70,9 +70,21 @@ pub enum NodeCmd {
     Drain { id: String },
     /// Route to a drained or decommissioned node again (loading, then up).
     Recommission { id: String },
-    /// Take the node out for good (refused when an expert would be left on no node in
-    /// service).
-    Decommission { id: String },
+    /// Take the node out for good: it gets no experts, moves copy the experts it holds to
+    /// other nodes (it serves those only it holds until then), then it is removed from the
+    /// cluster and the Raft group. Resumable: run it again after an interruption.
+    Decommission {
+        id: String,
+        /// Holders each of its experts should keep.
+        #[arg(long, default_value_t = 2)]
+        replicas: u32,
+        /// Return once the moves are started; run it again to remove the node after them.
+        #[arg(long = "no-wait")]
+        no_wait: bool,
+        /// Give up waiting after this many seconds (the moves go on).
+        #[arg(long, default_value_t = 3600)]
+        timeout: u64,
+    },
 }
 
 /// `ternfleet ctl placement`.
@@ -83,17 +95,46 @@ pub enum PlacementCmd {
     /// Propose a placement (a dry run: nothing moves): --replicas holders per expert, one
     /// more for hot experts (by the rows the coordinator routed), balanced by routing-weighted
     /// load over node bandwidth within RAM and disk budgets, with the fewest moves.
-    Plan {
-        /// Holders per expert.
-        #[arg(long, default_value_t = 2)]
-        replicas: u32,
-        /// An expert routed at least this many times the mean gets one more replica.
-        #[arg(long = "hot-factor", default_value_t = 2.0)]
-        hot_factor: f64,
-        /// Balance until the most loaded node is within this fraction of the mean.
-        #[arg(long, default_value_t = 0.10)]
-        tolerance: f64,
+    Plan(PlanOpts),
+    /// Plan, then carry the moves out while the cluster serves: each target node copies the
+    /// expert's blob from a holder over QUIC (checksummed, resumable, --move-rate), starts
+    /// serving it, and the switch is committed through Raft; the source drops its copy
+    /// after. Waits for the moves with progress, then shows the resulting balance.
+    Apply {
+        #[command(flatten)]
+        plan: PlanOpts,
+        /// Return once the moves are started (they go on; `placement show` lists them).
+        #[arg(long = "no-wait")]
+        no_wait: bool,
+        /// Give up waiting after this many seconds (the moves go on).
+        #[arg(long, default_value_t = 3600)]
+        timeout: u64,
     },
+}
+
+/// How `placement plan` and `placement apply` plan.
+#[derive(Args, Debug, Clone, Copy)]
+pub struct PlanOpts {
+    /// Holders per expert.
+    #[arg(long, default_value_t = 2)]
+    replicas: u32,
+    /// An expert routed at least this many times the mean gets one more replica.
+    #[arg(long = "hot-factor", default_value_t = 2.0)]
+    hot_factor: f64,
+    /// Balance until the most loaded node is within this fraction of the mean.
+    #[arg(long, default_value_t = 0.10)]
+    tolerance: f64,
+}
+
+impl PlanOpts {
+    fn request(&self, apply: bool) -> PlanPlacementRequest {
+        PlanPlacementRequest {
+            replicas: self.replicas,
+            hot_factor: self.hot_factor,
+            tolerance: self.tolerance,
+            apply,
+        }
+    }
 }
 
 /// `ternfleet ctl snapshot`.
@@ -136,6 +177,94 @@ async fn connect(a: &CtlArgs) -> Result<AdminClient<tonic::transport::Channel>> 
 
 fn status_err(addr: &str) -> impl Fn(tonic::Status) -> anyhow::Error + '_ {
     move |s| anyhow::anyhow!("{addr}: {:?}: {}", s.code(), s.message())
+}
+
+/// Waits until none of the moves `ids` is in flight, with a progress bar (hidden with
+/// `--json`).
+async fn wait_moves(
+    c: &mut AdminClient<tonic::transport::Channel>,
+    ids: &[u64],
+    timeout: u64,
+    json: bool,
+    addr: &str,
+) -> Result<()> {
+    let t0 = std::time::Instant::now();
+    let bar = crate::cli::progress_bar("moves {bar:40} {pos}/{len} [{elapsed_precise}]");
+    if json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    bar.set_length(ids.len() as u64);
+    loop {
+        let show = c
+            .show_placement(ShowPlacementRequest {})
+            .await
+            .map_err(status_err(addr))?
+            .into_inner();
+        let left = show.moves.iter().filter(|m| ids.contains(&m.id)).count();
+        bar.set_position((ids.len() - left) as u64);
+        if left == 0 {
+            bar.finish_and_clear();
+            return Ok(());
+        }
+        if t0.elapsed() > Duration::from_secs(timeout) {
+            bar.abandon();
+            bail!(
+                "{left} of {} moves still in flight after {timeout} s (they go on: ctl placement show)",
+                ids.len()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// Prints a plan: balance before and after, hot experts, each node's load, the moves.
+fn print_plan(r: &ternfleet_shared::proto::v1::PlanPlacementResponse) {
+    println!(
+        "plan at placement version {}: {} moves, max/mean load {:.2} -> {:.2} ({})",
+        r.placement_version,
+        r.moves.len(),
+        r.imbalance_before,
+        r.imbalance_after,
+        if r.routed_rows > 0 {
+            format!("{} routed rows observed", r.routed_rows)
+        } else {
+            "no routing observed yet: uniform load assumed".into()
+        }
+    );
+    if !r.hot.is_empty() {
+        println!("hot experts (one more replica): {}", r.hot.join(" "));
+    }
+    let rows: Vec<Vec<String>> = r
+        .nodes
+        .iter()
+        .map(|n| {
+            vec![
+                n.id.clone(),
+                format!("{:.3}", n.before),
+                format!("{:.3}", n.after),
+                mib(n.bytes_after),
+            ]
+        })
+        .collect();
+    table(&["NODE", "LOAD BEFORE", "LOAD AFTER", "BYTES AFTER"], &rows);
+    let rows: Vec<Vec<String>> = r
+        .moves
+        .iter()
+        .map(|m| {
+            vec![
+                format!("{}:{}", m.layer, m.expert),
+                if m.from.is_empty() {
+                    "(new replica)".into()
+                } else {
+                    m.from.clone()
+                },
+                m.to.clone(),
+            ]
+        })
+        .collect();
+    if !rows.is_empty() {
+        table(&["EXPERT", "FROM", "TO"], &rows);
+    }
 }
 
 /// Prints rows as a table with a header, columns padded.
@@ -284,18 +413,74 @@ async fn run_async(a: CtlArgs) -> Result<()> {
                 &rows,
             );
         }
+        CtlCmd::Node {
+            cmd:
+                NodeCmd::Decommission {
+                    id,
+                    replicas,
+                    no_wait,
+                    timeout,
+                },
+        } => {
+            let fail = |verb: &str, s: tonic::Status| {
+                anyhow::anyhow!("{verb} {id}: {:?}: {}", s.code(), s.message())
+            };
+            let r = c
+                .decommission(NodeRequest {
+                    id: id.clone(),
+                    replicas: *replicas,
+                })
+                .await
+                .map_err(|s| fail("decommission", s))?
+                .into_inner();
+            if *no_wait {
+                if a.json {
+                    return print_json(&r);
+                }
+                println!(
+                    "{}: {}, {} moves off it in flight (placement version {})",
+                    r.id,
+                    r.status,
+                    r.moves.len(),
+                    r.placement_version
+                );
+                return Ok(());
+            }
+            if !a.json {
+                println!("{}: {}, {} moves off it", r.id, r.status, r.moves.len());
+            }
+            wait_moves(&mut c, &r.moves, *timeout, a.json, &a.addr).await?;
+            let mut gone = c
+                .remove(NodeRequest {
+                    id: id.clone(),
+                    replicas: 0,
+                })
+                .await
+                .map_err(|s| fail("remove", s))?
+                .into_inner();
+            gone.moves = r.moves;
+            if a.json {
+                print_json(&gone)?;
+            } else {
+                println!(
+                    "{}: {} (placement version {})",
+                    gone.id, gone.status, gone.placement_version
+                );
+            }
+        }
         CtlCmd::Node { cmd } => {
             let (verb, id) = match cmd {
                 NodeCmd::Drain { id } => ("drain", id),
                 NodeCmd::Recommission { id } => ("recommission", id),
-                NodeCmd::Decommission { id } => ("decommission", id),
-                NodeCmd::List => unreachable!("handled above"),
+                NodeCmd::List | NodeCmd::Decommission { .. } => unreachable!("handled above"),
             };
-            let req = NodeRequest { id: id.clone() };
+            let req = NodeRequest {
+                id: id.clone(),
+                replicas: 0,
+            };
             let r = match cmd {
                 NodeCmd::Drain { .. } => c.drain(req).await,
-                NodeCmd::Recommission { .. } => c.recommission(req).await,
-                _ => c.decommission(req).await,
+                _ => c.recommission(req).await,
             }
             .map_err(|s| anyhow::anyhow!("{verb} {id}: {:?}: {}", s.code(), s.message()))?
             .into_inner();
@@ -341,74 +526,88 @@ async fn run_async(a: CtlArgs) -> Result<()> {
             } else {
                 println!("on no node in service: {}", r.uncovered.join(" "));
             }
+            if !r.moves.is_empty() {
+                println!("moves in flight:");
+                let rows: Vec<Vec<String>> = r
+                    .moves
+                    .iter()
+                    .map(|m| {
+                        vec![
+                            m.id.to_string(),
+                            format!("{}:{}", m.layer, m.expert),
+                            if m.from.is_empty() {
+                                "(new replica)".into()
+                            } else {
+                                m.from.clone()
+                            },
+                            m.to.clone(),
+                        ]
+                    })
+                    .collect();
+                table(&["MOVE", "EXPERT", "FROM", "TO"], &rows);
+            }
         }
         CtlCmd::Placement {
-            cmd:
-                PlacementCmd::Plan {
-                    replicas,
-                    hot_factor,
-                    tolerance,
-                },
+            cmd: PlacementCmd::Plan(opts),
         } => {
             let r = c
-                .plan_placement(PlanPlacementRequest {
-                    replicas: *replicas,
-                    hot_factor: *hot_factor,
-                    tolerance: *tolerance,
-                })
+                .plan_placement(opts.request(false))
                 .await
                 .map_err(&err)?
                 .into_inner();
             if a.json {
                 return print_json(&r);
             }
-            println!(
-                "plan at placement version {}: {} moves, max/mean load {:.2} -> {:.2} ({})",
-                r.placement_version,
-                r.moves.len(),
-                r.imbalance_before,
-                r.imbalance_after,
-                if r.routed_rows > 0 {
-                    format!("{} routed rows observed", r.routed_rows)
-                } else {
-                    "no routing observed yet: uniform load assumed".into()
+            print_plan(&r);
+            println!("(a dry run: `placement apply` carries it out)");
+        }
+        CtlCmd::Placement {
+            cmd:
+                PlacementCmd::Apply {
+                    plan,
+                    no_wait,
+                    timeout,
+                },
+        } => {
+            let r = c
+                .plan_placement(plan.request(true))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            if !a.json {
+                print_plan(&r);
+            }
+            if *no_wait || r.started.is_empty() {
+                if a.json {
+                    return print_json(&r);
                 }
+                println!("{} moves started", r.started.len());
+                return Ok(());
+            }
+            let t0 = std::time::Instant::now();
+            wait_moves(&mut c, &r.started, *timeout, a.json, &a.addr).await?;
+            // The balance now (a dry plan: a move given up would show up again here).
+            let after = c
+                .plan_placement(plan.request(false))
+                .await
+                .map_err(&err)?
+                .into_inner();
+            if a.json {
+                println!(
+                    "{}",
+                    json!({"started": r.started, "seconds": t0.elapsed().as_secs_f64(),
+                           "plan": serde_json::to_value(&r)?, "after": serde_json::to_value(&after)?})
+                );
+                return Ok(());
+            }
+            println!(
+                "{} moves done in {:.1}s; placement version {}: max/mean load {:.2}, {} moves left to propose",
+                r.started.len(),
+                t0.elapsed().as_secs_f64(),
+                after.placement_version,
+                after.imbalance_before,
+                after.moves.len()
             );
-            if !r.hot.is_empty() {
-                println!("hot experts (one more replica): {}", r.hot.join(" "));
-            }
-            let rows: Vec<Vec<String>> = r
-                .nodes
-                .iter()
-                .map(|n| {
-                    vec![
-                        n.id.clone(),
-                        format!("{:.3}", n.before),
-                        format!("{:.3}", n.after),
-                        mib(n.bytes_after),
-                    ]
-                })
-                .collect();
-            table(&["NODE", "LOAD BEFORE", "LOAD AFTER", "BYTES AFTER"], &rows);
-            let rows: Vec<Vec<String>> = r
-                .moves
-                .iter()
-                .map(|m| {
-                    vec![
-                        format!("{}:{}", m.layer, m.expert),
-                        if m.from.is_empty() {
-                            "(new replica)".into()
-                        } else {
-                            m.from.clone()
-                        },
-                        m.to.clone(),
-                    ]
-                })
-                .collect();
-            if !rows.is_empty() {
-                table(&["EXPERT", "FROM", "TO"], &rows);
-            }
-            println!("(a dry run: `placement apply` comes with expert moves)");
         }
         CtlCmd::Snapshot {
             cmd: SnapshotCmd::Save { output },

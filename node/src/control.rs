@@ -60,6 +60,8 @@ pub struct Member {
     pub transport: Arc<QuicRaft>,
     id: String,
     addr: String,
+    /// The node's blobs, served to members copying them (a move); unset on a coordinator.
+    pub blobs: OnceLock<Arc<crate::moves::Holdings>>,
     // Stops the thread when the node exits.
     _driver: Driver,
 }
@@ -137,6 +139,7 @@ pub fn start(
         transport,
         id: id.to_string(),
         addr: addr.to_string(),
+        blobs: OnceLock::new(),
         _driver: driver,
     });
     rt.spawn(watch_leadership(member.clone()));
@@ -238,10 +241,17 @@ async fn heartbeats(m: Arc<Member>, health: Health) {
     }
 }
 
+/// A Raft member the state no longer names (a removed node) is taken out of the group after
+/// this long (a joiner is registered before it is added, so it is never caught).
+pub const REMOVE_AFTER: Duration = Duration::from_secs(10);
+
 /// On the leader: marks down the nodes whose heartbeats stopped for [`DOWN_AFTER`] (as this
-/// leader saw the applied heartbeats arrive; a new leader gives every node that long again).
+/// leader saw the applied heartbeats arrive; a new leader gives every node that long again),
+/// and takes out of the Raft group the members the state no longer names ([`REMOVE_AFTER`];
+/// never itself).
 async fn watch_liveness(m: Arc<Member>) {
     let mut seen: std::collections::HashMap<String, (u64, Instant)> = Default::default();
+    let mut absent: std::collections::HashMap<u64, Instant> = Default::default();
     let mut leading = false;
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     loop {
@@ -255,10 +265,29 @@ async fn watch_liveness(m: Arc<Member>) {
         }
         if !leading {
             seen.clear();
+            absent.clear();
             leading = true;
         }
         let state = m.handle.applied().borrow().clone();
         let now = Instant::now();
+        let members: Vec<u64> = st.voters.iter().chain(&st.learners).copied().collect();
+        absent.retain(|r, _| members.contains(r) && state.raft_member(*r).is_none());
+        for &r in &members {
+            if r == st.id || state.placement_version == 0 || state.raft_member(r).is_some() {
+                continue;
+            }
+            let since = *absent.entry(r).or_insert(now);
+            if now - since > REMOVE_AFTER {
+                tracing::info!("control: Raft member {r} is no longer in the cluster: removing it from the group");
+                let cc = conf_change(r, ConfChangeType::RemoveNode);
+                match m.handle.change_membership(cc).await {
+                    Ok(_) => {
+                        absent.remove(&r);
+                    }
+                    Err(e) => tracing::warn!("control: removing Raft member {r}: {e}"),
+                }
+            }
+        }
         for (id, n) in &state.nodes {
             let e = seen.entry(id.clone()).or_insert((n.last_heartbeat_ms, now));
             if e.0 != n.last_heartbeat_ms {
@@ -480,8 +509,8 @@ async fn ask_join(
     Ok(reply)
 }
 
-/// Serves a control-plane peer's connection: Raft frames on uni-streams, `Join` on
-/// bi-streams (each checked against the id the peer's certificate names).
+/// Serves a control-plane peer's connection: Raft frames on uni-streams, `Join` and `Fetch`
+/// (a move's copy of a blob) on bi-streams (each checked against the id the peer's certificate names).
 pub async fn serve_connection(conn: quinn::Connection, m: Arc<Member>) {
     let raft = m.transport.clone().serve_connection(conn.clone());
     let joins = async {
@@ -489,24 +518,44 @@ pub async fn serve_connection(conn: quinn::Connection, m: Arc<Member>) {
             let (m, conn) = (m.clone(), conn.clone());
             tokio::spawn(async move {
                 let cap = HEADER + 3 * ternfleet_shared::wire::MAX_TEXT;
-                let reply =
-                    match tokio::time::timeout(PEER_READ_TIMEOUT, recv.read_to_end(cap)).await {
-                        Ok(Ok(b)) => match Frame::decode(&b) {
-                            Ok(Frame::Join { id, addr }) => answer_join(&m, &conn, id, addr).await,
-                            Ok(other) => Frame::Error {
-                                class: ErrorClass::BadRequest,
-                                message: format!(
-                                    "a control-plane peer may send Join or Raft frames, not {}",
-                                    other.name()
-                                ),
-                            },
-                            Err(e) => Frame::Error {
-                                class: ErrorClass::BadRequest,
+                let reply = match tokio::time::timeout(PEER_READ_TIMEOUT, recv.read_to_end(cap))
+                    .await
+                {
+                    Ok(Ok(b)) => match Frame::decode(&b) {
+                        Ok(Frame::Join { id, addr }) => answer_join(&m, &conn, id, addr).await,
+                        Ok(Frame::Fetch {
+                            layer,
+                            expert,
+                            offset,
+                            max,
+                        }) => match m.blobs.get().cloned() {
+                            Some(b) => tokio::task::spawn_blocking(move || {
+                                b.serve_fetch(layer, expert, offset, max)
+                            })
+                            .await
+                            .unwrap_or_else(|e| Frame::Error {
+                                class: ErrorClass::Internal,
                                 message: e.to_string(),
+                            }),
+                            None => Frame::Error {
+                                class: ErrorClass::NotFound,
+                                message: format!("{} holds no expert blobs", m.id),
                             },
                         },
-                        _ => return,
-                    };
+                        Ok(other) => Frame::Error {
+                            class: ErrorClass::BadRequest,
+                            message: format!(
+                                "a control-plane peer may send Join, Fetch or Raft frames, not {}",
+                                other.name()
+                            ),
+                        },
+                        Err(e) => Frame::Error {
+                            class: ErrorClass::BadRequest,
+                            message: e.to_string(),
+                        },
+                    },
+                    _ => return,
+                };
                 if let Ok(bytes) = reply.encode() {
                     if let Err(e) = write_frame(&mut send, &bytes).await {
                         tracing::debug!("control: answering a peer: {e}");

@@ -17,16 +17,16 @@ use std::time::{Duration, Instant};
 use ternfleet_shared::bundle::{Gating, Manifest};
 use ternfleet_shared::cluster::ClusterFile;
 use ternfleet_shared::error::ErrorClass;
-use ternfleet_shared::expert::ExpertBackend;
 use ternfleet_shared::mtls::{self, Identity};
 use ternfleet_shared::net::{write_frame, CLOSE_IDENTITY, CLOSE_SHUTDOWN};
 use ternfleet_shared::wire::{Frame, NodeState, HEADER, MAX_FRAME};
 
 use crate::control::Member;
-use crate::expert::{Activation, LocalExperts};
-use crate::service::{Service, Shard};
+use crate::expert::Activation;
+use crate::moves::{BackendOptions, Holdings};
+use crate::service::Service;
 use crate::shard::{open_experts_with, ExpertShape};
-use crate::store::{Evict, StoreExperts};
+use crate::store::Evict;
 use ternfleet_shared::bundle::VerifiedParts;
 
 /// How long a client has to send its request on a stream.
@@ -57,6 +57,11 @@ pub struct NodeOptions {
     /// A seat in the control plane's Raft group (`--init-cluster`, `--join ADDR`); `None`:
     /// the static cluster file only.
     pub control: Option<crate::control::ControlOptions>,
+    /// With a control-plane seat: delete the blob file of an expert a move took away (the
+    /// bundle directory is this node's own).
+    pub prune: bool,
+    /// Copy rate of moves into this node, bytes per second (0: unlimited).
+    pub move_rate: u64,
 }
 
 /// Errors starting a node (loading its shard later is reported through its status).
@@ -86,9 +91,12 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
     let placement = cluster
         .placement(man.n_layer, man.moe.n_expert)
         .map_err(setup)?;
-    let idx = placement.node(&opts.id).ok_or_else(|| {
-        setup(format!(
-            "--id {}: not a node of {} (its nodes: {})",
+    // A node the cluster file does not list may still join a control plane (it holds
+    // nothing until moves bring it experts).
+    let idx = placement.node(&opts.id);
+    if idx.is_none() && opts.control.is_none() {
+        return Err(setup(format!(
+            "--id {}: not a node of {} (its nodes: {}); a new node joins a control plane with --join ADDR",
             opts.id,
             opts.cluster.display(),
             placement
@@ -97,17 +105,19 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
                 .map(|n| n.id.as_str())
                 .collect::<Vec<_>>()
                 .join(", ")
-        ))
-    })?;
-    let held: Vec<Vec<usize>> = placement.nodes[idx]
-        .experts
-        .iter()
-        .map(|s| s.iter().copied().collect())
-        .collect();
-    let listen = opts
-        .listen
-        .clone()
-        .unwrap_or_else(|| placement.nodes[idx].addr.clone());
+        )));
+    }
+    let listen = match (opts.listen.clone(), idx) {
+        (Some(l), _) => l,
+        (None, Some(i)) => placement.nodes[i].addr.clone(),
+        (None, None) => {
+            return Err(setup(format!(
+                "--id {}: not in {}, so --listen ADDR is needed",
+                opts.id,
+                opts.cluster.display()
+            )))
+        }
+    };
     let addr: SocketAddr = listen
         .parse()
         .map_err(|_| setup(format!("--listen {listen:?}: not an IP:port address")))?;
@@ -130,12 +140,6 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
         "{}",
         serde_json::json!({"ternfleet": "listening", "role": "node", "id": opts.id, "quic": bound.to_string()})
     );
-    let total: u64 = man
-        .experts
-        .iter()
-        .filter(|e| held.get(e.layer).is_some_and(|h| h.contains(&e.expert)))
-        .map(|e| e.part.bytes)
-        .sum();
     // Every kernel table of this build (scalar, AVX2, AVX-512) computes the scalar
     // reference's bits (kernels' tests), so its results may replicate any other node's.
     let svc = Arc::new(Service::new(
@@ -143,9 +147,8 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
         ternfleet_kernels::isa_name(),
         true,
         &digest,
-        total,
+        0,
     ));
-    tracing::info!(id = %opts.id, quic = %bound, experts = held.iter().map(Vec::len).sum::<usize>(), bytes = total, "node: serving placement from {}", opts.cluster.display());
     // A node that was a member restarts as one without --init-cluster / --join.
     let control = opts.control.clone().or_else(|| {
         let store = opts.state_dir.as_ref()?.join(&opts.id).join("raft.redb");
@@ -159,10 +162,9 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
             })?;
             // Peers reach this node at the address it was bound to, or, bound to every
             // interface, at its address in the cluster file.
-            let advertise = if bound.ip().is_unspecified() {
-                placement.nodes[idx].addr.clone()
-            } else {
-                bound.to_string()
+            let advertise = match idx.filter(|_| bound.ip().is_unspecified()) {
+                Some(i) => placement.nodes[i].addr.clone(),
+                None => bound.to_string(),
             };
             let seed = ternfleet_control::Command::Seed {
                 bundle: Some(digest.clone()),
@@ -195,6 +197,38 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
             Some(m)
         }
     };
+    // What to open: a member's committed holdings (a restart: the cluster file may be
+    // older than the moves since), else its entry in the cluster file, else nothing yet.
+    let from_state = member.as_ref().and_then(|m| {
+        let st = m.handle.applied().borrow().clone();
+        st.nodes.get(&opts.id).map(|n| {
+            (0..man.n_layer)
+                .map(|l| {
+                    n.experts
+                        .get(&(l as u32))
+                        .map(|s| s.iter().map(|&e| e as usize).collect())
+                        .unwrap_or_default()
+                })
+                .collect::<Vec<Vec<usize>>>()
+        })
+    });
+    let held: Vec<Vec<usize>> = match (from_state, idx) {
+        (Some(h), _) => h,
+        (None, Some(i)) => placement.nodes[i]
+            .experts
+            .iter()
+            .map(|s| s.iter().copied().collect())
+            .collect(),
+        (None, None) => vec![Vec::new(); man.n_layer],
+    };
+    let total: u64 = man
+        .experts
+        .iter()
+        .filter(|e| held.get(e.layer).is_some_and(|h| h.contains(&e.expert)))
+        .map(|e| e.part.bytes)
+        .sum();
+    svc.progress(0, total);
+    tracing::info!(id = %opts.id, quic = %bound, experts = held.iter().map(Vec::len).sum::<usize>(), bytes = total, "node: serving placement from {}", if member.is_some() { "the control plane" } else { "the cluster file" });
     let allowed = Arc::new(placement.coordinators.clone());
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CALLS));
     rt.spawn(accept_loop(
@@ -205,11 +239,25 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
         member.clone(),
     ));
     {
-        let svc = svc.clone();
+        let holdings = Arc::new(holdings(&svc, &opts, Arc::new(man)));
         let opts = opts.clone();
+        let follow = match &member {
+            Some(m) => {
+                let _ = m.blobs.set(holdings.clone());
+                let client = me.client_config().map_err(setup)?;
+                Some((m.clone(), endpoint.clone(), client, rt.handle().clone()))
+            }
+            None => None,
+        };
         std::thread::Builder::new()
             .name("shard-load".into())
-            .spawn(move || load(&svc, &opts, &man, held, total))
+            .spawn(move || {
+                if load(&holdings, &opts, held, total) {
+                    if let Some((m, endpoint, client, rt)) = follow {
+                        crate::moves::follow(holdings, m, endpoint, client, rt);
+                    }
+                }
+            })
             .map_err(setup)?;
     }
     rt.block_on(async {
@@ -234,9 +282,8 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
     Ok(())
 }
 
-/// Opens the shard's experts layer by layer (progress after each), then serves them.
-fn load(svc: &Service, opts: &NodeOptions, man: &Manifest, held: Vec<Vec<usize>>, total: u64) {
-    let t = Instant::now();
+/// The node's holdings (nothing open yet).
+fn holdings(svc: &Arc<Service>, opts: &NodeOptions, man: Arc<Manifest>) -> Holdings {
     // Hidden width: an expert's up matrix reads rows of it (ggml ne[0]).
     let n_embd = man
         .experts
@@ -254,16 +301,37 @@ fn load(svc: &Service, opts: &NodeOptions, man: &Manifest, held: Vec<Vec<usize>>
         act: opts.act,
         routed: man.moe.gating != Gating::TopKUnit,
     };
-    let mut layers = Vec::with_capacity(held.len());
+    Holdings::new(
+        &opts.id,
+        opts.bundle.clone(),
+        man,
+        shape,
+        BackendOptions {
+            ram_budget: opts.ram_budget,
+            evict: opts.evict,
+            io_threads: opts.io_threads,
+        },
+        VerifiedParts::open(opts.state_dir.as_deref(), &opts.bundle),
+        svc.clone(),
+        opts.prune,
+        opts.move_rate,
+    )
+}
+
+/// Opens the shard's experts layer by layer (progress after each), then serves them.
+/// `false`: loading failed (the node reports it and serves nothing).
+fn load(h: &Holdings, opts: &NodeOptions, held: Vec<Vec<usize>>, total: u64) -> bool {
+    let t = Instant::now();
+    let man = h.manifest();
+    let mut open = Vec::new();
     let mut done = 0u64;
-    let verified = VerifiedParts::open(opts.state_dir.as_deref(), &opts.bundle);
     for (l, es) in held.iter().enumerate() {
         let r = open_experts_with(
             &opts.bundle,
             man,
-            shape,
+            h.shape(),
             |ll, e| ll == l && es.binary_search(&e).is_ok(),
-            &verified,
+            h.verified(),
         );
         match r {
             Ok(v) => {
@@ -273,39 +341,32 @@ fn load(svc: &Service, opts: &NodeOptions, man: &Manifest, held: Vec<Vec<usize>>
                     .filter(|p| p.layer == l && es.binary_search(&p.expert).is_ok())
                     .map(|p| p.part.bytes)
                     .sum::<u64>();
-                layers.push(v.into_iter().map(|(_, _, w)| w).collect::<Vec<_>>());
-                svc.progress(done, total);
+                open.extend(v.into_iter().map(|(l, e, w)| ((l as u32, e as u32), w)));
+                h.svc().progress(done, total);
             }
             Err(e) => {
                 tracing::error!("node: loading the shard failed: {e}");
-                svc.set_state(NodeState::Unavailable(format!("loading failed: {e}")));
-                return;
+                h.svc()
+                    .set_state(NodeState::Unavailable(format!("loading failed: {e}")));
+                return false;
             }
         }
     }
-    if let Err(e) = verified.save() {
+    if let Err(e) = h.verified().save() {
         tracing::warn!("node: could not remember the verified blobs (they are hashed again at the next start): {e}");
     }
-    let backend: Box<dyn ExpertBackend> = match opts.ram_budget {
-        None => Box::new(LocalExperts::new(layers)),
-        Some(b) => {
-            match StoreExperts::new(layers, usize::MAX, b, opts.evict, opts.io_threads.max(1)) {
-                Ok(s) => Box::new(s),
-                Err(e) => {
-                    tracing::error!("node: expert store: {e}");
-                    svc.set_state(NodeState::Unavailable(format!("expert store: {e}")));
-                    return;
-                }
-            }
-        }
-    };
-    svc.ready(Shard::new(backend, &held, man.moe.n_expert));
-    let (hashed, remembered) = verified.counts();
+    if let Err(e) = h.install(open) {
+        tracing::error!("node: {e}");
+        h.svc().set_state(NodeState::Unavailable(e));
+        return false;
+    }
+    let (hashed, remembered) = h.verified().counts();
     tracing::info!(
         bytes = total,
         "node: ready in {:.2}s ({hashed} blobs hashed, {remembered} verified at an earlier start)",
         t.elapsed().as_secs_f64()
     );
+    true
 }
 
 async fn accept_loop(

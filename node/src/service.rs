@@ -6,7 +6,7 @@
 //! them to the dense local numbering of the backend (`LocalExperts` or the expert store), so
 //! a node computes exactly what the single process computes for the same expert and rows.
 
-use std::sync::{Arc, OnceLock, RwLock};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use ternfleet_kernels::Activations;
@@ -112,7 +112,9 @@ pub struct Service {
     /// SHA-256 of the bundle manifest it serves.
     pub bundle: String,
     state: RwLock<NodeState>,
-    shard: OnceLock<Arc<Shard>>,
+    /// The experts served now: replaced whole when a move adds or drops one (a call keeps
+    /// the shard it started with).
+    shard: RwLock<Option<Arc<Shard>>>,
 }
 
 impl Service {
@@ -125,7 +127,7 @@ impl Service {
             exact,
             bundle: bundle.to_string(),
             state: RwLock::new(NodeState::Loading { done: 0, total }),
-            shard: OnceLock::new(),
+            shard: RwLock::new(None),
         }
     }
 
@@ -140,8 +142,16 @@ impl Service {
 
     /// The shard is open: serve it.
     pub fn ready(&self, shard: Shard) {
-        let _ = self.shard.set(Arc::new(shard));
+        self.replace(shard);
         self.set_state(NodeState::Ready);
+    }
+
+    /// Serve `shard` from the next call on (calls running finish on the one they started
+    /// with).
+    pub fn replace(&self, shard: Shard) {
+        if let Ok(mut s) = self.shard.write() {
+            *s = Some(Arc::new(shard));
+        }
     }
 
     /// Loading failed, or the node is draining.
@@ -159,8 +169,8 @@ impl Service {
     }
 
     /// The open shard (none while loading).
-    pub fn shard(&self) -> Option<&Arc<Shard>> {
-        self.shard.get()
+    pub fn shard(&self) -> Option<Arc<Shard>> {
+        self.shard.read().ok().and_then(|s| s.clone())
     }
 
     fn status(&self) -> Frame {
@@ -187,7 +197,7 @@ impl Service {
             )),
             Frame::Call(c) => {
                 let st = self.state();
-                let Some(shard) = self.shard.get().filter(|_| st == NodeState::Ready) else {
+                let Some(shard) = self.shard().filter(|_| st == NodeState::Ready) else {
                     return Ok(error(
                         ErrorClass::Unavailable,
                         format!("node {}: not serving ({st:?})", self.id),
@@ -201,7 +211,7 @@ impl Service {
                 })
             }
             Frame::Hint { layer, experts } => {
-                if let Some(shard) = self.shard.get() {
+                if let Some(shard) = self.shard() {
                     let layer = layer as usize;
                     if let Some(map) = shard.local.get(layer) {
                         let local: Vec<u32> = experts

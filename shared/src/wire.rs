@@ -47,6 +47,8 @@ enum Kind {
     Raft = 7,
     Join = 8,
     Joined = 9,
+    Fetch = 10,
+    Blob = 11,
 }
 
 /// A node's state as it reports it.
@@ -124,7 +126,28 @@ pub enum Frame {
         leader_addr: String,
         message: String,
     },
+    /// Member → member holding an expert's blob (a move's copy): up to `max` bytes of the
+    /// blob file of (`layer`, `expert`) from `offset` on (a resumed copy asks from where its
+    /// partial file ends). The blob is checked against the manifest's SHA-256 once whole.
+    Fetch {
+        layer: u32,
+        expert: u32,
+        offset: u64,
+        max: u32,
+    },
+    /// The answer to `Fetch`: `bytes` of the blob from `offset`, whose whole file is `total`
+    /// bytes long.
+    Blob {
+        layer: u32,
+        expert: u32,
+        offset: u64,
+        total: u64,
+        bytes: Vec<u8>,
+    },
 }
+
+/// Largest chunk one `Fetch` is answered with.
+pub const MAX_BLOB_CHUNK: u32 = 8 << 20;
 
 /// Why bytes are not a frame.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -280,6 +303,8 @@ impl Frame {
             Frame::Raft { .. } => Kind::Raft,
             Frame::Join { .. } => Kind::Join,
             Frame::Joined { .. } => Kind::Joined,
+            Frame::Fetch { .. } => Kind::Fetch,
+            Frame::Blob { .. } => Kind::Blob,
         }
     }
 
@@ -295,6 +320,8 @@ impl Frame {
             Kind::Raft => "Raft",
             Kind::Join => "Join",
             Kind::Joined => "Joined",
+            Kind::Fetch => "Fetch",
+            Kind::Blob => "Blob",
         }
     }
 
@@ -390,6 +417,32 @@ impl Frame {
                 o.text(leader);
                 o.text(leader_addr);
                 o.text(message);
+            }
+            Frame::Fetch {
+                layer,
+                expert,
+                offset,
+                max,
+            } => {
+                o.u32(*layer);
+                o.u32(*expert);
+                o.u64(*offset);
+                o.u32(*max);
+            }
+            Frame::Blob {
+                layer,
+                expert,
+                offset,
+                total,
+                bytes,
+            } => {
+                o.0.reserve(32 + bytes.len());
+                o.u32(*layer);
+                o.u32(*expert);
+                o.u64(*offset);
+                o.u64(*total);
+                o.u64(bytes.len() as u64);
+                o.0.extend_from_slice(bytes);
             }
         }
         let len = o.0.len() - HEADER;
@@ -548,6 +601,31 @@ impl Frame {
                     message: r.text("joined message")?,
                 }
             }
+            k if k == Kind::Fetch as u8 => Frame::Fetch {
+                layer: r.u32("fetch layer")?,
+                expert: r.u32("fetch expert")?,
+                offset: r.u64("fetch offset")?,
+                max: r.u32("fetch max")?,
+            },
+            k if k == Kind::Blob as u8 => {
+                let layer = r.u32("blob layer")?;
+                let expert = r.u32("blob expert")?;
+                let offset = r.u64("blob offset")?;
+                let total = r.u64("blob total")?;
+                let n = r.u64("blob length")?;
+                let n = usize::try_from(n)
+                    .ok()
+                    .filter(|&n| n <= r.b.len())
+                    .ok_or_else(|| bad(format!("blob: {n} bytes announced, {} left", r.b.len())))?;
+                let bytes = r.take(n, "blob bytes")?.to_vec();
+                Frame::Blob {
+                    layer,
+                    expert,
+                    offset,
+                    total,
+                    bytes,
+                }
+            }
             k => return Err(bad(format!("unknown frame kind {k}"))),
         };
         r.end(match f.kind() {
@@ -560,6 +638,8 @@ impl Frame {
             Kind::Raft => "raft",
             Kind::Join => "join",
             Kind::Joined => "joined",
+            Kind::Fetch => "fetch",
+            Kind::Blob => "blob",
         })?;
         Ok(f)
     }
@@ -716,6 +796,26 @@ mod tests {
                 leader: "n1".into(),
                 leader_addr: "10.0.0.1:7400".into(),
                 message: "not the leader".into(),
+            },
+            Frame::Fetch {
+                layer: 3,
+                expert: 17,
+                offset: 1 << 33,
+                max: MAX_BLOB_CHUNK,
+            },
+            Frame::Blob {
+                layer: 3,
+                expert: 17,
+                offset: 4096,
+                total: 9000,
+                bytes: vec![7; 4904],
+            },
+            Frame::Blob {
+                layer: 0,
+                expert: 0,
+                offset: 0,
+                total: 0,
+                bytes: Vec::new(),
             },
         ]
     }
