@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the tests need (Python gguf/numpy for the gguf-py
-# interop tests, the openai package and curl for the serve end-to-end tests, the models), then
+# interop tests, grpcio for a gRPC client, the openai package and curl for the serve end-to-end tests, the models), then
 # runs format, lint and every test of the workspace. .ci/run calls exactly this.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-python3 -c "import gguf, numpy, openai" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check numpy gguf openai
+python3 -c "import gguf, numpy, openai, grpc" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check numpy gguf openai grpcio
 # curl drives the SSE wire-format test of `ternfleet serve`.
 command -v curl >/dev/null || { apt-get update -qq && apt-get install -y -qq curl >/dev/null; }
 ./scripts/fetch-model.sh
@@ -16,6 +16,8 @@ command -v curl >/dev/null || { apt-get update -qq && apt-get install -y -qq cur
 ./scripts/build-llama-cpp.sh --source-only
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
+# The previous release's binary, for the rolling-upgrade test (built once, beside ours).
+./scripts/build-previous.sh
 mkdir -p target
 # Everything above installed every reference, so a test that cannot find one fails instead of
 # skipping (ternfleet_shared::testing::skip); set TERNFLEET_REQUIRE_REFS=0 to let it skip and

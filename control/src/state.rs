@@ -15,6 +15,13 @@ use ternfleet_shared::cluster::{check_id, ClusterFile, NodeEntry};
 /// Version of the serialized state and command formats (in every snapshot and log entry).
 pub const FORMAT_VERSION: u32 = 1;
 
+/// The commands this build applies, as a level: 1 = the first control-plane release; 2 adds
+/// `begin_moves`. A member of an older level rejects a command it cannot decode (its state
+/// would part from the others'), so a command of a new level is proposed only once every
+/// node registered at that level or above ([`ClusterState::min_level`]): the rolling
+/// upgrade order is nodes first.
+pub const COMMAND_LEVEL: u32 = 2;
+
 /// Largest encoded command accepted (a seed placement of a 1,000-expert × 100-layer model fits).
 pub const MAX_COMMAND_BYTES: usize = 16 << 20;
 
@@ -62,7 +69,7 @@ impl NodeStatus {
 }
 
 /// What a node reports about itself when it registers.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodeCaps {
     /// Kernel family (`avx512`, `avx2`, `neon`, `scalar`); replicas only across bit-equal families.
     pub kernels: String,
@@ -73,6 +80,26 @@ pub struct NodeCaps {
     pub mem_bw_mbs: u64,
     pub ram_bytes: u64,
     pub disk_bytes: u64,
+    /// [`COMMAND_LEVEL`] of its build (absent: 1, a release before levels).
+    #[serde(default = "first_level")]
+    pub level: u32,
+}
+
+fn first_level() -> u32 {
+    1
+}
+
+impl Default for NodeCaps {
+    fn default() -> Self {
+        NodeCaps {
+            kernels: String::new(),
+            cpu_features: Vec::new(),
+            mem_bw_mbs: 0,
+            ram_bytes: 0,
+            disk_bytes: 0,
+            level: first_level(),
+        }
+    }
 }
 
 /// One member node.
@@ -584,6 +611,15 @@ impl ClusterState {
             "would leave layer {l} experts {:?} on no node in service: place replicas elsewhere first",
             alone.into_iter().collect::<Vec<_>>()
         ))
+    }
+
+    /// The lowest command level among the registered nodes (a seeded node not registered
+    /// yet counts as level 1), and a node at it.
+    pub fn min_level(&self) -> Option<(u32, &str)> {
+        self.nodes
+            .iter()
+            .map(|(id, n)| (n.caps.level, id.as_str()))
+            .min()
     }
 
     /// The member (id, QUIC address) with this Raft id: a node or a coordinator's seat.

@@ -217,6 +217,15 @@ impl AdminService {
         if moves.is_empty() {
             return Ok(Vec::new());
         }
+        if let Some((level, id)) = state.min_level().filter(|(l, _)| *l < 2) {
+            let why = match state.nodes.get(id) {
+                Some(n) if n.raft_id == 0 => format!("node {id} has not joined yet"),
+                _ => format!(
+                    "node {id} runs a release of command level {level}, which cannot apply moves: upgrade every node first"
+                ),
+            };
+            return Err(Status::failed_precondition(why));
+        }
         let cmd = Command::BeginMoves {
             moves: moves.to_vec(),
             expect_version: Some(state.placement_version),

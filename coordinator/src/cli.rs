@@ -219,6 +219,9 @@ pub struct NodeArgs {
     /// second (e.g. 100MiB; 0: unlimited), so copying leaves serving its network and disk.
     #[arg(long = "move-rate", value_parser = parse_size, default_value = "200MiB")]
     pub move_rate: u64,
+    /// Bytes asked for per request of a move's copy (tests cut copies off mid-blob).
+    #[arg(long = "move-chunk", value_parser = parse_size, default_value = "1MiB", hide = true)]
+    pub move_chunk: u64,
 }
 
 /// `ternfleet serve` (flags override --config).
@@ -1100,6 +1103,9 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
         }),
         prune: a.prune,
         move_rate: a.move_rate,
+        move_chunk: a
+            .move_chunk
+            .clamp(1, ternfleet_shared::wire::MAX_BLOB_CHUNK as u64) as u32,
     })?;
     Ok(())
 }

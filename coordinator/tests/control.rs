@@ -31,6 +31,8 @@ use ternfleet_shared::wire::Frame;
 struct Group {
     /// The network namespace each node runs in (`None`: this one).
     netns: Vec<Option<String>>,
+    /// The `ternfleet` each node runs (this build's, or a previous release's).
+    bins: Vec<PathBuf>,
     dir: tempfile::TempDir,
     bundle: PathBuf,
     ids: Vec<String>,
@@ -72,10 +74,15 @@ fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
 
 impl Group {
     fn new(bundle: &Path) -> Group {
+        Group::sized(bundle, 3)
+    }
+
+    /// `n` nodes, n1 … nN.
+    fn sized(bundle: &Path, n: usize) -> Group {
         let dir = tempfile::tempdir().unwrap();
         let certs = dir.path().join("certs");
         mtls::init_ca(&certs).unwrap();
-        let ids: Vec<String> = (1..=3).map(|i| format!("n{i}")).collect();
+        let ids: Vec<String> = (1..=n).map(|i| format!("n{i}")).collect();
         for id in &ids {
             mtls::issue(&certs, id).unwrap();
         }
@@ -94,11 +101,12 @@ impl Group {
             .map(|id| dir.path().join(format!("{id}.log")))
             .collect();
         Group {
-            netns: vec![None; 3],
+            netns: vec![None; n],
+            bins: vec![PathBuf::from(bin()); n],
             dir,
             bundle: bundle.to_owned(),
-            addrs: vec![String::new(); 3],
-            procs: (0..3).map(|_| None).collect(),
+            addrs: vec![String::new(); n],
+            procs: (0..n).map(|_| None).collect(),
             ids,
             logs,
         }
@@ -113,10 +121,10 @@ impl Group {
         let mut cmd = match &self.netns[i] {
             Some(ns) => {
                 let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns, bin()]);
+                c.args(["netns", "exec", ns]).arg(&self.bins[i]);
                 c
             }
-            None => Command::new(bin()),
+            None => Command::new(&self.bins[i]),
         };
         let child = cmd
             .args(["node", "-m"])
@@ -465,7 +473,8 @@ fn a_seated_coordinator_serves_through_a_leader_sigkill_and_restarts_within_10s(
     g.agree(&[0, 1, 2], None, &[0, 0, 0], 30);
 
     let single = Server::start(&bundle, &[], "seat-single");
-    let args = seat_args(&g, &first);
+    let mut args = seat_args(&g, &first);
+    args.extend(["--grpc".to_string(), "127.0.0.1:0".to_string()]);
     let t = Instant::now();
     let coord = Server::start(&bundle, &args, "seat-coordinator");
     eprintln!("coordinator joined and ready in {:?}", t.elapsed());
@@ -526,6 +535,10 @@ fn a_seated_coordinator_serves_through_a_leader_sigkill_and_restarts_within_10s(
     // from its store's committed placement within the goal.
     let addr = g.addrs[l].clone();
     g.spawn(l, &addr, &[]);
+    // A gRPC client's request in flight when the coordinator is SIGKILLed fails with
+    // UNAVAILABLE (the connection's end, as the client's transport reports it).
+    let code = grpc_stream_cut_by(&coord, || signal(&coord.proc.0, libc::SIGKILL));
+    assert_eq!(code, "UNAVAILABLE", "an in-flight gRPC request");
     drop(coord);
     let t = Instant::now();
     let coord = Server::start(&bundle, &args, "seat-coordinator-restarted");
@@ -537,6 +550,70 @@ fn a_seated_coordinator_serves_through_a_leader_sigkill_and_restarts_within_10s(
         completion(&coord.url, &body),
         completion(&single.url, &body)
     );
+}
+
+/// Starts a long gRPC `Generate` stream on `coord` from Python's grpcio (the C-core client,
+/// which maps a transport failure to UNAVAILABLE as the gRPC spec says; tonic reports a
+/// connection dying mid-body as UNKNOWN), calls `cut` after its first message and returns the
+/// status code name the call then ends with (bounded: 30 s).
+fn grpc_stream_cut_by(coord: &Server, cut: impl FnOnce()) -> String {
+    use prost::Message;
+    use std::io::BufRead;
+    use ternfleet_shared::proto::v1::generate_request::Input;
+    use ternfleet_shared::proto::v1::GenerateRequest;
+    const CLIENT: &str = r#"
+import sys, grpc
+addr, req = sys.argv[1], bytes.fromhex(sys.argv[2])
+ch = grpc.insecure_channel(addr)
+gen = ch.unary_stream("/ternfleet.v1.Inference/Generate",
+                      request_serializer=lambda b: b, response_deserializer=lambda b: b)
+n = 0
+try:
+    for m in gen(req, timeout=60):
+        n += 1
+        if n == 1:
+            print("FIRST", flush=True)
+    print("FINISHED", flush=True)
+except grpc.RpcError as e:
+    print("CODE", e.code().name, e.details(), flush=True)
+"#;
+    let req = GenerateRequest {
+        input: Some(Input::Prompt("Tell me a long story:".into())),
+        max_tokens: 2000,
+        ignore_eos: true,
+        ..Default::default()
+    }
+    .encode_to_vec();
+    let hex: String = req.iter().map(|b| format!("{b:02x}")).collect();
+    let addr = coord.line["grpc"]
+        .as_str()
+        .expect("grpc address")
+        .to_string();
+    let mut child = Proc(
+        Command::new("python3")
+            .args(["-c", CLIENT, &addr, &hex])
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 with grpcio"),
+    );
+    let out = child.0.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                return;
+            }
+        }
+    });
+    let limit = Duration::from_secs(30);
+    let first = rx.recv_timeout(limit).expect("a first message within 30 s");
+    assert_eq!(first, "FIRST", "{first}");
+    cut();
+    let end = rx
+        .recv_timeout(limit)
+        .expect("the call ends within 30 s of the cut");
+    eprintln!("in-flight gRPC request (grpcio): {end}");
+    end.split(' ').nth(1).unwrap_or(&end).to_string()
 }
 
 /// `ternfleet ctl` against the seated coordinator's admin API: (status, stdout, stderr).
@@ -827,6 +904,216 @@ fn ctl_drains_and_recommissions_under_load_with_no_failed_request_and_restores_a
         completion(&coord.url, &body),
         completion(&single.url, &body)
     );
+}
+
+/// A rolling upgrade: three nodes of the previous release (scripts/build-previous.sh) and
+/// this build's coordinator serve; each node in turn is stopped (SIGTERM) and started again
+/// as this build, from its store, while a client streams requests: none fails, every output
+/// the single process's; the group ends with three voters and a leader.
+#[test]
+fn nodes_of_the_previous_release_upgrade_one_by_one_under_load() {
+    let prev = std::env::var_os("TERNFLEET_PREVIOUS_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target/previous/ternfleet"));
+    if !prev.exists() {
+        ternfleet_shared::testing::skip(
+            "the rolling-upgrade test",
+            &format!(
+                "no previous release at {} (scripts/build-previous.sh)",
+                prev.display()
+            ),
+        );
+        return;
+    }
+    let bundle = tiny_moe_bundle("control-upgrade-qwen3moe");
+    let mut g = Group::new(&bundle);
+    let certs = g.dir.path().join("certs");
+    mtls::issue(&certs, "coordinator").unwrap();
+    g.bins = vec![prev; 3];
+    form(&mut g);
+    let single = Server::start(&bundle, &[], "upgrade-single");
+    let coord = Server::start(&bundle, &seat_args(&g, &g.addrs[0]), "upgrade-coordinator");
+    mtls::issue(&certs, "operator").unwrap();
+    let admin = coord.line["admin"].as_str().expect("admin").to_string();
+    // Moves need every node at command level 2: refused while any runs the old release.
+    let (ok, _, err) = ctl(&admin, &certs, &["placement", "apply", "--replicas", "3"]);
+    assert!(!ok && err.contains("upgrade every node first"), "{err}");
+    let bodies: Vec<serde_json::Value> = (0..3)
+        .map(|i| request(&format!("Upgrade story {i}:"), 24, 40 + i))
+        .collect();
+    let want: Vec<_> = bodies.iter().map(|b| completion(&single.url, b)).collect();
+    drop(single);
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
+    impl Drop for StopOnDrop<'_> {
+        fn drop(&mut self) {
+            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+        }
+    }
+    let (done, failed) = std::thread::scope(|s| {
+        let _stop = StopOnDrop(&stop);
+        let client = s.spawn(|| {
+            let (mut done, mut failed) = (0usize, Vec::new());
+            let t0 = Instant::now();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst)
+                && t0.elapsed() < Duration::from_secs(240)
+            {
+                let i = done % bodies.len();
+                let (status, v) = post(&coord.url, &bodies[i]);
+                if status != 200 {
+                    failed.push(format!("{status}: {v}"));
+                } else {
+                    let (t, l) = logprobs_of(&v);
+                    let got = (t, l.iter().map(|&x| (x as f32).to_bits()).collect());
+                    if got != want[i] {
+                        failed.push(format!("request {i}: output differs"));
+                    }
+                }
+                done += 1;
+            }
+            (done, failed)
+        });
+        std::thread::sleep(Duration::from_secs(2));
+        for i in 0..3 {
+            let marks: Vec<usize> = (0..3).map(|j| g.log_len(j)).collect();
+            if let Some(p) = &g.procs[i] {
+                signal(&p.0, libc::SIGTERM);
+            }
+            if let Some(mut p) = g.procs[i].take() {
+                wait_bounded(&mut p.0, 20, "a node stopping on SIGTERM");
+            }
+            g.bins[i] = PathBuf::from(bin());
+            let addr = g.addrs[i].clone();
+            g.spawn(i, &addr, &[]);
+            // Serving again, as this build, and a member of the group with the others.
+            let t = Instant::now();
+            g.wait_log(i, marks[i], "node: ready in", 30);
+            let mut from = vec![0; 3];
+            from[i] = marks[i];
+            g.agree(&[0, 1, 2], None, &from, 30);
+            eprintln!(
+                "{} upgraded: serving and in the group after {:?}",
+                g.ids[i],
+                t.elapsed()
+            );
+            std::thread::sleep(Duration::from_secs(1));
+        }
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        client.join().expect("client")
+    });
+    eprintln!("{done} requests during the rolling upgrade");
+    assert!(failed.is_empty(), "failed requests: {failed:?}");
+    assert!(done >= 3, "the load did not run");
+    g.agree(&[0, 1, 2], None, &[0, 0, 0], 10);
+    // Upgraded (each node registered again at its new level): moves are allowed, and done.
+    let t = Instant::now();
+    let applied = loop {
+        let (ok, out, err) = ctl(
+            &admin,
+            &certs,
+            &[
+                "--json",
+                "placement",
+                "apply",
+                "--replicas",
+                "3",
+                "--timeout",
+                "60",
+            ],
+        );
+        if ok {
+            break serde_json::from_str::<serde_json::Value>(out.trim()).unwrap();
+        }
+        assert!(
+            err.contains("upgrade every node first") && t.elapsed() < Duration::from_secs(15),
+            "{err}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    };
+    assert!(
+        !applied["started"].as_array().unwrap().is_empty(),
+        "{applied}"
+    );
+    let show = ctl_json(&admin, &certs, &["placement", "show"]);
+    let n_experts: u64 = show["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["count"].as_u64().unwrap())
+        .sum();
+    let (l, e) = (
+        show["n_layer"].as_u64().unwrap(),
+        show["n_expert"].as_u64().unwrap(),
+    );
+    assert_eq!(
+        n_experts,
+        3 * l * e,
+        "three replicas of every expert: {show}"
+    );
+}
+
+/// Five voters: the leader SIGKILLed, then the next one — a new leader each time among the
+/// remaining majority; a third killed — the two left elect no leader; the three restarted
+/// — a leader again, the committed placement version not behind.
+#[test]
+fn five_voters_lose_two_leaders_and_keep_going_then_stop_without_a_majority() {
+    let bundle = tiny_moe_bundle("control-five-qwen3moe");
+    let mut g = Group::sized(&bundle, 5);
+    g.spawn(0, "127.0.0.1:0", &["--init-cluster"]);
+    let first = g.addrs[0].clone();
+    for i in 1..5 {
+        g.spawn(i, "127.0.0.1:0", &["--join", &first]);
+    }
+    let all: Vec<usize> = (0..5).collect();
+    let (v, formed) = g.agree(&all, None, &[0; 5], 30);
+    eprintln!("five voters formed in {formed:?}: leader {}", v.leader);
+    let mut alive = all.clone();
+    let mut killed = Vec::new();
+    let mut version = v.placement_version;
+    let mut leader = v.leader;
+    for round in 0..2 {
+        let l = g.index_of(&leader);
+        let marks: Vec<usize> = (0..5).map(|i| g.log_len(i)).collect();
+        g.kill(l);
+        killed.push(l);
+        alive.retain(|&i| i != l);
+        let (v, took) = g.agree(&alive, Some(&leader), &marks, 10);
+        eprintln!(
+            "round {round}: leader {leader} killed, {} leads after {took:?} ({} of 5 alive)",
+            v.leader,
+            alive.len()
+        );
+        assert!(took < Duration::from_secs(5), "new leader after {took:?}");
+        assert!(v.placement_version >= version);
+        version = v.placement_version;
+        leader = v.leader;
+    }
+    // A third gone: two of five are no majority.
+    let l = g.index_of(&leader);
+    g.kill(l);
+    killed.push(l);
+    alive.retain(|&i| i != l);
+    std::thread::sleep(Duration::from_secs(8));
+    for &i in &alive {
+        let v = g.view(i, 0).expect("a membership line");
+        let ok = v.leader == "none" || killed.iter().any(|&k| g.ids[k] == v.leader);
+        assert!(
+            ok,
+            "{} sees {} lead with two of five alive",
+            g.ids[i], v.leader
+        );
+    }
+    let max_before: Vec<u64> = alive.iter().map(|&i| g.max_version(i, 0)).collect();
+    // Back: a leader again, nothing committed lost.
+    let marks: Vec<usize> = (0..5).map(|i| g.log_len(i)).collect();
+    for &k in &killed {
+        let addr = g.addrs[k].clone();
+        g.spawn(k, &addr, &[]);
+    }
+    let (v, took) = g.agree(&all, None, &marks, 20);
+    eprintln!("three restarted: {} leads after {took:?}", v.leader);
+    assert!(v.placement_version >= version, "{v:?} < {version}");
+    assert!(max_before.iter().all(|&m| v.placement_version >= m));
 }
 
 /// Three namespaces, one node each, joined by a bridge in a fourth: taking a node's link down

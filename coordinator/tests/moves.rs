@@ -48,10 +48,59 @@ fn strip_ansi(s: &str) -> String {
 
 struct Fleet {
     dir: tempfile::TempDir,
-    procs: Vec<Proc>,
+    procs: std::collections::BTreeMap<String, Proc>,
+    /// `--move-rate` of the nodes started from now on.
+    rate: &'static str,
 }
 
 impl Fleet {
+    /// Certificates for every id, the coordinator and the operator; a cluster file where
+    /// the nodes `full` hold every expert (2 replicas); a bundle directory per node, the
+    /// nodes `empty` with only the manifest (no expert blob).
+    fn new(bundle: &Path, full: &[&str], empty: &[&str]) -> Fleet {
+        let man = Manifest::read(bundle).unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let certs = dir.path().join("certs");
+        mtls::init_ca(&certs).unwrap();
+        for id in full.iter().chain(empty).chain(&["coordinator", "operator"]) {
+            mtls::issue(&certs, id).unwrap();
+        }
+        let list: Vec<(String, String)> = full
+            .iter()
+            .map(|id| (id.to_string(), "127.0.0.1:1".to_string()))
+            .collect();
+        let plan = ClusterFile::plan(&man, &list, 2).unwrap();
+        std::fs::write(dir.path().join("cluster.toml"), plan.to_toml()).unwrap();
+        for id in full.iter().chain(empty) {
+            copy_dir(bundle, &dir.path().join(format!("bundle-{id}")));
+        }
+        for id in empty {
+            for e in &man.experts {
+                std::fs::remove_file(dir.path().join(format!("bundle-{id}")).join(&e.part.file))
+                    .unwrap();
+            }
+        }
+        Fleet {
+            dir,
+            procs: Default::default(),
+            rate: "256KiB",
+        }
+    }
+
+    /// The seated coordinator's arguments (joining through `first`).
+    fn seat(&self, first: &str) -> Vec<String> {
+        vec![
+            "--join".to_string(),
+            first.to_string(),
+            "--certs".into(),
+            self.certs().display().to_string(),
+            "--state-dir".into(),
+            self.dir.path().join("state").display().to_string(),
+            "--admin".into(),
+            "127.0.0.1:0".into(),
+        ]
+    }
+
     fn certs(&self) -> PathBuf {
         self.dir.path().join("certs")
     }
@@ -66,6 +115,11 @@ impl Fleet {
     }
 
     fn spawn(&mut self, id: &str, extra: &[&str]) -> String {
+        self.spawn_at(id, "127.0.0.1:0", extra)
+    }
+
+    /// Starts node `id` bound to `listen`; its QUIC address.
+    fn spawn_at(&mut self, id: &str, listen: &str, extra: &[&str]) -> String {
         let log = self.dir.path().join(format!("{id}.log"));
         let child = Command::new(bin())
             .args(["node", "-m"])
@@ -74,19 +128,25 @@ impl Fleet {
             .arg(self.certs())
             .arg("--cluster")
             .arg(self.dir.path().join("cluster.toml"))
-            .args(["--listen", "127.0.0.1:0", "-t", "1", "--state-dir"])
+            .args(["--listen", listen, "-t", "1", "--state-dir"])
             .arg(self.dir.path().join("state"))
-            .args(["--prune", "--move-rate", "256KiB"])
+            .args(["--prune", "--move-rate", self.rate])
             .args(extra)
             .env("RUST_LOG", "info,raft=warn")
             .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).map_or(Stdio::null(), Stdio::from))
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .map_or(Stdio::null(), Stdio::from),
+            )
             .spawn()
             .expect("spawning ternfleet node");
         let mut p = Proc(child);
         let v = startup_line(&mut p.0, 30);
         let addr = v["quic"].as_str().expect("quic address").to_string();
-        self.procs.push(p);
+        self.procs.insert(id.to_string(), p);
         addr
     }
 
@@ -205,49 +265,14 @@ fn p99(mut v: Vec<f64>) -> f64 {
 fn rebalancing_onto_two_new_nodes_under_load_fails_no_request() {
     let bundle = tiny_moe_bundle("moves-qwen3moe");
     let man = Manifest::read(&bundle).unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let certs = dir.path().join("certs");
-    mtls::init_ca(&certs).unwrap();
-    for id in ["n1", "n2", "n3", "n4", "coordinator", "operator"] {
-        mtls::issue(&certs, id).unwrap();
-    }
-    // The cluster file names only n1 and n2, both holding every expert.
-    let list = vec![
-        ("n1".to_string(), "127.0.0.1:1".to_string()),
-        ("n2".to_string(), "127.0.0.1:1".to_string()),
-    ];
-    let plan = ClusterFile::plan(&man, &list, 2).unwrap();
-    std::fs::write(dir.path().join("cluster.toml"), plan.to_toml()).unwrap();
-    for id in ["n1", "n2", "n3", "n4"] {
-        copy_dir(&bundle, &dir.path().join(format!("bundle-{id}")));
-    }
-    // The new nodes have the manifest and no expert blob.
-    for id in ["n3", "n4"] {
-        for e in &man.experts {
-            std::fs::remove_file(dir.path().join(format!("bundle-{id}")).join(&e.part.file))
-                .unwrap();
-        }
-    }
-    let mut f = Fleet {
-        dir,
-        procs: Vec::new(),
-    };
+    let mut f = Fleet::new(&bundle, &["n1", "n2"], &["n3", "n4"]);
+    let certs = f.certs();
     let first = f.spawn("n1", &["--init-cluster"]);
     f.spawn("n2", &["--join", &first]);
     f.wait_log("n1", "control: node n2 is up", 30);
 
     let single = Server::start(&bundle, &[], "moves-single");
-    let seat = vec![
-        "--join".to_string(),
-        first.clone(),
-        "--certs".into(),
-        certs.display().to_string(),
-        "--state-dir".into(),
-        f.dir.path().join("state").display().to_string(),
-        "--admin".into(),
-        "127.0.0.1:0".into(),
-    ];
-    let coord = Server::start(&bundle, &seat, "moves-coordinator");
+    let coord = Server::start(&bundle, &f.seat(&first), "moves-coordinator");
     let admin = coord.line["admin"].as_str().expect("admin").to_string();
 
     let bodies: Vec<Value> = (0..4)
@@ -462,4 +487,126 @@ fn rebalancing_onto_two_new_nodes_under_load_fails_no_request() {
     }
     drop(coord);
     drop(f.procs);
+}
+
+/// A node SIGKILLed in the middle of copying a blob: restarted, it resumes the partial file
+/// where it ends, its moves finish, every blob verifies, and a client streaming throughout
+/// sees no failed request.
+#[test]
+fn a_node_killed_mid_copy_resumes_its_partial_blob_after_restart() {
+    let bundle = tiny_moe_bundle("moves-kill-qwen3moe");
+    let man = Manifest::read(&bundle).unwrap();
+    let mut f = Fleet::new(&bundle, &["n1", "n2"], &["n3"]);
+    let certs = f.certs();
+    let first = f.spawn("n1", &["--init-cluster"]);
+    f.spawn("n2", &["--join", &first]);
+    f.wait_log("n1", "control: node n2 is up", 30);
+    let single = Server::start(&bundle, &[], "moves-kill-single");
+    let coord = Server::start(&bundle, &f.seat(&first), "moves-kill-coordinator");
+    let admin = coord.line["admin"].as_str().expect("admin").to_string();
+    let body = request("Once upon a time", 24, 7);
+    let want = completion(&single.url, &body);
+    drop(single);
+    // n3 copies slowly, in 16 KiB requests: a blob takes several.
+    f.rate = "96KiB";
+    let n3 = ["--join", &first, "--move-chunk", "16KiB"];
+    let n3_addr = f.spawn("n3", &n3);
+    f.wait_log("n1", "control: node n3 is up", 30);
+
+    let stop = AtomicBool::new(false);
+    let (failed, done) = std::thread::scope(|s| {
+        struct StopOnDrop<'a>(&'a AtomicBool);
+        impl Drop for StopOnDrop<'_> {
+            fn drop(&mut self) {
+                self.0.store(true, Ordering::SeqCst);
+            }
+        }
+        let _stop = StopOnDrop(&stop);
+        let client = s.spawn(|| {
+            let (mut failed, mut done) = (Vec::new(), 0usize);
+            let t0 = Instant::now();
+            while !stop.load(Ordering::SeqCst) && t0.elapsed() < Duration::from_secs(300) {
+                match stream(&coord.url, &body) {
+                    Ok((t, l, _)) if (t.clone(), l.clone()) == want => {}
+                    Ok(_) => failed.push("output differs".to_string()),
+                    Err(e) => failed.push(e),
+                }
+                done += 1;
+            }
+            (failed, done)
+        });
+        let r = ctl_json(&admin, &certs, &["placement", "apply", "--no-wait"]);
+        let started = r["started"].as_array().unwrap().len();
+        assert!(started > 0, "{r}");
+        // Kill n3 once a blob is partly copied.
+        let dir = f.bundle("n3");
+        let t = Instant::now();
+        let partial = loop {
+            let found = man.experts.iter().find_map(|e| {
+                let p = PathBuf::from(format!("{}.partial", dir.join(&e.part.file).display()));
+                std::fs::metadata(&p)
+                    .is_ok_and(|m| m.len() > 0)
+                    .then_some(p)
+            });
+            if let Some(p) = found {
+                break p;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "no partial copy in {dir:?}: {r}\n{}",
+                f.log("n3")
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        if let Some(mut p) = f.procs.remove("n3") {
+            let _ = p.0.kill();
+            let _ = p.0.wait();
+        }
+        let cut = std::fs::metadata(&partial).map_or(0, |m| m.len());
+        eprintln!("n3 killed with {} at {cut} bytes", partial.display());
+        // Restarted where it was (its peers know that address).
+        f.spawn_at("n3", &n3_addr, &n3);
+        let t = Instant::now();
+        loop {
+            let show = ctl_json(&admin, &certs, &["placement", "show"]);
+            if show["moves"].as_array().is_some_and(Vec::is_empty) {
+                break;
+            }
+            assert!(t.elapsed() < Duration::from_secs(120), "{show}");
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        eprintln!(
+            "{started} moves finished {:.1} s after n3's restart",
+            t.elapsed().as_secs_f64()
+        );
+
+        std::thread::sleep(Duration::from_secs(6));
+        stop.store(true, Ordering::SeqCst);
+        client.join().expect("client")
+    });
+    assert!(failed.is_empty(), "{done} requests, failed: {failed:?}");
+    assert!(done > 0);
+    let log = f.log("n3");
+    assert!(log.contains("moves: resuming layer"), "{log}");
+    let show = ctl_json(&admin, &certs, &["placement", "show"]);
+    for n in show["nodes"].as_array().unwrap() {
+        let id = n["id"].as_str().unwrap();
+        let mut files = 0;
+        for e in &man.experts {
+            if f.bundle(id).join(&e.part.file).exists() {
+                Manifest::verify_part(&f.bundle(id), &e.part)
+                    .unwrap_or_else(|err| panic!("{id}: {err}"));
+                files += 1;
+            }
+        }
+        assert_eq!(files, n["count"].as_u64().unwrap(), "{id}: {show}");
+    }
+    let n3 = show["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["id"] == "n3")
+        .unwrap();
+    assert!(n3["count"].as_u64().unwrap() > 0, "{show}");
+    drop(coord);
 }

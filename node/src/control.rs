@@ -227,8 +227,20 @@ async fn heartbeats(m: Arc<Member>, health: Health) {
     loop {
         tick.tick().await;
         let Some(loading) = health() else { continue };
-        if !m.handle.applied().borrow().nodes.contains_key(&m.id) {
-            continue; // not registered yet
+        let registered = m.handle.applied().borrow().nodes.get(&m.id).map(|n| {
+            n.caps.level != ternfleet_control::state::COMMAND_LEVEL
+                || n.caps.kernels != ternfleet_kernels::isa_name()
+                || n.addr != m.addr
+        });
+        match registered {
+            None => continue, // not registered yet
+            // Restarted as another build (a rolling upgrade) or on another address: say so.
+            Some(true) => {
+                if let Some(why) = register(&m, &m.id, &m.addr).await {
+                    tracing::debug!("control: registering again: {why}");
+                }
+            }
+            Some(false) => {}
         }
         let cmd = Command::Heartbeat {
             id: m.id.clone(),
@@ -342,6 +354,7 @@ async fn register(m: &Member, id: &str, addr: &str) -> Option<String> {
         addr: addr.to_string(),
         caps: NodeCaps {
             kernels: ternfleet_kernels::isa_name().to_string(),
+            level: ternfleet_control::state::COMMAND_LEVEL,
             ..NodeCaps::default()
         },
     };

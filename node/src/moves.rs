@@ -43,7 +43,7 @@ use crate::service::{Service, Shard};
 use crate::shard::{open_expert_with, ExpertShape};
 use crate::store::{Evict, StoreExperts};
 
-/// Bytes asked for per `Fetch`.
+/// Bytes asked for per `Fetch` by default (`--move-chunk`).
 pub const CHUNK: u32 = 1 << 20;
 /// How long an expert no longer held stays open (coordinators take the new placement first).
 pub const DROP_GRACE: Duration = Duration::from_secs(5);
@@ -78,6 +78,8 @@ pub struct Holdings {
     prune: bool,
     /// Copy rate limit, bytes per second (0: none).
     rate: u64,
+    /// Bytes per `Fetch`.
+    chunk: u32,
     open: Mutex<BTreeMap<(u32, u32), FfnWeights>>,
 }
 
@@ -95,6 +97,7 @@ impl Holdings {
         svc: Arc<Service>,
         prune: bool,
         rate: u64,
+        chunk: u32,
     ) -> Holdings {
         Holdings {
             id: id.to_string(),
@@ -106,6 +109,7 @@ impl Holdings {
             svc,
             prune,
             rate,
+            chunk: chunk.max(1),
             open: Mutex::new(BTreeMap::new()),
         }
     }
@@ -536,7 +540,7 @@ fn copy(
             c
         }
     };
-    copy_with(&h.dir, part, CHUNK, h.rate, |req| {
+    copy_with(&h.dir, part, h.chunk, h.rate, |req| {
         rt.block_on(ask(&conn, req))
     })
 }

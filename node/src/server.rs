@@ -62,6 +62,8 @@ pub struct NodeOptions {
     pub prune: bool,
     /// Copy rate of moves into this node, bytes per second (0: unlimited).
     pub move_rate: u64,
+    /// Bytes asked for per `Fetch` of a move's copy.
+    pub move_chunk: u32,
 }
 
 /// Errors starting a node (loading its shard later is reported through its status).
@@ -315,6 +317,7 @@ fn holdings(svc: &Arc<Service>, opts: &NodeOptions, man: Arc<Manifest>) -> Holdi
         svc.clone(),
         opts.prune,
         opts.move_rate,
+        opts.move_chunk,
     )
 }
 
@@ -392,7 +395,14 @@ async fn accept_loop(
                     return;
                 }
             };
-            // Authenticated before any stream is read.
+            // Authenticated before any stream is read. The coordinators allowed: the
+            // replicated state's once it has them, else the cluster file's.
+            let allowed: Vec<String> = match member.as_ref().map(|m| m.handle.applied()) {
+                Some(rx) if !rx.borrow().coordinators.is_empty() => {
+                    rx.borrow().coordinators.iter().cloned().collect()
+                }
+                _ => allowed.to_vec(),
+            };
             let peer = match mtls::peer_id(&conn, &allowed) {
                 Ok(p) => p,
                 // Another member of the control plane (the CA vouched for it; each Raft

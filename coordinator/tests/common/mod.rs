@@ -194,7 +194,13 @@ impl Server {
         let child = Command::new(bin())
             .args(["serve", "-m"])
             .arg(model)
-            .args(["--http", "127.0.0.1:0", "--grpc", "", "-t", "2"])
+            .args(["--http", "127.0.0.1:0", "-t", "2"])
+            // gRPC off unless the caller asks for it.
+            .args(if extra.iter().any(|a| a == "--grpc") {
+                &[][..]
+            } else {
+                &["--grpc", ""][..]
+            })
             .args(extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Builds the previous release's `ternfleet` into target/previous/ternfleet: the rolling-upgrade
+# test (coordinator/tests/control.rs) runs a cluster of its nodes, then upgrades them one by one
+# to this build under load. The release is the commit in scripts/previous-release (it must be
+# in this clone's history); its sources are exported with `git archive` and built beside ours
+# (its own target directory: ~8 minutes on 2 cores, once).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+rev=$(tr -d '[:space:]' <"$root/scripts/previous-release")
+out=$root/target/previous
+if [ -x "$out/ternfleet" ] && [ "$(cat "$out/rev" 2>/dev/null)" = "$rev" ]; then
+  exit 0
+fi
+if ! git -C "$root" cat-file -e "$rev^{commit}" 2>/dev/null; then
+  echo "build-previous: commit $rev is not in this clone's history (a shallow clone?)" >&2
+  exit 1
+fi
+rm -rf "$out/src" "$out/ternfleet"
+mkdir -p "$out/src"
+git -C "$root" archive "$rev" | tar -x -C "$out/src"
+echo "build-previous: building ternfleet at $rev (the previous release) ..." >&2
+CARGO_TARGET_DIR="$out/target" cargo build --quiet --locked --profile test \
+  --manifest-path "$out/src/Cargo.toml" --bin ternfleet
+cp "$out/target/debug/ternfleet" "$out/ternfleet"
+echo "$rev" >"$out/rev"
