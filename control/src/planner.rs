@@ -370,6 +370,7 @@ mod tests {
                 .iter()
                 .map(|(l, es)| (*l, es.iter().copied().collect()))
                 .collect(),
+            applied: 0,
         }
     }
 

@@ -115,6 +115,10 @@ pub struct NodeRecord {
     pub last_heartbeat_ms: u64,
     /// `experts[layer]`: the routed experts it holds.
     pub experts: BTreeMap<u32, BTreeSet<u32>>,
+    /// Its Raft applied index at its last heartbeat (`status` shows the lag behind the commit
+    /// index from it; 0: not reported).
+    #[serde(default)]
+    pub applied: u64,
 }
 
 /// A coordinator's seat in the Raft group (a learner: it never votes).
@@ -195,11 +199,14 @@ pub enum Command {
         raft_id: u64,
         addr: String,
     },
-    /// A node is alive (`loading`: still loading its experts).
+    /// A node is alive (`loading`: still loading its experts; `applied`: its Raft applied
+    /// index).
     Heartbeat {
         id: String,
         at_ms: u64,
         loading: bool,
+        #[serde(default)]
+        applied: u64,
     },
     /// Missed heartbeats, noticed by the leader.
     MarkDown { id: String },
@@ -423,6 +430,7 @@ impl ClusterState {
                                 status: NodeStatus::Loading,
                                 last_heartbeat_ms: 0,
                                 experts: BTreeMap::new(),
+                                applied: 0,
                             },
                         );
                     }
@@ -448,11 +456,17 @@ impl ClusterState {
                 );
                 self.applied()
             }
-            Command::Heartbeat { id, at_ms, loading } => {
+            Command::Heartbeat {
+                id,
+                at_ms,
+                loading,
+                applied,
+            } => {
                 let Some(n) = self.nodes.get_mut(id) else {
                     return reject(format!("no node {id}"));
                 };
                 n.last_heartbeat_ms = n.last_heartbeat_ms.max(*at_ms);
+                n.applied = n.applied.max(*applied);
                 let next = match n.status {
                     NodeStatus::Loading | NodeStatus::Down | NodeStatus::Up => {
                         if *loading {
@@ -690,6 +704,7 @@ impl ClusterState {
                     status: NodeStatus::Loading,
                     last_heartbeat_ms: 0,
                     experts,
+                    applied: 0,
                 },
             );
         }
@@ -860,6 +875,7 @@ mod tests {
                 id: id.into(),
                 at_ms: 5,
                 loading: false,
+                applied: 0,
             });
         }
         // A drain that would leave experts on no node in service is refused; once n1 holds
@@ -1077,6 +1093,7 @@ mod tests {
             id: "n1".into(),
             at_ms: 1,
             loading: false,
+            applied: 0,
         });
         s.apply(&Command::MarkDown { id: "n1".into() });
         assert_eq!(s.nodes["n1"].status, NodeStatus::Down);
@@ -1085,6 +1102,7 @@ mod tests {
             id: "n1".into(),
             at_ms: 2,
             loading: false,
+            applied: 0,
         });
         assert_eq!(s.nodes["n1"].status, NodeStatus::Draining);
         assert!(matches!(

@@ -269,6 +269,11 @@ impl Admin for AdminService {
                 .raft_member(raft)
                 .unwrap_or_else(|| (format!("raft-{raft}"), String::new()));
             let node = state.nodes.get(&id);
+            let applied = match node {
+                Some(n) => n.applied,
+                None if raft == st.id => st.applied,
+                None => 0,
+            };
             members.push(Member {
                 role: role.into(),
                 state: node.map_or("seat", |n| n.status.name()).into(),
@@ -283,6 +288,8 @@ impl Admin for AdminService {
                 experts: node.map_or(0, count),
                 ram_bytes: node.map_or(0, |n| n.caps.ram_bytes),
                 heartbeat_age_ms: node.map_or(0, |n| heartbeat_age(n, now)),
+                applied,
+                lag: st.commit.saturating_sub(applied),
                 id,
             });
         }

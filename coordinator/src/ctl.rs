@@ -217,6 +217,19 @@ async fn wait_moves(
     }
 }
 
+/// A move's columns: the expert, where from (an empty source: a new replica), where to.
+fn move_row(layer: u32, expert: u32, from: &str, to: &str) -> Vec<String> {
+    vec![
+        format!("{layer}:{expert}"),
+        if from.is_empty() {
+            "(new replica)".into()
+        } else {
+            from.to_string()
+        },
+        to.to_string(),
+    ]
+}
+
 /// Prints a plan: balance before and after, hot experts, each node's load, the moves.
 fn print_plan(r: &ternfleet_shared::proto::v1::PlanPlacementResponse) {
     println!(
@@ -250,17 +263,7 @@ fn print_plan(r: &ternfleet_shared::proto::v1::PlanPlacementResponse) {
     let rows: Vec<Vec<String>> = r
         .moves
         .iter()
-        .map(|m| {
-            vec![
-                format!("{}:{}", m.layer, m.expert),
-                if m.from.is_empty() {
-                    "(new replica)".into()
-                } else {
-                    m.from.clone()
-                },
-                m.to.clone(),
-            ]
-        })
+        .map(|m| move_row(m.layer, m.expert, &m.from, &m.to))
         .collect();
     if !rows.is_empty() {
         table(&["EXPERT", "FROM", "TO"], &rows);
@@ -355,6 +358,11 @@ async fn run_async(a: CtlArgs) -> Result<()> {
                         m.state.clone(),
                         m.experts.to_string(),
                         mib(m.ram_bytes),
+                        if m.applied == 0 {
+                            "-".into()
+                        } else {
+                            format!("{} ({})", m.applied, m.lag)
+                        },
                         age(m.heartbeat_age_ms),
                         m.addr.clone(),
                     ]
@@ -368,6 +376,7 @@ async fn run_async(a: CtlArgs) -> Result<()> {
                     "STATE",
                     "EXPERTS",
                     "RAM",
+                    "APPLIED (LAG)",
                     "HEARTBEAT",
                     "ADDRESS",
                 ],
@@ -532,16 +541,9 @@ async fn run_async(a: CtlArgs) -> Result<()> {
                     .moves
                     .iter()
                     .map(|m| {
-                        vec![
-                            m.id.to_string(),
-                            format!("{}:{}", m.layer, m.expert),
-                            if m.from.is_empty() {
-                                "(new replica)".into()
-                            } else {
-                                m.from.clone()
-                            },
-                            m.to.clone(),
-                        ]
+                        let mut row = vec![m.id.to_string()];
+                        row.extend(move_row(m.layer, m.expert, &m.from, &m.to));
+                        row
                     })
                     .collect();
                 table(&["MOVE", "EXPERT", "FROM", "TO"], &rows);

@@ -120,13 +120,7 @@ impl Cluster {
             .args(&self.node_args)
             .env("RUST_LOG", "info")
             .stdout(Stdio::piped())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&log)
-                    .map_or(Stdio::null(), Stdio::from),
-            )
+            .stderr(append_to(&log))
             .spawn()
             .expect("spawning ternfleet node");
         // Owned (killed on drop) before anything below can fail.

@@ -50,23 +50,6 @@ struct View {
     placement_version: u64,
 }
 
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut it = s.chars().peekable();
-    while let Some(c) = it.next() {
-        if c == '\u{1b}' {
-            for d in it.by_ref() {
-                if d.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
     let at = line.find(&format!(" {key}="))? + key.len() + 2;
     line[at..].split(' ').next()
@@ -113,11 +96,6 @@ impl Group {
     }
 
     fn spawn(&mut self, i: usize, listen: &str, extra: &[&str]) {
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&self.logs[i])
-            .unwrap();
         let mut cmd = match &self.netns[i] {
             Some(ns) => {
                 let mut c = Command::new("ip");
@@ -138,7 +116,7 @@ impl Group {
             .args(extra)
             .env("RUST_LOG", "info,raft=warn")
             .stdout(Stdio::piped())
-            .stderr(Stdio::from(log))
+            .stderr(append_to(&self.logs[i]))
             .spawn()
             .expect("spawning ternfleet node");
         let mut p = Proc(child);
@@ -616,29 +594,6 @@ except grpc.RpcError as e:
     end.split(' ').nth(1).unwrap_or(&end).to_string()
 }
 
-/// `ternfleet ctl` against the seated coordinator's admin API: (status, stdout, stderr).
-fn ctl(admin: &str, certs: &Path, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(bin())
-        .args(["ctl", "--addr", admin, "--certs"])
-        .arg(certs)
-        .args(args)
-        .output()
-        .expect("running ternfleet ctl");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn ctl_json(admin: &str, certs: &Path, args: &[&str]) -> serde_json::Value {
-    let mut a = vec!["--json"];
-    a.extend_from_slice(args);
-    let (ok, out, err) = ctl(admin, certs, &a);
-    assert!(ok, "ctl {args:?} failed: {err}");
-    serde_json::from_str(&out).unwrap_or_else(|e| panic!("ctl {args:?}: {e}: {out}"))
-}
-
 /// Seated coordinator `args` for group `g`, admin API on port 0.
 fn seat_args(g: &Group, join: &str) -> Vec<String> {
     vec![
@@ -716,13 +671,6 @@ fn ctl_drains_and_recommissions_under_load_with_no_failed_request_and_restores_a
         .collect();
     let want: Vec<_> = bodies.iter().map(|b| completion(&single.url, b)).collect();
     let stop = std::sync::atomic::AtomicBool::new(false);
-    /// Stops the clients however the scope ends (a failed assertion included).
-    struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
-    impl Drop for StopOnDrop<'_> {
-        fn drop(&mut self) {
-            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
     let (done, failed) = std::thread::scope(|s| {
         let _stop = StopOnDrop(&stop);
         let clients: Vec<_> = (0..3)
@@ -736,15 +684,8 @@ fn ctl_drains_and_recommissions_under_load_with_no_failed_request_and_restores_a
                         && t0.elapsed() < Duration::from_secs(120)
                     {
                         let i = k % bodies.len();
-                        let (status, v) = post(url, &bodies[i]);
-                        if status != 200 {
-                            failed.push(format!("{status}: {v}"));
-                        } else {
-                            let (t, l) = logprobs_of(&v);
-                            let got = (t, l.iter().map(|&x| (x as f32).to_bits()).collect());
-                            if got != want[i] {
-                                failed.push(format!("request {i}: output differs"));
-                            }
+                        if let Some(why) = check_completion(url, &bodies[i], &want[i]) {
+                            failed.push(format!("request {i}: {why}"));
                         }
                         done += 1;
                         k += 1;
@@ -944,12 +885,6 @@ fn nodes_of_the_previous_release_upgrade_one_by_one_under_load() {
     let want: Vec<_> = bodies.iter().map(|b| completion(&single.url, b)).collect();
     drop(single);
     let stop = std::sync::atomic::AtomicBool::new(false);
-    struct StopOnDrop<'a>(&'a std::sync::atomic::AtomicBool);
-    impl Drop for StopOnDrop<'_> {
-        fn drop(&mut self) {
-            self.0.store(true, std::sync::atomic::Ordering::SeqCst);
-        }
-    }
     let (done, failed) = std::thread::scope(|s| {
         let _stop = StopOnDrop(&stop);
         let client = s.spawn(|| {
@@ -959,15 +894,8 @@ fn nodes_of_the_previous_release_upgrade_one_by_one_under_load() {
                 && t0.elapsed() < Duration::from_secs(240)
             {
                 let i = done % bodies.len();
-                let (status, v) = post(&coord.url, &bodies[i]);
-                if status != 200 {
-                    failed.push(format!("{status}: {v}"));
-                } else {
-                    let (t, l) = logprobs_of(&v);
-                    let got = (t, l.iter().map(|&x| (x as f32).to_bits()).collect());
-                    if got != want[i] {
-                        failed.push(format!("request {i}: output differs"));
-                    }
+                if let Some(why) = check_completion(&coord.url, &bodies[i], &want[i]) {
+                    failed.push(format!("request {i}: {why}"));
                 }
                 done += 1;
             }
@@ -1195,6 +1123,72 @@ fn a_partitioned_voter_commits_nothing_the_majority_goes_on_and_both_heal() {
     let l = g.index_of(&v.leader);
     let f = (0..3).find(|&i| i != l).unwrap();
     let other = 3 - l - f;
+    // A coordinator seated beside the follower (in its namespace): cut off with it.
+    let certs = g.dir.path().join("certs");
+    for id in ["coordinator", "operator"] {
+        mtls::issue(&certs, id).unwrap();
+    }
+    let seat_log = g.dir.path().join("seat.log");
+    let mut seat = Proc(
+        Command::new("ip")
+            .args(["netns", "exec", &lan.ns(f), bin(), "serve", "-m"])
+            .arg(&bundle)
+            .args([
+                "--http",
+                "127.0.0.1:0",
+                "--grpc",
+                "",
+                "-t",
+                "1",
+                "--join",
+                &Lan::addr(f),
+            ])
+            .args([
+                "--listen",
+                &Lan::addr(f).replace(":7400", ":7500"),
+                "--certs",
+            ])
+            .arg(&certs)
+            .arg("--state-dir")
+            .arg(g.dir.path().join("state"))
+            .args(["--admin", "127.0.0.1:0"])
+            .env("RUST_LOG", "info,raft=warn")
+            .stdout(Stdio::piped())
+            .stderr(append_to(&seat_log))
+            .spawn()
+            .expect("spawning the seated coordinator"),
+    );
+    let line = startup_line(&mut seat.0, 60);
+    let admin = line["admin"].as_str().expect("admin").to_string();
+    let ctl_in_ns = |args: &[&str]| -> (bool, String) {
+        let out = Command::new("ip")
+            .args([
+                "netns",
+                "exec",
+                &lan.ns(f),
+                bin(),
+                "ctl",
+                "--addr",
+                &admin,
+                "--certs",
+            ])
+            .arg(&certs)
+            .args(args)
+            .output()
+            .expect("running ternfleet ctl");
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let t0 = Instant::now();
+    while !ctl_in_ns(&["status"]).0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(30),
+            "the seat's admin API never answered"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
 
     // A follower cut off.
     let marks: Vec<usize> = (0..3).map(|i| g.log_len(i)).collect();
@@ -1223,6 +1217,21 @@ fn a_partitioned_voter_commits_nothing_the_majority_goes_on_and_both_heal() {
         "follower {} cut off: majority marked it down after {majority:?}, its version stayed {before}, the majority's reached {majority_version}",
         g.ids[f]
     );
+    // An operator's write through the minority (the seat beside it) is refused, not applied.
+    let t = Instant::now();
+    let (ok, err) = ctl_in_ns(&["node", "drain", &g.ids[other]]);
+    assert!(
+        !ok && err.contains("Unavailable"),
+        "a write through the minority: {err}"
+    );
+    eprintln!(
+        "a drain through the minority: refused after {:?} ({})",
+        t.elapsed(),
+        err.trim()
+    );
+    // A timed-out write's outcome is unknown until the forwarded proposal's last send attempt
+    // (a 3 s connect) has ended: heal after that, and it must never be applied.
+    std::thread::sleep(Duration::from_secs(4));
     // Healed: it catches up and is up again; the leader keeps leading.
     let marks: Vec<usize> = (0..3).map(|i| g.log_len(i)).collect();
     lan.cut(f, false);
@@ -1241,6 +1250,16 @@ fn a_partitioned_voter_commits_nothing_the_majority_goes_on_and_both_heal() {
         std::thread::sleep(Duration::from_millis(50));
     }
     eprintln!("healed: caught up and up again after {:?}", t0.elapsed());
+    let drained = format!("control: node {} is draining", g.ids[other]);
+    for i in 0..3 {
+        let text = strip_ansi(&std::fs::read_to_string(&g.logs[i]).unwrap_or_default());
+        assert!(
+            !text.contains(&drained),
+            "the refused drain was applied on {}",
+            g.ids[i]
+        );
+    }
+    drop(seat);
     let (v2, _) = g.agree(&[0, 1, 2], None, &[0, 0, 0], 10);
     assert_eq!(
         v2.leader, v.leader,

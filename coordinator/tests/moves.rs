@@ -29,23 +29,6 @@ use ternfleet_shared::bundle::Manifest;
 use ternfleet_shared::cluster::ClusterFile;
 use ternfleet_shared::mtls;
 
-fn strip_ansi(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    let mut it = s.chars();
-    while let Some(c) = it.next() {
-        if c == '\u{1b}' {
-            for d in it.by_ref() {
-                if d.is_ascii_alphabetic() {
-                    break;
-                }
-            }
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
 struct Fleet {
     dir: tempfile::TempDir,
     procs: std::collections::BTreeMap<String, Proc>,
@@ -134,13 +117,7 @@ impl Fleet {
             .args(extra)
             .env("RUST_LOG", "info,raft=warn")
             .stdout(Stdio::piped())
-            .stderr(
-                std::fs::OpenOptions::new()
-                    .create(true)
-                    .append(true)
-                    .open(&log)
-                    .map_or(Stdio::null(), Stdio::from),
-            )
+            .stderr(append_to(&log))
             .spawn()
             .expect("spawning ternfleet node");
         let mut p = Proc(child);
@@ -175,28 +152,6 @@ fn copy_dir(from: &Path, to: &Path) {
             std::fs::copy(e.path(), dest).unwrap();
         }
     }
-}
-
-fn ctl(admin: &str, certs: &Path, args: &[&str]) -> (bool, String, String) {
-    let out = Command::new(bin())
-        .args(["ctl", "--addr", admin, "--certs"])
-        .arg(certs)
-        .args(args)
-        .output()
-        .expect("running ternfleet ctl");
-    (
-        out.status.success(),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
-}
-
-fn ctl_json(admin: &str, certs: &Path, args: &[&str]) -> Value {
-    let mut all = vec!["--json"];
-    all.extend_from_slice(args);
-    let (ok, out, err) = ctl(admin, certs, &all);
-    assert!(ok, "ctl {args:?} failed: {err}");
-    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("{out}: {e}"))
 }
 
 /// One streamed completion: (token pieces, logprobs as f32 bits, the instant each token
@@ -283,12 +238,6 @@ fn rebalancing_onto_two_new_nodes_under_load_fails_no_request() {
     drop(single);
 
     let stop = AtomicBool::new(false);
-    struct StopOnDrop<'a>(&'a AtomicBool);
-    impl Drop for StopOnDrop<'_> {
-        fn drop(&mut self) {
-            self.0.store(true, Ordering::SeqCst);
-        }
-    }
     let (results, window, applied) = std::thread::scope(|s| {
         let _stop = StopOnDrop(&stop);
         let clients: Vec<_> = (0..2)
@@ -441,6 +390,12 @@ fn rebalancing_onto_two_new_nodes_under_load_fails_no_request() {
     let show = ctl_json(&admin, &certs, &["placement", "show"]);
     assert_eq!(show["moves"], serde_json::json!([]), "{show}");
     assert_eq!(show["nodes"].as_array().unwrap().len(), 3, "{show}");
+    // Every member's applied index and lag (a node's from its heartbeats).
+    let st = ctl_json(&admin, &certs, &["status"]);
+    for m in st["members"].as_array().unwrap() {
+        let (applied, lag) = (m["applied"].as_u64().unwrap(), m["lag"].as_u64().unwrap());
+        assert!(applied > 0 && lag < 50, "{m}");
+    }
     let mut copied = 0;
     for id in ["n1", "n2", "n3", "n4"] {
         copied += f.log(id).matches("sha256 verified").count();
@@ -515,12 +470,6 @@ fn a_node_killed_mid_copy_resumes_its_partial_blob_after_restart() {
 
     let stop = AtomicBool::new(false);
     let (failed, done) = std::thread::scope(|s| {
-        struct StopOnDrop<'a>(&'a AtomicBool);
-        impl Drop for StopOnDrop<'_> {
-            fn drop(&mut self) {
-                self.0.store(true, Ordering::SeqCst);
-            }
-        }
         let _stop = StopOnDrop(&stop);
         let client = s.spawn(|| {
             let (mut failed, mut done) = (Vec::new(), 0usize);

@@ -242,10 +242,12 @@ async fn heartbeats(m: Arc<Member>, health: Health) {
             }
             Some(false) => {}
         }
+        let applied = m.handle.status().await.map_or(0, |s| s.applied);
         let cmd = Command::Heartbeat {
             id: m.id.clone(),
             at_ms: now_ms(),
             loading,
+            applied,
         };
         if let Err(e) = m.handle.propose(cmd).await {
             tracing::debug!("control: heartbeat: {e}");

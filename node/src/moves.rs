@@ -65,6 +65,17 @@ pub struct BackendOptions {
     pub io_threads: usize,
 }
 
+/// How moves copy into this node and what a source does after.
+#[derive(Clone, Copy, Debug)]
+pub struct MoveOptions {
+    /// Delete the blob file of an expert dropped after a move (`--prune`).
+    pub prune: bool,
+    /// Copy rate limit, bytes per second (0: none; `--move-rate`).
+    pub rate: u64,
+    /// Bytes per `Fetch` (`--move-chunk`).
+    pub chunk: u32,
+}
+
 /// The node's open experts and where they come from.
 pub struct Holdings {
     id: String,
@@ -74,12 +85,7 @@ pub struct Holdings {
     backend: BackendOptions,
     verified: VerifiedParts,
     svc: Arc<Service>,
-    /// Delete the blob file of an expert dropped after a move.
-    prune: bool,
-    /// Copy rate limit, bytes per second (0: none).
-    rate: u64,
-    /// Bytes per `Fetch`.
-    chunk: u32,
+    moves: MoveOptions,
     open: Mutex<BTreeMap<(u32, u32), FfnWeights>>,
 }
 
@@ -95,9 +101,7 @@ impl Holdings {
         backend: BackendOptions,
         verified: VerifiedParts,
         svc: Arc<Service>,
-        prune: bool,
-        rate: u64,
-        chunk: u32,
+        moves: MoveOptions,
     ) -> Holdings {
         Holdings {
             id: id.to_string(),
@@ -107,9 +111,10 @@ impl Holdings {
             backend,
             verified,
             svc,
-            prune,
-            rate,
-            chunk: chunk.max(1),
+            moves: MoveOptions {
+                chunk: moves.chunk.max(1),
+                ..moves
+            },
             open: Mutex::new(BTreeMap::new()),
         }
     }
@@ -397,7 +402,7 @@ pub fn follow(
                         for k in &drop {
                             unneeded.remove(k);
                             tracing::info!("moves: dropped layer {} expert {}", k.0, k.1);
-                            if h.prune {
+                            if h.moves.prune {
                                 prune(&h, *k);
                             }
                         }
@@ -540,7 +545,7 @@ fn copy(
             c
         }
     };
-    copy_with(&h.dir, part, h.chunk, h.rate, |req| {
+    copy_with(&h.dir, part, h.moves.chunk, h.moves.rate, |req| {
         rt.block_on(ask(&conn, req))
     })
 }
@@ -676,6 +681,7 @@ mod tests {
                 .iter()
                 .map(|(l, es)| (*l, es.iter().copied().collect()))
                 .collect(),
+            applied: 0,
         }
     }
 

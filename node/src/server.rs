@@ -23,7 +23,7 @@ use ternfleet_shared::wire::{Frame, NodeState, HEADER, MAX_FRAME};
 
 use crate::control::Member;
 use crate::expert::Activation;
-use crate::moves::{BackendOptions, Holdings};
+use crate::moves::{BackendOptions, Holdings, MoveOptions};
 use crate::service::Service;
 use crate::shard::{open_experts_with, ExpertShape};
 use crate::store::Evict;
@@ -315,9 +315,11 @@ fn holdings(svc: &Arc<Service>, opts: &NodeOptions, man: Arc<Manifest>) -> Holdi
         },
         VerifiedParts::open(opts.state_dir.as_deref(), &opts.bundle),
         svc.clone(),
-        opts.prune,
-        opts.move_rate,
-        opts.move_chunk,
+        MoveOptions {
+            prune: opts.prune,
+            rate: opts.move_rate,
+            chunk: opts.move_chunk,
+        },
     )
 }
 
@@ -358,17 +360,18 @@ fn load(h: &Holdings, opts: &NodeOptions, held: Vec<Vec<usize>>, total: u64) -> 
     if let Err(e) = h.verified().save() {
         tracing::warn!("node: could not remember the verified blobs (they are hashed again at the next start): {e}");
     }
-    if let Err(e) = h.install(open) {
-        tracing::error!("node: {e}");
-        h.svc().set_state(NodeState::Unavailable(e));
-        return false;
-    }
+    // Logged before the shard is served: whoever sees the node answer finds the line.
     let (hashed, remembered) = h.verified().counts();
     tracing::info!(
         bytes = total,
         "node: ready in {:.2}s ({hashed} blobs hashed, {remembered} verified at an earlier start)",
         t.elapsed().as_secs_f64()
     );
+    if let Err(e) = h.install(open) {
+        tracing::error!("node: {e}");
+        h.svc().set_state(NodeState::Unavailable(e));
+        return false;
+    }
     true
 }
 

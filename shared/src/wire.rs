@@ -225,6 +225,11 @@ impl Out {
     fn u64(&mut self, v: u64) {
         self.0.extend_from_slice(&v.to_le_bytes());
     }
+    /// A u64 length, then the bytes.
+    fn bytes(&mut self, b: &[u8]) {
+        self.u64(b.len() as u64);
+        self.0.extend_from_slice(b);
+    }
     /// A string, cut to [`MAX_TEXT`] bytes at a character boundary.
     fn text(&mut self, s: &str) {
         let mut end = s.len().min(MAX_TEXT);
@@ -252,6 +257,20 @@ impl<'a> In<'a> {
         let (h, t) = self.b.split_at(n);
         self.b = t;
         Ok(h)
+    }
+    /// A u64 length, then that many bytes (checked against what is left before it is used).
+    fn bytes(&mut self, what: &str) -> Result<Vec<u8>, WireError> {
+        let n = self.u64(what)?;
+        let n = usize::try_from(n)
+            .ok()
+            .filter(|&n| n <= self.b.len())
+            .ok_or_else(|| {
+                bad(format!(
+                    "{what}: {n} bytes announced, {} left",
+                    self.b.len()
+                ))
+            })?;
+        Ok(self.take(n, what)?.to_vec())
     }
     fn u8(&mut self, what: &str) -> Result<u8, WireError> {
         Ok(self.take(1, what)?[0])
@@ -398,8 +417,7 @@ impl Frame {
                 o.0.reserve(24 + from.len() + msg.len());
                 o.text(from);
                 o.u64(*to);
-                o.u64(msg.len() as u64);
-                o.0.extend_from_slice(msg);
+                o.bytes(msg);
             }
             Frame::Join { id, addr } => {
                 o.text(id);
@@ -441,8 +459,7 @@ impl Frame {
                 o.u32(*expert);
                 o.u64(*offset);
                 o.u64(*total);
-                o.u64(bytes.len() as u64);
-                o.0.extend_from_slice(bytes);
+                o.bytes(bytes);
             }
         }
         let len = o.0.len() - HEADER;
@@ -574,12 +591,7 @@ impl Frame {
             k if k == Kind::Raft as u8 => {
                 let from = r.text("raft from")?;
                 let to = r.u64("raft to")?;
-                let n = r.u64("raft length")?;
-                let n = usize::try_from(n)
-                    .ok()
-                    .filter(|&n| n <= r.b.len())
-                    .ok_or_else(|| bad(format!("raft: {n} bytes announced, {} left", r.b.len())))?;
-                let msg = r.take(n, "raft message")?.to_vec();
+                let msg = r.bytes("raft message")?;
                 Frame::Raft { from, to, msg }
             }
             k if k == Kind::Join as u8 => Frame::Join {
@@ -612,12 +624,7 @@ impl Frame {
                 let expert = r.u32("blob expert")?;
                 let offset = r.u64("blob offset")?;
                 let total = r.u64("blob total")?;
-                let n = r.u64("blob length")?;
-                let n = usize::try_from(n)
-                    .ok()
-                    .filter(|&n| n <= r.b.len())
-                    .ok_or_else(|| bad(format!("blob: {n} bytes announced, {} left", r.b.len())))?;
-                let bytes = r.take(n, "blob bytes")?.to_vec();
+                let bytes = r.bytes("blob bytes")?;
                 Frame::Blob {
                     layer,
                     expert,

@@ -338,6 +338,84 @@ pub fn stream_with_fault(
     (toks, lps, gap)
 }
 
+/// Sets its flag when dropped: clients in a `thread::scope` stop however the scope ends (a
+/// failed assertion included).
+pub struct StopOnDrop<'a>(pub &'a std::sync::atomic::AtomicBool);
+
+impl Drop for StopOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// Posts a completion and compares it with `want` (tokens, logprob bits): why it failed, if
+/// it did.
+pub fn check_completion(url: &str, body: &Value, want: &(Vec<String>, Vec<u32>)) -> Option<String> {
+    let (status, v) = post(url, body);
+    if status != 200 {
+        return Some(format!("{status}: {v}"));
+    }
+    let (t, l) = logprobs_of(&v);
+    let got = (
+        t,
+        l.iter()
+            .map(|&x| (x as f32).to_bits())
+            .collect::<Vec<u32>>(),
+    );
+    (got != *want).then(|| "output differs".to_string())
+}
+
+/// `ternfleet ctl` against a seated coordinator's admin API: (success, stdout, stderr).
+pub fn ctl(admin: &str, certs: &Path, args: &[&str]) -> (bool, String, String) {
+    let out = Command::new(bin())
+        .args(["ctl", "--addr", admin, "--certs"])
+        .arg(certs)
+        .args(args)
+        .output()
+        .expect("running ternfleet ctl");
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// `ternfleet ctl --json …`: the admin API's response (asserting the command succeeded).
+pub fn ctl_json(admin: &str, certs: &Path, args: &[&str]) -> Value {
+    let mut a = vec!["--json"];
+    a.extend_from_slice(args);
+    let (ok, out, err) = ctl(admin, certs, &a);
+    assert!(ok, "ctl {args:?} failed: {err}");
+    serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("ctl {args:?}: {e}: {out}"))
+}
+
+/// A child's stderr appended to `log` (a restarted process keeps the earlier lines).
+pub fn append_to(log: &Path) -> Stdio {
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_or(Stdio::null(), Stdio::from)
+}
+
+/// `s` without ANSI colour codes (tracing colours its fields).
+pub fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut it = s.chars();
+    while let Some(c) = it.next() {
+        if c == '\u{1b}' {
+            for d in it.by_ref() {
+                if d.is_ascii_alphabetic() {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
 /// Waits until `needle` appears in the coordinator's log at least `n` times.
 pub fn wait_for_log(s: &Server, needle: &str, n: usize, secs: u64) {
     let t = Instant::now();
