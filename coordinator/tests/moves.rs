@@ -200,6 +200,20 @@ fn stream(url: &str, body: &Value) -> Result<Streamed, String> {
     }
 }
 
+/// Whether every node of `show` (a `placement show`) has the blob files of exactly as many
+/// experts as it holds.
+fn files_match(f: &Fleet, man: &Manifest, show: &Value) -> bool {
+    show["nodes"].as_array().unwrap().iter().all(|n| {
+        let id = n["id"].as_str().unwrap();
+        let files = man
+            .experts
+            .iter()
+            .filter(|e| f.bundle(id).join(&e.part.file).exists())
+            .count();
+        Some(files as u64) == n["count"].as_u64()
+    })
+}
+
 /// `0-5,9` → 0, 1, ..., 5, 9 (the admin API's expert specs).
 fn ranges(s: &str) -> Vec<usize> {
     s.split(',')
@@ -528,8 +542,16 @@ fn a_node_killed_mid_copy_resumes_its_partial_blob_after_restart() {
             "{started} moves finished {:.1} s after n3's restart",
             t.elapsed().as_secs_f64()
         );
-
-        std::thread::sleep(Duration::from_secs(6));
+        // Load on through the sources' drop grace: wait until every node holds the files of
+        // exactly what it serves (the sources pruned theirs).
+        let t = Instant::now();
+        while !files_match(&f, &man, &ctl_json(&admin, &certs, &["placement", "show"])) {
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "the sources never pruned"
+            );
+            std::thread::sleep(Duration::from_millis(200));
+        }
         stop.store(true, Ordering::SeqCst);
         client.join().expect("client")
     });
@@ -538,17 +560,14 @@ fn a_node_killed_mid_copy_resumes_its_partial_blob_after_restart() {
     let log = f.log("n3");
     assert!(log.contains("moves: resuming layer"), "{log}");
     let show = ctl_json(&admin, &certs, &["placement", "show"]);
-    for n in show["nodes"].as_array().unwrap() {
-        let id = n["id"].as_str().unwrap();
-        let mut files = 0;
+    assert!(files_match(&f, &man, &show), "{show}");
+    for id in ["n1", "n2", "n3"] {
         for e in &man.experts {
             if f.bundle(id).join(&e.part.file).exists() {
                 Manifest::verify_part(&f.bundle(id), &e.part)
                     .unwrap_or_else(|err| panic!("{id}: {err}"));
-                files += 1;
             }
         }
-        assert_eq!(files, n["count"].as_u64().unwrap(), "{id}: {show}");
     }
     let n3 = show["nodes"]
         .as_array()
