@@ -13,10 +13,15 @@
 //!    replica on it that best closes the gap moves to the least loaded node that can take it
 //!    (bounded rounds; each move counted).
 //!
+//! 4. **Co-location.** From the routing of recent tokens (which experts each token used, per
+//!    layer), within each layer: move a replica to another node, or swap two, where that puts
+//!    experts that fire together on one node, when each moved expert saves at least
+//!    `colocate_min` round trips per token and no node goes above the balance line.
+//!
 //! Load is routing-weighted: an expert's share of the routed rows, split evenly over its
-//! replicas (the coordinator rotates the preferred replica per expert). Co-locating experts
-//! that fire together is not attempted yet (the quality figures in docs/control-plane.md say
-//! what it would save).
+//! replicas (the coordinator rotates the preferred replica per step). Round trips per token
+//! and layer are estimated on the sampled tokens with the coordinator's own router
+//! ([`ternfleet_shared::cluster::cover`]: per token, the fewest nodes holding its experts).
 
 use std::collections::{BTreeMap, BTreeSet};
 
@@ -37,6 +42,12 @@ pub struct PlanInput {
     pub hot_factor: f64,
     /// Balance until max node load ≤ (1 + tolerance) × mean.
     pub tolerance: f64,
+    /// `samples[layer]`: the routed experts of recently routed tokens (which fire
+    /// together); empty = unknown (no co-location).
+    pub samples: Vec<Vec<Vec<u32>>>,
+    /// Co-locate only where each moved expert saves at least this many round trips per
+    /// token (summed over layers); infinite = never.
+    pub colocate_min: f64,
 }
 
 impl Default for PlanInput {
@@ -49,6 +60,8 @@ impl Default for PlanInput {
             replicas: 2,
             hot_factor: 2.0,
             tolerance: 0.10,
+            samples: Vec::new(),
+            colocate_min: 0.01,
         }
     }
 }
@@ -69,6 +82,13 @@ pub struct Plan {
     pub hot: Vec<(u32, u32)>,
     /// Bytes each node holds after the plan.
     pub bytes_after: BTreeMap<String, u64>,
+    /// Round trips per token and layer on the sampled tokens, before and after (0 without
+    /// samples).
+    pub round_trips_before: f64,
+    pub round_trips_after: f64,
+    /// Tokens sampled (summed over layers) and the moves made for co-location.
+    pub sampled_tokens: usize,
+    pub colocation_moves: usize,
 }
 
 impl Plan {
@@ -222,6 +242,10 @@ pub fn plan(state: &ClusterState, input: &PlanInput) -> Result<Plan, PlanError> 
     recompute(&mut nodes, &holders);
     let load_before: BTreeMap<String, f64> = nodes.iter().map(|n| (n.id.clone(), n.load)).collect();
     let current = holders.clone();
+    if !input.samples.is_empty() && input.samples.len() != nl {
+        return Err(PlanError::Input(format!("samples must have {nl} layers")));
+    }
+    let round_trips_before = round_trips(&current, &input.samples);
     // Trim to the wanted count (keep the first holders: fewest changes), then fill, hottest
     // experts first.
     for (l, layer) in holders.iter_mut().enumerate() {
@@ -298,6 +322,34 @@ pub fn plan(state: &ClusterState, input: &PlanInput) -> Result<Plan, PlanError> 
         }
         recompute(&mut nodes, &holders);
     }
+    // Co-location: within each layer, move or swap replicas so that experts that fire
+    // together share a node, below the balance line.
+    let mut colocation_moves = 0;
+    if input.colocate_min.is_finite() && !input.samples.is_empty() {
+        let mean = nodes.iter().map(|n| n.load).sum::<f64>() / nodes.len() as f64;
+        let max = nodes.iter().map(|n| n.load).fold(0.0, f64::max);
+        let line = max.max(mean * (1.0 + input.tolerance));
+        let min = nodes.iter().map(|n| n.load).fold(f64::INFINITY, f64::min);
+        let floor = min.min(mean * (1.0 - input.tolerance));
+        for (l, sample) in input.samples.iter().enumerate() {
+            let shares: Vec<f64> = (0..ne).map(|e| share(l, e)).collect();
+            let sizes = &input.sizes[l];
+            colocation_moves += colocate(
+                &mut holders[l],
+                &mut nodes,
+                sample,
+                &Layer {
+                    shares: &shares,
+                    sizes,
+                    line,
+                    floor,
+                    min: input.colocate_min,
+                },
+            );
+        }
+        recompute(&mut nodes, &holders);
+    }
+    let round_trips_after = round_trips(&holders, &input.samples);
     // The moves: per expert, new holders; a new holder replaces a dropped one where there
     // is one (a relocation), else it is a new replica.
     // A node being decommissioned is a source first: each of its experts leaves it by a
@@ -351,7 +403,229 @@ pub fn plan(state: &ClusterState, input: &PlanInput) -> Result<Plan, PlanError> 
         load_after: nodes.iter().map(|n| (n.id.clone(), n.load)).collect(),
         hot,
         bytes_after: nodes.iter().map(|n| (n.id.clone(), n.used)).collect(),
+        round_trips_before,
+        round_trips_after,
+        sampled_tokens: input.samples.iter().map(Vec::len).sum(),
+        colocation_moves,
     })
+}
+
+/// Round trips per token and layer the coordinator's router makes on `samples` with
+/// `holders[layer][expert]` (0 without samples).
+pub fn round_trips(holders: &[Vec<Vec<usize>>], samples: &[Vec<Vec<u32>>]) -> f64 {
+    let (mut calls, mut tokens) = (0usize, 0usize);
+    for (layer, sample) in holders.iter().zip(samples) {
+        calls += layer_calls(layer, sample);
+        tokens += sample.len();
+    }
+    if tokens == 0 {
+        0.0
+    } else {
+        calls as f64 / tokens as f64
+    }
+}
+
+/// One layer's round trips per token on `sample` (0 for none).
+fn layer_round_trips(layer: &[Vec<usize>], sample: &[Vec<u32>]) -> f64 {
+    if sample.is_empty() {
+        0.0
+    } else {
+        layer_calls(layer, sample) as f64 / sample.len() as f64
+    }
+}
+
+/// The calls the router makes for the tokens of `sample` with `layer[expert]` holders.
+fn layer_calls(layer: &[Vec<usize>], sample: &[Vec<u32>]) -> usize {
+    let mut calls = 0;
+    let mut nodes: Vec<usize> = Vec::new();
+    for experts in sample {
+        let hs: Vec<&[usize]> = experts
+            .iter()
+            .map(|&e| layer.get(e as usize).map_or(&[][..], Vec::as_slice))
+            .collect();
+        nodes.clear();
+        nodes.extend(
+            ternfleet_shared::cluster::cover(hs.len(), |i| hs[i], 0)
+                .into_iter()
+                .flatten(),
+        );
+        nodes.sort_unstable();
+        nodes.dedup();
+        calls += nodes.len();
+    }
+    calls
+}
+
+/// One layer's facts for [`colocate`].
+struct Layer<'a> {
+    /// Each expert's share of all routed rows.
+    shares: &'a [f64],
+    sizes: &'a [u64],
+    /// No node's load may end above `line` or below `floor`.
+    line: f64,
+    floor: f64,
+    /// Least round trips per token saved per moved expert.
+    min: f64,
+}
+
+/// Co-locates one layer (step 4 of the module docs): repeatedly takes the relocation or swap
+/// of replicas between two nodes that co-locates the most pair weight per moved expert —
+/// experts `a` and `b` on one node save the tokens that use both a call — and makes it when
+/// the router's round trips on the sample fall by at least `min` per moved expert (else
+/// the candidate is set aside and the next one tried; bounded). Returns the experts moved.
+fn colocate(
+    holders: &mut [Vec<usize>],
+    nodes: &mut [Node],
+    sample: &[Vec<u32>],
+    f: &Layer<'_>,
+) -> usize {
+    let ne = holders.len();
+    let nn = nodes.len();
+    if sample.is_empty() || nn < 2 {
+        return 0;
+    }
+    // c[a * ne + b]: share of sampled tokens that use both a and b.
+    let mut c = vec![0f64; ne * ne];
+    let unit = 1.0 / sample.len() as f64;
+    for t in sample {
+        for (i, &a) in t.iter().enumerate() {
+            for &b in &t[i + 1..] {
+                let (a, b) = (a as usize, b as usize);
+                if a < ne && b < ne && a != b {
+                    c[a * ne + b] += unit;
+                    c[b * ne + a] += unit;
+                }
+            }
+        }
+    }
+    let on = |holders: &[Vec<usize>], n: usize, e: usize| holders[e].contains(&n);
+    // w[x * nn + n]: pair weight of x with the experts node n holds (x itself excluded).
+    let mut w = vec![0f64; ne * nn];
+    for (y, h) in holders.iter().enumerate() {
+        for &n in h {
+            for x in 0..ne {
+                w[x * nn + n] += c[x * ne + y];
+            }
+        }
+    }
+    let load_of = |holders: &[Vec<usize>], nodes: &[Node], e: usize, n: usize| {
+        f.shares[e] / holders[e].len().max(1) as f64 / nodes[n].speed
+    };
+    let mut moved = 0;
+    let mut now = layer_round_trips(holders, sample);
+    // Candidates the pairs favoured but the round trips did not.
+    let mut rejected: Vec<(usize, usize, usize, Option<usize>)> = Vec::new();
+    for _ in 0..ne * 2 {
+        // (pair weight gained per moved expert, a, from, to, Some(b) for a swap).
+        let mut best: Option<(f64, usize, usize, usize, Option<usize>)> = None;
+        let mut held_by: Vec<Vec<usize>> = vec![Vec::new(); nn];
+        for (e, h) in holders.iter().enumerate() {
+            for &n in h {
+                held_by[n].push(e);
+            }
+        }
+        for a in 0..ne {
+            for &from in &holders[a] {
+                for to in 0..nn {
+                    if to == from || on(holders, to, a) {
+                        continue;
+                    }
+                    let fits_a = nodes[to].used.saturating_add(f.sizes[a]) <= nodes[to].room;
+                    let la_to = load_of(holders, nodes, a, to);
+                    // A relocation of a.
+                    if fits_a
+                        && nodes[to].load + la_to <= f.line
+                        && nodes[from].load - load_of(holders, nodes, a, from) >= f.floor
+                        && !rejected.contains(&(a, from, to, None))
+                    {
+                        let gain = w[a * nn + to] - w[a * nn + from];
+                        if best.is_none_or(|b| gain > b.0) {
+                            best = Some((gain, a, from, to, None));
+                        }
+                    }
+                    // A swap with b (on `to`, not on `from`).
+                    for &b in &held_by[to] {
+                        if on(holders, from, b) {
+                            continue;
+                        }
+                        let room_to = nodes[to].used - f.sizes[b].min(nodes[to].used);
+                        let room_from = nodes[from].used - f.sizes[a].min(nodes[from].used);
+                        if room_to.saturating_add(f.sizes[a]) > nodes[to].room
+                            || room_from.saturating_add(f.sizes[b]) > nodes[from].room
+                        {
+                            continue;
+                        }
+                        let new_to = nodes[to].load - load_of(holders, nodes, b, to) + la_to;
+                        let new_from = nodes[from].load - load_of(holders, nodes, a, from)
+                            + load_of(holders, nodes, b, from);
+                        if new_to > f.line
+                            || new_from > f.line
+                            || new_to < f.floor
+                            || new_from < f.floor
+                            || rejected.contains(&(a, from, to, Some(b)))
+                        {
+                            continue;
+                        }
+                        let gain = (w[a * nn + to] + w[b * nn + from]
+                            - w[a * nn + from]
+                            - w[b * nn + to]
+                            - 2.0 * c[a * ne + b])
+                            / 2.0;
+                        if best.is_none_or(|x| gain > x.0) {
+                            best = Some((gain, a, from, to, Some(b)));
+                        }
+                    }
+                }
+            }
+        }
+        let Some((gain, a, from, to, swap)) = best else {
+            break;
+        };
+        if gain <= 0.0 {
+            break;
+        }
+        // Pairs only point the way: the change is made when the router's round trips on
+        // the sample fall by `min` per moved expert.
+        let mut trial = holders.to_vec();
+        let mut swap_in = |e: usize, from: usize, to: usize| {
+            if let Some(p) = trial[e].iter().position(|&x| x == from) {
+                trial[e][p] = to;
+            }
+        };
+        swap_in(a, from, to);
+        if let Some(b) = swap {
+            swap_in(b, to, from);
+        }
+        let after = layer_round_trips(&trial, sample);
+        let n_moved = if swap.is_some() { 2.0 } else { 1.0 };
+        if (now - after) / n_moved < f.min || after >= now {
+            rejected.push((a, from, to, swap));
+            continue;
+        }
+        now = after;
+        let mut relocate =
+            |holders: &mut [Vec<usize>], nodes: &mut [Node], e: usize, from: usize, to: usize| {
+                let l_from = load_of(holders, nodes, e, from);
+                let l_to = load_of(holders, nodes, e, to);
+                if let Some(p) = holders[e].iter().position(|&x| x == from) {
+                    holders[e][p] = to;
+                }
+                nodes[from].load -= l_from;
+                nodes[from].used -= f.sizes[e].min(nodes[from].used);
+                nodes[to].load += l_to;
+                nodes[to].used += f.sizes[e];
+                for x in 0..ne {
+                    w[x * nn + from] -= c[x * ne + e];
+                    w[x * nn + to] += c[x * ne + e];
+                }
+                moved += 1;
+            };
+        relocate(holders, nodes, a, from, to);
+        if let Some(b) = swap {
+            relocate(holders, nodes, b, to, from);
+        }
+    }
+    moved
 }
 
 #[cfg(test)]
@@ -521,6 +795,80 @@ mod tests {
             n.caps.disk_bytes = 500;
         }
         assert!(matches!(plan(&tiny, &inp), Err(PlanError::NoRoom { .. })));
+    }
+
+    #[test]
+    fn experts_that_fire_together_are_put_on_one_node_without_unbalancing() {
+        // One layer, 8 experts; tokens use the pairs {0,1} {2,3} {4,5} {6,7}, and each pair
+        // is split over n1 and n2: every token costs two round trips.
+        let mut s = ClusterState::default();
+        s.nodes.insert("n1".into(), node(&[(0, &[0, 2, 4, 6])]));
+        s.nodes.insert("n2".into(), node(&[(0, &[1, 3, 5, 7])]));
+        let samples: Vec<Vec<u32>> = (0..100)
+            .map(|i| vec![2 * (i % 4), 2 * (i % 4) + 1])
+            .collect();
+        let inp = PlanInput {
+            n_layer: 1,
+            n_expert: 8,
+            sizes: vec![vec![1000; 8]],
+            load: vec![vec![25; 8]],
+            replicas: 1,
+            samples: vec![samples],
+            ..PlanInput::default()
+        };
+        let p = plan(&s, &inp).unwrap();
+        check_valid(&s, &p, &inp);
+        assert!(
+            (p.round_trips_before - 2.0).abs() < 1e-9,
+            "{}",
+            p.round_trips_before
+        );
+        assert!(
+            (p.round_trips_after - 1.0).abs() < 1e-9,
+            "{}",
+            p.round_trips_after
+        );
+        // Four relocations (two swaps) are the least that co-locate four split pairs.
+        assert_eq!(p.moves.len(), 4, "{:?}", p.moves);
+        assert_eq!(p.colocation_moves, 4);
+        assert!(Plan::imbalance(&p.load_after) <= 1.0 + 1e-9);
+        for t in p.target.values() {
+            let es = &t[&0];
+            assert!(
+                es.iter().all(|e| es.contains(&(e ^ 1))),
+                "pair split: {es:?}"
+            );
+        }
+        eprintln!(
+            "co-location: round trips per token {:.2} -> {:.2} with {} moves",
+            p.round_trips_before,
+            p.round_trips_after,
+            p.moves.len()
+        );
+        // Planned again from there: nothing left to gain.
+        let mut s2 = s.clone();
+        for (id, t) in &p.target {
+            s2.nodes.get_mut(id).unwrap().experts = t.clone();
+        }
+        let again = plan(&s2, &inp).unwrap();
+        assert!(again.moves.is_empty(), "{:?}", again.moves);
+        // Switched off, or with no samples: no co-location move.
+        let off = PlanInput {
+            colocate_min: f64::INFINITY,
+            ..inp.clone()
+        };
+        assert!(plan(&s, &off).unwrap().moves.is_empty());
+        let blind = PlanInput {
+            samples: Vec::new(),
+            ..inp.clone()
+        };
+        assert!(plan(&s, &blind).unwrap().moves.is_empty());
+        // A saving below the threshold is not worth a move.
+        let strict = PlanInput {
+            colocate_min: 0.3,
+            ..inp
+        };
+        assert!(plan(&s, &strict).unwrap().moves.is_empty());
     }
 
     #[test]

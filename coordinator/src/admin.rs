@@ -150,17 +150,13 @@ impl AdminService {
         }))
     }
 
-    /// The rows the coordinator routed per expert, by layer.
-    fn routed(&self) -> Vec<Vec<u64>> {
+    /// What the coordinator routed: rows per expert and recent tokens' experts, by layer.
+    fn routed(&self) -> crate::remote::RoutingStats {
         self.seat
             .routed
             .lock()
             .map(|c| c.clone())
             .unwrap_or_default()
-    }
-
-    fn routed_rows(&self) -> u64 {
-        self.routed().iter().flatten().sum()
     }
 
     /// A plan over `state` by the routing observed so far (uniform before any); zero or
@@ -171,17 +167,24 @@ impl AdminService {
         replicas: u32,
         hot_factor: f64,
         tolerance: f64,
+        colocate_min: f64,
     ) -> Result<ternfleet_control::planner::Plan, Status> {
         use ternfleet_control::planner::{plan, PlanInput};
         let defaults = PlanInput::default();
         let pick = |v: f64, d: f64| if v > 0.0 && v.is_finite() { v } else { d };
-        let load = self.routed();
-        let routed_rows: u64 = load.iter().flatten().sum();
+        let routed = self.routed();
+        let routed_rows: u64 = routed.rows.iter().flatten().sum();
         let mut load_full = vec![vec![0u64; self.n_expert]; self.n_layer];
-        for (l, row) in load.iter().enumerate().take(self.n_layer) {
+        for (l, row) in routed.rows.iter().enumerate().take(self.n_layer) {
             for (e, &c) in row.iter().enumerate().take(self.n_expert) {
                 load_full[l][e] = c;
             }
+        }
+        let mut samples = routed.recent;
+        if samples.iter().all(Vec::is_empty) {
+            samples.clear();
+        } else {
+            samples.resize(self.n_layer, Vec::new());
         }
         let input = PlanInput {
             n_layer: self.n_layer,
@@ -202,6 +205,13 @@ impl AdminService {
                 tolerance
             } else {
                 pick(tolerance, defaults.tolerance)
+            },
+            samples,
+            // Negative: never co-locate; 0: the default.
+            colocate_min: if colocate_min < 0.0 {
+                f64::INFINITY
+            } else {
+                pick(colocate_min, defaults.colocate_min)
             },
         };
         plan(state, &input).map_err(|e| Status::failed_precondition(e.to_string()))
@@ -381,7 +391,7 @@ impl Admin for AdminService {
             // Moves in flight: the plan would be made against a placement about to change.
             in_flight
         } else {
-            let p = self.plan(&state, replicas, 0.0, f64::INFINITY)?;
+            let p = self.plan(&state, replicas, 0.0, f64::INFINITY, -1.0)?;
             let off: Vec<ternfleet_control::Move> =
                 p.moves.into_iter().filter(|m| involved(m)).collect();
             self.start_moves(&state, &off).await?
@@ -457,7 +467,13 @@ impl Admin for AdminService {
         check_operator(&req)?;
         let r = req.into_inner();
         let state = self.state().await?;
-        let p = self.plan(&state, r.replicas, r.hot_factor, r.tolerance)?;
+        let p = self.plan(
+            &state,
+            r.replicas,
+            r.hot_factor,
+            r.tolerance,
+            r.colocate_min,
+        )?;
         let mut started = Vec::new();
         if r.apply {
             if !state.moves.is_empty() {
@@ -468,7 +484,7 @@ impl Admin for AdminService {
             }
             started = self.start_moves(&state, &p.moves).await?;
         }
-        let routed_rows = self.routed_rows();
+        let routed_rows = self.routed().rows.iter().flatten().sum();
         Ok(Response::new(PlanPlacementResponse {
             started,
             placement_version: state.placement_version,
@@ -496,6 +512,10 @@ impl Admin for AdminService {
             imbalance_before: Plan::imbalance(&p.load_before),
             imbalance_after: Plan::imbalance(&p.load_after),
             routed_rows,
+            round_trips_before: p.round_trips_before,
+            round_trips_after: p.round_trips_after,
+            sampled_tokens: p.sampled_tokens as u64,
+            colocation_moves: p.colocation_moves as u64,
         }))
     }
 

@@ -111,6 +111,20 @@ pub enum Command {
     /// `placement show`, `snapshot save|restore`. Tables by default; --json prints the admin
     /// API's response.
     Ctl(crate::ctl::CtlArgs),
+    /// Exit 0 when GET URL answers 200 within --timeout, else print what it answered and
+    /// exit 1: a healthcheck for images without curl (`ternfleet probe
+    /// http://127.0.0.1:8080/ready`). Plain HTTP only.
+    Probe(ProbeArgs),
+}
+
+/// `ternfleet probe`.
+#[derive(Args, Debug)]
+pub struct ProbeArgs {
+    /// http://HOST:PORT/PATH
+    pub url: String,
+    /// Seconds to wait for the answer.
+    #[arg(long, default_value_t = 5)]
+    pub timeout: u64,
 }
 
 /// `ternfleet certs`.
@@ -123,10 +137,18 @@ pub struct CertsArgs {
 /// `ternfleet certs` subcommands.
 #[derive(Subcommand, Debug)]
 pub enum CertsCmd {
-    /// Make a new cluster CA in DIR (ca.pem, and ca.key readable by the owner only).
+    /// Make a new cluster CA in DIR (ca.pem, and ca.key readable by the owner only), and
+    /// with --issue certificates signed by it.
     Init {
         #[arg(long)]
         dir: PathBuf,
+        /// Also issue a certificate for this id (repeat; as `certs issue`).
+        #[arg(long = "issue")]
+        issue: Vec<String>,
+        /// Keep a CA and certificates DIR already holds (a set-up step run at every start,
+        /// as docker-compose's init does); without it an existing CA is an error.
+        #[arg(long)]
+        keep: bool,
     },
     /// Issue a certificate for ID (a node, `coordinator` or `operator`), signed by DIR's CA.
     Issue {
@@ -345,6 +367,11 @@ pub struct ServeArgs {
     /// (default 127.0.0.1:0; give a routable address when nodes run on other machines).
     #[arg(long, value_name = "ADDR")]
     pub listen: Option<String>,
+    /// With --join: the HOST:PORT the other members reach this coordinator at, when --listen
+    /// binds every interface (0.0.0.0:7500 in a container: --advertise coordinator:7500);
+    /// default the bound address.
+    #[arg(long, value_name = "ADDR")]
+    pub advertise: Option<String>,
     /// With --join: the admin gRPC API's address for `ternfleet ctl` (mutual TLS against the
     /// cluster CA, the `operator` certificate only; default 127.0.0.1:50052; "" = none).
     #[arg(long, value_name = "ADDR")]
@@ -377,6 +404,9 @@ impl ServeArgs {
         }
         if self.join.is_some() {
             c.join = self.join;
+        }
+        if let Some(a) = self.advertise {
+            c.advertise = a;
         }
         if let Some(l) = self.listen {
             c.listen = l;
@@ -1010,7 +1040,42 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Cluster(a) => cmd_cluster(a),
         Command::Node(a) => cmd_node(a),
         Command::Ctl(a) => crate::ctl::run(a),
+        Command::Probe(a) => cmd_probe(a),
     }
+}
+
+fn cmd_probe(a: ProbeArgs) -> Result<()> {
+    use std::io::{Read, Write};
+    let rest = a
+        .url
+        .strip_prefix("http://")
+        .with_context(|| format!("{}: only http:// URLs are probed", a.url))?;
+    let (host, path) = rest
+        .split_once('/')
+        .map_or((rest, "/".to_string()), |(h, p)| (h, format!("/{p}")));
+    let timeout = std::time::Duration::from_secs(a.timeout.max(1));
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(host)
+        .with_context(|| format!("{host}: not a HOST:PORT that resolves"))?
+        .next()
+        .with_context(|| format!("{host}: resolves to no address"))?;
+    let mut conn = std::net::TcpStream::connect_timeout(&addr, timeout)
+        .with_context(|| format!("{}: cannot connect", a.url))?;
+    conn.set_read_timeout(Some(timeout))?;
+    conn.set_write_timeout(Some(timeout))?;
+    let request = format!("GET {path} HTTP/1.0\r\nHost: {host}\r\nConnection: close\r\n\r\n");
+    conn.write_all(request.as_bytes())
+        .with_context(|| format!("{}: sending the request", a.url))?;
+    let mut answer = Vec::new();
+    conn.take(64 * 1024)
+        .read_to_end(&mut answer)
+        .with_context(|| format!("{}: no answer within {timeout:?}", a.url))?;
+    let text = String::from_utf8_lossy(&answer);
+    let status = text.lines().next().unwrap_or_default().to_string();
+    if status.split_whitespace().nth(1) == Some("200") {
+        return Ok(());
+    }
+    let body = text.split_once("\r\n\r\n").map_or("", |(_, b)| b).trim();
+    bail!("{}: {status} {body}", a.url)
 }
 
 fn cmd_serve(a: ServeArgs) -> Result<()> {
@@ -1030,12 +1095,26 @@ fn cmd_serve(a: ServeArgs) -> Result<()> {
 fn cmd_certs(a: CertsArgs) -> Result<()> {
     use ternfleet_shared::mtls;
     match a.cmd {
-        CertsCmd::Init { dir } => {
-            let ca = mtls::init_ca(&dir)?;
-            println!(
-                "cluster CA: {} (its key beside it, readable by you only)",
-                ca.display()
-            );
+        CertsCmd::Init { dir, issue, keep } => {
+            let ca = dir.join("ca.pem");
+            if keep && ca.exists() {
+                println!("cluster CA: {} (kept)", ca.display());
+            } else {
+                let ca = mtls::init_ca(&dir)?;
+                println!(
+                    "cluster CA: {} (its key beside it, readable by you only)",
+                    ca.display()
+                );
+            }
+            for name in issue {
+                let pem = dir.join(format!("{name}.pem"));
+                if keep && pem.exists() {
+                    println!("{name}: {} (kept)", pem.display());
+                    continue;
+                }
+                let (pem, key) = mtls::issue(&dir, &name)?;
+                println!("{name}: {} and {}", pem.display(), key.display());
+            }
         }
         CertsCmd::Issue { dir, name } => {
             let (pem, key) = mtls::issue(&dir, &name)?;

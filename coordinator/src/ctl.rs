@@ -124,6 +124,14 @@ pub struct PlanOpts {
     /// Balance until the most loaded node is within this fraction of the mean.
     #[arg(long, default_value_t = 0.10)]
     tolerance: f64,
+    /// Co-location: move experts that fire together (in the tokens this coordinator routed
+    /// last) onto one node where each moved expert saves at least this many round trips
+    /// per token, summed over layers.
+    #[arg(long = "colocate-min", default_value_t = 0.01)]
+    colocate_min: f64,
+    /// Never move an expert for co-location.
+    #[arg(long = "no-colocate")]
+    no_colocate: bool,
 }
 
 impl PlanOpts {
@@ -133,6 +141,11 @@ impl PlanOpts {
             hot_factor: self.hot_factor,
             tolerance: self.tolerance,
             apply,
+            colocate_min: if self.no_colocate {
+                -1.0
+            } else {
+                self.colocate_min
+            },
         }
     }
 }
@@ -246,6 +259,12 @@ fn print_plan(r: &ternfleet_shared::proto::v1::PlanPlacementResponse) {
     );
     if !r.hot.is_empty() {
         println!("hot experts (one more replica): {}", r.hot.join(" "));
+    }
+    if r.sampled_tokens > 0 {
+        println!(
+            "round trips per token and layer {:.3} -> {:.3} ({} moves co-locate experts that fire together; {} token-layers sampled)",
+            r.round_trips_before, r.round_trips_after, r.colocation_moves, r.sampled_tokens
+        );
     }
     let rows: Vec<Vec<String>> = r
         .nodes

@@ -2,8 +2,10 @@
 //! reached through a [`Transport`] (QUIC in production, an in-memory fault injector in
 //! `coordinator/tests/cluster_mem.rs`).
 //!
-//! Per layer and step, [`RemoteExperts::submit`] groups the batch's routes by node (each
-//! expert's first live holder in the placement), sends each node **one** call with the rows
+//! Per layer and step, [`RemoteExperts::submit`] groups the batch's routes by node (per
+//! token, the fewest live holders of its experts — [`ternfleet_shared::cluster::cover`] — so
+//! co-located experts cost one round trip; ties rotate with the layer's step count, so
+//! replicas share the load), sends each node **one** call with the rows
 //! it needs — the quantized bytes the kernels read — and returns at once; shared experts
 //! (index ≥ the routed count) run here while the calls are away. [`RemoteInFlight::wait`]
 //! collects one row per route; the model then adds them in route order, so the output does
@@ -92,9 +94,64 @@ struct Inner {
     routed: RoutingCounts,
 }
 
-/// Rows routed to each routed expert, `[layer][expert]`, shared with whoever plans the
-/// placement (the admin API).
-pub type RoutingCounts = Arc<Mutex<Vec<Vec<u64>>>>;
+/// What the coordinator routed, shared with whoever plans the placement (the admin API).
+pub type RoutingCounts = Arc<Mutex<RoutingStats>>;
+
+/// Tokens whose routing is kept per layer for the planner's co-location.
+pub const SAMPLE_TOKENS: usize = 4096;
+
+/// The routing observed: rows per expert (load) and, per layer, the experts of the last
+/// [`SAMPLE_TOKENS`] tokens (which experts fire together).
+#[derive(Clone, Debug, Default)]
+pub struct RoutingStats {
+    /// `rows[layer][expert]`: rows routed to it.
+    pub rows: Vec<Vec<u64>>,
+    /// `recent[layer]`: a ring of the routed experts of recent tokens.
+    pub recent: Vec<Vec<Vec<u32>>>,
+    /// Per layer: steps seen, and tokens recorded (the ring's next slot is
+    /// `tokens % SAMPLE_TOKENS`).
+    steps: Vec<u64>,
+    tokens: Vec<u64>,
+}
+
+impl RoutingStats {
+    /// Records one step of `layer`: `routes` (token, expert) over `n_tokens` tokens, experts
+    /// below `n_expert` (the routed ones). Returns the layer's step count before this one.
+    fn record(&mut self, layer: usize, n_expert: usize, n_tokens: usize, routes: &[Route]) -> u64 {
+        if self.rows.len() <= layer {
+            self.rows.resize(layer + 1, Vec::new());
+            self.recent.resize(layer + 1, Vec::new());
+            self.steps.resize(layer + 1, 0);
+            self.tokens.resize(layer + 1, 0);
+        }
+        let row = &mut self.rows[layer];
+        if row.len() < n_expert {
+            row.resize(n_expert, 0);
+        }
+        let mut per_token: Vec<Vec<u32>> = vec![Vec::new(); n_tokens];
+        for r in routes {
+            if (r.expert as usize) < n_expert {
+                row[r.expert as usize] += 1;
+                if let Some(t) = per_token.get_mut(r.token as usize) {
+                    t.push(r.expert);
+                }
+            }
+        }
+        for experts in per_token.into_iter().filter(|t| !t.is_empty()) {
+            let ring = &mut self.recent[layer];
+            let slot = (self.tokens[layer] % SAMPLE_TOKENS as u64) as usize;
+            if ring.len() < SAMPLE_TOKENS {
+                ring.push(experts);
+            } else {
+                ring[slot] = experts;
+            }
+            self.tokens[layer] += 1;
+        }
+        let s = self.steps[layer];
+        self.steps[layer] += 1;
+        s
+    }
+}
 
 /// The remote backend (see the module docs).
 pub struct RemoteExperts {
@@ -516,16 +573,19 @@ pub struct RemoteInFlight {
     local_routes: Vec<usize>,
     local: Option<Result<Vec<f32>, ExpertError>>,
     n_embd: usize,
+    /// The layer's step count: rotates which replica takes a tie.
+    turn: usize,
 }
 
-/// Groups routes `which` of batch `b` by node (first live holder not in `tried`) and sends
-/// one call per node.
+/// Groups routes `which` of batch `b` by node (per token, the fewest live holders not in
+/// `tried`: [`ternfleet_shared::cluster::cover`]) and sends one call per node.
 fn send_parts(
     inner: &Arc<Inner>,
     b: &ExpertBatch<'_>,
     which: &[usize],
     tried: &[usize],
     first_sent: Option<Instant>,
+    turn: usize,
 ) -> Result<Vec<Part>, ExpertError> {
     let (layer, input, routes) = (b.layer, b.input, b.routes);
     let mut by_node: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
@@ -533,11 +593,36 @@ fn send_parts(
     // One placement for the whole call (a newer one may arrive meanwhile: the next call
     // takes it).
     let placement = inner.placement();
+    let live: Vec<bool> = match inner.nodes.lock() {
+        Ok(n) => (0..n.len())
+            .map(|i| n[i].down.is_none() && !tried.contains(&i))
+            .collect(),
+        Err(_) => Vec::new(),
+    };
+    // Per token, the fewest live nodes that hold its experts (co-located experts cost one
+    // round trip); ties rotate with `turn`, so replicas share the load over steps.
+    let mut by_token: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
     for &r in which {
-        let e = routes[r].expert as usize;
-        match inner.pick(&placement, layer, e, tried) {
-            Some(n) => by_node.entry(n).or_default().push(r),
-            None => orphans.push(e as u32),
+        by_token.entry(routes[r].token).or_default().push(r);
+    }
+    for rs in by_token.values() {
+        let holders: Vec<Vec<usize>> = rs
+            .iter()
+            .map(|&r| {
+                placement
+                    .holders(layer, routes[r].expert as usize)
+                    .iter()
+                    .copied()
+                    .filter(|&h| live.get(h).copied().unwrap_or(false))
+                    .collect()
+            })
+            .collect();
+        let picked = ternfleet_shared::cluster::cover(rs.len(), |i| &holders[i], turn);
+        for (&r, node) in rs.iter().zip(picked) {
+            match node {
+                Some(n) => by_node.entry(n).or_default().push(r),
+                None => orphans.push(routes[r].expert),
+            }
         }
     }
     if !orphans.is_empty() {
@@ -563,7 +648,8 @@ fn send_parts(
         });
     }
     let mut parts = Vec::with_capacity(by_node.len());
-    for (node, rs) in by_node {
+    for (node, mut rs) in by_node {
+        rs.sort_unstable();
         // The rows this node needs, once each, in first-use order.
         let mut rows: Vec<usize> = Vec::new();
         let mut slot: BTreeMap<u32, u32> = BTreeMap::new();
@@ -636,7 +722,6 @@ impl ExpertBackend for RemoteExperts {
         let n_shared = self.local_count(layer);
         let mut remote = Vec::new();
         let mut local_routes = Vec::new();
-        let mut counted = Vec::new();
         for (i, r) in b.routes.iter().enumerate() {
             if r.token as usize >= n_tokens {
                 return Err(ExpertError::BadToken {
@@ -648,7 +733,6 @@ impl ExpertBackend for RemoteExperts {
             let e = r.expert as usize;
             if e < self.inner.n_expert {
                 remote.push(i);
-                counted.push(e);
             } else if e < self.inner.n_expert + n_shared {
                 local_routes.push(i);
             } else {
@@ -659,16 +743,13 @@ impl ExpertBackend for RemoteExperts {
                 });
             }
         }
-        if let Ok(mut c) = self.inner.routed.lock() {
-            if c.len() <= layer {
-                c.resize(layer + 1, Vec::new());
-            }
-            let row = &mut c[layer];
-            if row.len() < self.inner.n_expert {
-                row.resize(self.inner.n_expert, 0);
-            }
-            for e in counted {
-                row[e] += 1;
+        let turn = match self.inner.routed.lock() {
+            Ok(mut c) => c.record(layer, self.inner.n_expert, n_tokens, b.routes) as usize,
+            Err(_) => 0,
+        };
+        if !remote.is_empty() {
+            if let Ok(mut s) = self.inner.stats.lock() {
+                s.layer_steps += 1;
             }
         }
         if b.input.ty() != want {
@@ -681,7 +762,7 @@ impl ExpertBackend for RemoteExperts {
                 want,
             });
         }
-        let parts = send_parts(&self.inner, b, &remote, &[], None)?;
+        let parts = send_parts(&self.inner, b, &remote, &[], None, turn)?;
         // Shared experts: computed now, while the calls are away.
         let local = if local_routes.is_empty() {
             None
@@ -710,6 +791,7 @@ impl ExpertBackend for RemoteExperts {
             local_routes,
             local,
             n_embd: b.input.cols(),
+            turn,
         }))
     }
 
@@ -864,14 +946,21 @@ impl InFlight for RemoteInFlight {
                 routes: &self.routes,
                 numerics: self.numerics,
             };
-            let again = send_parts(&inner, &batch, &p.routes, &p.tried, Some(p.first_sent))
-                .map_err(|e| match e {
-                    ExpertError::Unavailable { layer, reason } => ExpertError::Unavailable {
-                        layer,
-                        reason: format!("node {node} failed ({msg}); {reason}"),
-                    },
-                    e => e,
-                })?;
+            let again = send_parts(
+                &inner,
+                &batch,
+                &p.routes,
+                &p.tried,
+                Some(p.first_sent),
+                self.turn,
+            )
+            .map_err(|e| match e {
+                ExpertError::Unavailable { layer, reason } => ExpertError::Unavailable {
+                    layer,
+                    reason: format!("node {node} failed ({msg}); {reason}"),
+                },
+                e => e,
+            })?;
             self.parts.extend(again);
         }
         Ok(ys)

@@ -45,12 +45,13 @@ pub fn default_state_dir() -> Option<PathBuf> {
 
 impl Seat {
     /// Binds the seat's QUIC endpoint at `listen` and joins the group through `join` (any
-    /// member; at a restart the members the store knows are asked too). Call inside a tokio
-    /// runtime.
+    /// member; at a restart the members the store knows are asked too); the members reach it
+    /// at `advertise` (empty: the bound address). Call inside a tokio runtime.
     pub fn start(
         certs: &Path,
         id: &str,
         listen: &str,
+        advertise: &str,
         join: Option<String>,
         state_dir: PathBuf,
     ) -> Result<Seat> {
@@ -65,10 +66,15 @@ impl Seat {
             .local_addr()
             .context("reading the bound QUIC address")?;
         let rt = tokio::runtime::Handle::current();
+        let reach = if advertise.is_empty() {
+            quic.to_string()
+        } else {
+            advertise.to_string()
+        };
         let member = ternfleet_node::control::start(
             &identity,
             id,
-            &quic.to_string(),
+            &reach,
             state_dir,
             endpoint.clone(),
             &rt,

@@ -469,3 +469,104 @@ fn generate_prompts_file_runs_every_line_in_order_like_one_at_a_time() {
         );
     }
 }
+
+/// A one-shot HTTP server on loopback answering every request with `status`; its address.
+fn answer_with(status: &'static str) -> String {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    std::thread::spawn(move || {
+        if let Ok((mut s, _)) = l.accept() {
+            // The whole request (up to its blank line), then the answer.
+            let mut got = Vec::new();
+            let mut buf = [0u8; 1024];
+            while !got.windows(4).any(|w| w == b"\r\n\r\n") {
+                match s.read(&mut buf) {
+                    Ok(0) | Err(_) => break,
+                    Ok(n) => got.extend_from_slice(&buf[..n]),
+                }
+            }
+            let _ = write!(s, "HTTP/1.1 {status}\r\ncontent-length: 9\r\n\r\nnot ready");
+        }
+    });
+    addr
+}
+
+#[test]
+fn probe_exits_0_on_200_and_1_with_the_answer_otherwise() {
+    let ok = bin()
+        .args(["probe", &format!("http://{}/ready", answer_with("200 OK"))])
+        .output()
+        .unwrap();
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    let busy = bin()
+        .args([
+            "probe",
+            &format!("http://{}/ready", answer_with("503 Service Unavailable")),
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&busy.stderr);
+    assert_eq!(busy.status.code(), Some(1), "{err}");
+    assert!(err.contains("503") && err.contains("not ready"), "{err}");
+    // Nothing listening; not http.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let gone = bin()
+        .args([
+            "probe",
+            "--timeout",
+            "2",
+            &format!("http://127.0.0.1:{port}/"),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(gone.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&gone.stderr).contains("cannot connect"));
+    let https = bin().args(["probe", "https://x:1/"]).output().unwrap();
+    assert!(String::from_utf8_lossy(&https.stderr).contains("only http://"));
+}
+
+#[test]
+fn certs_init_issues_and_with_keep_keeps_what_is_there() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().join("certs");
+    let dir = dir.to_str().unwrap();
+    let run = |extra: &[&str]| {
+        let mut a = vec![
+            "certs", "init", "--dir", dir, "--issue", "n1", "--issue", "operator",
+        ];
+        a.extend_from_slice(extra);
+        bin().args(&a).output().unwrap()
+    };
+    let first = run(&[]);
+    assert!(
+        first.status.success(),
+        "{}",
+        String::from_utf8_lossy(&first.stderr)
+    );
+    let ca = std::fs::read(d.path().join("certs/ca.pem")).unwrap();
+    let n1 = std::fs::read(d.path().join("certs/n1.pem")).unwrap();
+    assert!(d.path().join("certs/operator.key").exists());
+    // Again without --keep: an existing CA is an error, nothing replaced.
+    let again = run(&[]);
+    assert!(!again.status.success());
+    // With --keep: kept, and a new id issued beside them.
+    let kept = run(&["--keep", "--issue", "n2"]);
+    assert!(
+        kept.status.success(),
+        "{}",
+        String::from_utf8_lossy(&kept.stderr)
+    );
+    assert!(String::from_utf8_lossy(&kept.stdout).contains("(kept)"));
+    assert_eq!(std::fs::read(d.path().join("certs/ca.pem")).unwrap(), ca);
+    assert_eq!(std::fs::read(d.path().join("certs/n1.pem")).unwrap(), n1);
+    assert!(d.path().join("certs/n2.pem").exists());
+}

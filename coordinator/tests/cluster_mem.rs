@@ -15,9 +15,9 @@ use std::time::{Duration, Instant};
 
 use ternfleet_coordinator::kv_cache::SeqOptions;
 use ternfleet_coordinator::model::{ClusterSpec, ForwardError, Logits, Model, OpenOptions};
-use ternfleet_coordinator::remote::RemoteOptions;
+use ternfleet_coordinator::remote::{RemoteOptions, RoutingCounts};
 use ternfleet_kernels::Numerics;
-use ternfleet_node::expert::{Activation, LocalExperts};
+use ternfleet_node::expert::LocalExperts;
 use ternfleet_node::service::{Service, Shard};
 use ternfleet_node::shard::{open_experts, ExpertShape};
 use ternfleet_shared::bundle::{Gating, Manifest};
@@ -126,6 +126,8 @@ struct Setup {
     plan: ClusterFile,
     /// Newer placements (when the model follows a feed).
     feed: Option<tokio::sync::watch::Sender<(u64, ClusterFile)>>,
+    /// What the model routed (the planner's input).
+    routed: RoutingCounts,
 }
 
 /// `n` in-memory nodes holding a plan with `replicas`, and a model whose experts run on them.
@@ -139,12 +141,6 @@ fn setup_with(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64, follow:
     let plan = ClusterFile::plan(&man, &ids, replicas).unwrap();
     let placement: Placement = plan.placement(man.n_layer, man.moe.n_expert).unwrap();
     let digest = ternfleet_shared::bundle::manifest_digest(b).unwrap();
-    let shape = ExpertShape {
-        n_embd: 256,
-        n_ff: man.moe.n_ff_exp,
-        act: Activation::SwiGlu,
-        routed: man.moe.gating != Gating::TopKUnit,
-    };
     let nodes = placement
         .nodes
         .iter()
@@ -154,17 +150,8 @@ fn setup_with(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64, follow:
                 .iter()
                 .map(|s| s.iter().copied().collect())
                 .collect();
-            let blobs = open_experts(b, &man, shape, |l, e| held[l].contains(&e)).unwrap();
-            let mut layers = vec![Vec::new(); man.n_layer];
-            for (l, _, w) in blobs {
-                layers[l].push(w);
-            }
             let svc = Service::new(&pn.id, "mem", true, &digest, 0);
-            svc.ready(Shard::new(
-                Box::new(LocalExperts::new(layers)),
-                &held,
-                man.moe.n_expert,
-            ));
+            svc.ready(shard(b, &held));
             Arc::new(svc)
         })
         .collect::<Vec<_>>();
@@ -179,6 +166,7 @@ fn setup_with(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64, follow:
         dropped: AtomicU64::new(0),
         nodes,
     });
+    let routed = RoutingCounts::default();
     let (feed, follow) = if follow {
         let (tx, rx) = tokio::sync::watch::channel((1, plan.clone()));
         (Some(tx), Some(rx))
@@ -190,7 +178,7 @@ fn setup_with(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64, follow:
         &OpenOptions {
             cluster: Some(ClusterSpec {
                 follow,
-                routed: Default::default(),
+                routed: routed.clone(),
                 placement,
                 transport: Arc::new(Link(transport.clone())),
                 me: "coordinator".into(),
@@ -209,7 +197,33 @@ fn setup_with(b: &Path, n: usize, replicas: usize, drop: f64, seed: u64, follow:
         model,
         plan,
         feed,
+        routed,
     }
+}
+
+/// A node's shard of bundle `b`: `held[layer]` the experts it holds, ascending.
+fn shard(b: &Path, held: &[Vec<usize>]) -> Shard {
+    let man = Manifest::read(b).unwrap();
+    // The hidden width: the up matrix's rows (ggml ne[0]).
+    let n_embd = man.experts[0]
+        .tensors
+        .iter()
+        .find(|t| t.name == ternfleet_node::shard::BLOB_TENSORS[1])
+        .map(|t| t.dims[0] as usize)
+        .unwrap();
+    let arch = ternfleet_coordinator::model::config::Arch::from_name(&man.architecture).unwrap();
+    let shape = ExpertShape {
+        n_embd,
+        n_ff: man.moe.n_ff_exp,
+        act: ternfleet_coordinator::model::weights::activation(arch),
+        routed: man.moe.gating != Gating::TopKUnit,
+    };
+    let blobs = open_experts(b, &man, shape, |l, e| held[l].contains(&e)).unwrap();
+    let mut layers = vec![Vec::new(); man.n_layer];
+    for (l, _, w) in blobs {
+        layers[l].push(w);
+    }
+    Shard::new(Box::new(LocalExperts::new(layers)), held, man.moe.n_expert)
 }
 
 const PROMPT: &str = "This License applies to any program";
@@ -389,4 +403,144 @@ fn a_newer_placement_is_followed_a_drained_node_gets_no_call_and_comes_back() {
         );
         assert!(run(&s.model, Numerics::Invariant, PROMPT, 6).unwrap() == want);
     }
+}
+
+/// Round trips per layer step of the runs of `prompts` (`n` decode steps each), checking
+/// each run against `want`.
+fn round_trips(s: &Setup, prompts: &[&str], n: usize, want: &[Vec<u32>]) -> f64 {
+    let stats = || s.model.experts.remote_stats().unwrap();
+    let before = stats();
+    for (p, w) in prompts.iter().zip(want) {
+        let got = run(&s.model, Numerics::Invariant, p, n).unwrap();
+        let first = got.iter().zip(w).position(|(a, b)| a != b);
+        assert!(
+            got == *w,
+            "output differs: {p}: len {} vs {}, first at {first:?}: {:?}",
+            got.len(),
+            w.len(),
+            first.map(|i| (f32::from_bits(got[i]), f32::from_bits(w[i])))
+        );
+    }
+    let after = stats();
+    (after.calls - before.calls) as f64 / (after.layer_steps - before.layer_steps) as f64
+}
+
+const PROMPTS: [&str; 4] = [
+    PROMPT,
+    "The quick brown fox jumps over the lazy dog",
+    "In the beginning was the word",
+    "Once upon a time there lived a king",
+];
+
+#[test]
+fn co_located_experts_cost_fewer_round_trips_and_change_no_bit() {
+    let _serial = serial();
+    let (blind, colocated) = colocation(&bundle(), 2, 24);
+    assert!(colocated < blind, "{colocated} !< {blind}");
+}
+
+/// The co-location figure on another bundle (`TERNFLEET_BUNDLE=DIR`, `TERNFLEET_NODES=N`):
+/// `cargo test --release -p ternfleet-coordinator --test cluster_mem -- --ignored
+/// --nocapture`.
+#[test]
+#[ignore = "a measurement: needs TERNFLEET_BUNDLE"]
+fn co_location_on_a_bundle() {
+    let _serial = serial();
+    let b = PathBuf::from(std::env::var("TERNFLEET_BUNDLE").expect("TERNFLEET_BUNDLE=DIR"));
+    let nodes = std::env::var("TERNFLEET_NODES").map_or(2, |n| n.parse().unwrap());
+    let (blind, colocated) = colocation(&b, nodes, 32);
+    assert!(colocated <= blind, "{colocated} > {blind}");
+}
+
+/// Runs [`PROMPTS`] (`n` decode steps each) on `nodes` in-memory nodes placed by bytes (one
+/// replica, blind to routing), plans from what was routed as the admin API does, moves the
+/// experts, follows the new placement and runs them again: every logit the single
+/// process's both times. Returns the round trips per layer step before and after.
+fn colocation(b: &Path, nodes: usize, n: usize) -> (f64, f64) {
+    use ternfleet_control::planner::{plan, PlanInput};
+    use ternfleet_control::state::{ClusterState, Command, NodeStatus};
+    let man = Manifest::read(b).unwrap();
+    let local = Model::open(b).unwrap();
+    let prompts = PROMPTS;
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| run(&local, Numerics::Invariant, p, n).unwrap())
+        .collect();
+    let s = setup_with(b, nodes, 1, 0.0, 7, true);
+    let blind = round_trips(&s, &prompts, n, &want);
+    // Plan from what was routed, as the admin API does.
+    let mut state = ClusterState::default();
+    state.apply(&Command::Seed {
+        bundle: None,
+        file: s.plan.clone(),
+        n_layer: man.n_layer as u32,
+        n_expert: man.moe.n_expert as u32,
+    });
+    for n in state.nodes.values_mut() {
+        n.status = NodeStatus::Up;
+    }
+    let routed = s.routed.lock().unwrap().clone();
+    let input = PlanInput {
+        n_layer: man.n_layer,
+        n_expert: man.moe.n_expert,
+        sizes: vec![vec![1; man.moe.n_expert]; man.n_layer],
+        load: routed.rows.clone(),
+        replicas: 1,
+        samples: routed.recent.clone(),
+        ..PlanInput::default()
+    };
+    let p = plan(&state, &input).unwrap();
+    assert!(p.colocation_moves > 0, "nothing to co-locate: {p:?}");
+    assert!(p.round_trips_after < p.round_trips_before, "{p:?}");
+    // The nodes take the new experts (keeping the old: whichever placement routes, every
+    // call finds its expert), then the coordinator follows the new placement.
+    for (i, svc) in s.transport.nodes.iter().enumerate() {
+        let id = format!("n{}", i + 1);
+        let old = s.plan.placement(man.n_layer, man.moe.n_expert).unwrap();
+        let mut held: Vec<Vec<usize>> = old.nodes[i]
+            .experts
+            .iter()
+            .map(|x| x.iter().copied().collect())
+            .collect();
+        for (&l, es) in &p.target[&id] {
+            for &e in es {
+                if !held[l as usize].contains(&(e as usize)) {
+                    held[l as usize].push(e as usize);
+                }
+            }
+        }
+        for h in &mut held {
+            h.sort_unstable();
+        }
+        svc.ready(shard(b, &held));
+    }
+    for (id, t) in &p.target {
+        state.nodes.get_mut(id).unwrap().experts = t.clone();
+    }
+    s.feed
+        .as_ref()
+        .unwrap()
+        .send((2, state.to_cluster_file()))
+        .unwrap();
+    // Bounded wait for the first run routed with it (the follower takes it at once).
+    let t = Instant::now();
+    while (round_trips(&s, &prompts[..1], n, &want[..1]) - blind).abs() < 1e-9 {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the co-located placement was not taken"
+        );
+    }
+    let colocated = round_trips(&s, &prompts, n, &want);
+    eprintln!(
+        "co-location ({} layers x {} experts, top-{}, {nodes} nodes): round trips per layer step {blind:.3} -> {colocated:.3} measured; planner's estimate per token {:.3} -> {:.3}; {} moves, max/mean load {:.3} -> {:.3}",
+        man.n_layer,
+        man.moe.n_expert,
+        man.moe.n_expert_used,
+        p.round_trips_before,
+        p.round_trips_after,
+        p.moves.len(),
+        ternfleet_control::planner::Plan::imbalance(&p.load_before),
+        ternfleet_control::planner::Plan::imbalance(&p.load_after),
+    );
+    (blind, colocated)
 }

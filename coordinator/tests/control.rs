@@ -750,8 +750,16 @@ fn ctl_drains_and_recommissions_under_load_with_no_failed_request_and_restores_a
     );
     assert!(plan["routed_rows"].as_u64().unwrap() > 0, "{plan}");
     assert!(a <= b.max(1.10) + 1e-9, "{plan}");
+    // Co-location is planned from the tokens routed: every token calls at least one node.
+    assert!(plan["sampled_tokens"].as_u64().unwrap() > 0, "{plan}");
+    let (rb, ra) = (
+        plan["round_trips_before"].as_f64().unwrap(),
+        plan["round_trips_after"].as_f64().unwrap(),
+    );
+    assert!(rb >= 1.0 && ra >= 1.0, "{plan}");
     eprintln!(
-        "placement plan on the observed routing: max/mean load {b:.3} -> {a:.3}, {} moves, hot {}",
+        "placement plan on the observed routing: max/mean load {b:.3} -> {a:.3}, round trips per token and layer {rb:.3} -> {ra:.3} ({} co-location moves), {} moves, hot {}",
+        plan["colocation_moves"],
         plan["moves"].as_array().unwrap().len(),
         plan["hot"]
     );

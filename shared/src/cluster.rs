@@ -353,9 +353,83 @@ impl Placement {
     }
 }
 
+/// Which node each of one token's experts goes to: the fewest nodes that hold them all (greedy
+/// set cover: the node holding most of the experts not yet placed, then the next), so experts
+/// that fire together and sit on one node cost one round trip. `holders(i)` lists the live
+/// nodes holding the token's expert `i`, preferred first; ties go to the node met first when
+/// the experts' holder lists are read in order, each rotated left by `turn` (advance it per
+/// step and replicas share the load). Greedy, so not always the fewest (the shared test
+/// shows a case). Returns, per expert, its node; `None` where it has no holder.
+pub fn cover<'a>(
+    n: usize,
+    holders: impl Fn(usize) -> &'a [usize],
+    turn: usize,
+) -> Vec<Option<usize>> {
+    let mut out = vec![None; n];
+    let mut left: Vec<usize> = (0..n).filter(|&i| !holders(i).is_empty()).collect();
+    let mut order: Vec<usize> = Vec::new();
+    while !left.is_empty() {
+        // Candidates in preference order (first seen wins a tie).
+        order.clear();
+        for &i in &left {
+            let h = holders(i);
+            let k = turn % h.len();
+            for &node in h[k..].iter().chain(&h[..k]) {
+                if !order.contains(&node) {
+                    order.push(node);
+                }
+            }
+        }
+        let count = |node: usize| left.iter().filter(|&&i| holders(i).contains(&node)).count();
+        let mut best = order[0];
+        let mut best_n = count(best);
+        for &node in &order[1..] {
+            let c = count(node);
+            if c > best_n {
+                (best, best_n) = (node, c);
+            }
+        }
+        left.retain(|&i| {
+            if holders(i).contains(&best) {
+                out[i] = Some(best);
+                false
+            } else {
+                true
+            }
+        });
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn cover_takes_the_fewest_nodes_and_rotates_ties() {
+        // Experts 0..3 of one token: 0 on {a=0, b=1}, 1 on {b}, 2 and 3 on {c=2}.
+        let h: Vec<Vec<usize>> = vec![vec![0, 1], vec![1], vec![2], vec![2]];
+        // b takes 0 and 1 (a, preferred for 0, holds one), then c takes 2 and 3: two nodes.
+        assert_eq!(
+            cover(4, |i| &h[i], 0),
+            vec![Some(1), Some(1), Some(2), Some(2)]
+        );
+        // Greedy, not exact: with 3 also on a, a ties b and c and is met first, so three
+        // nodes are called where two (b, c) would do.
+        let g: Vec<Vec<usize>> = vec![vec![0, 1], vec![1], vec![2], vec![0, 2]];
+        assert_eq!(
+            cover(4, |i| &g[i], 0),
+            vec![Some(0), Some(1), Some(2), Some(0)]
+        );
+        // One expert on two replicas: the turn picks which.
+        let r: Vec<Vec<usize>> = vec![vec![4, 7]];
+        assert_eq!(cover(1, |i| &r[i], 0), vec![Some(4)]);
+        assert_eq!(cover(1, |i| &r[i], 1), vec![Some(7)]);
+        assert_eq!(cover(1, |i| &r[i], 2), vec![Some(4)]);
+        // No holder: None, the rest still placed.
+        let g: Vec<Vec<usize>> = vec![vec![], vec![3]];
+        assert_eq!(cover(2, |i| &g[i], 5), vec![None, Some(3)]);
+    }
 
     fn file(text: &str) -> Result<ClusterFile, toml::de::Error> {
         toml::from_str(text)

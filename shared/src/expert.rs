@@ -117,6 +117,9 @@ pub struct RemoteStats {
     pub rtt_ns_max: u64,
     /// Longest wait from a call's send to its replica's answer, over calls that failed over.
     pub stall_ns_max: u64,
+    /// Layer steps that sent rows to nodes: `calls / layer_steps` is the round trips per
+    /// layer and step (per token at batch 1).
+    pub layer_steps: u64,
 }
 
 /// Errors of an expert backend.

@@ -65,6 +65,9 @@ pub struct ServeConfig {
     /// With `join`: the QUIC address the control plane reaches this coordinator at (port 0:
     /// any; give a routable address when the nodes are on other machines).
     pub listen: String,
+    /// With `join`: the address the members reach this coordinator at (empty = the bound
+    /// address).
+    pub advertise: String,
     /// With `join`: the admin gRPC API's address (mutual TLS, the `operator` certificate;
     /// `ternfleet ctl --addr`); empty = none.
     pub admin: String,
@@ -130,6 +133,7 @@ impl Default for ServeConfig {
             step_deadline_ms: 750,
             join: None,
             listen: "127.0.0.1:0".into(),
+            advertise: String::new(),
             admin: "127.0.0.1:50052".into(),
             state_dir: None,
             parallel: 16,

@@ -50,6 +50,7 @@ pub struct StoreMetrics {
 /// The cluster's series (`--cluster`), fed from the remote backend's cumulative counters.
 pub struct ClusterMetrics {
     pub calls: Counter,
+    pub layer_steps: Counter,
     pub failovers: Counter,
     pub sent_bytes: Counter,
     pub received_bytes: Counter,
@@ -117,6 +118,7 @@ impl Metrics {
             },
             cluster: ClusterMetrics {
                 calls: Counter::default(),
+                layer_steps: Counter::default(),
                 failovers: Counter::default(),
                 sent_bytes: Counter::default(),
                 received_bytes: Counter::default(),
@@ -241,6 +243,11 @@ impl Metrics {
             cl.calls.clone(),
         );
         registry.register(
+            "ternfleet_cluster_layer_steps",
+            "Layer steps that sent rows to nodes (calls / layer steps = round trips per layer and step; per token at batch 1)",
+            cl.layer_steps.clone(),
+        );
+        registry.register(
             "ternfleet_cluster_failovers",
             "Calls resent to a replica after their node failed or stalled",
             cl.failovers.clone(),
@@ -279,6 +286,7 @@ impl Metrics {
         let mut last = c.last.lock().unwrap_or_else(|e| e.into_inner());
         let d = |a: u64, b: u64| a.saturating_sub(b);
         c.calls.inc_by(d(now.calls, last.calls));
+        c.layer_steps.inc_by(d(now.layer_steps, last.layer_steps));
         c.failovers.inc_by(d(now.failovers, last.failovers));
         c.sent_bytes.inc_by(d(now.bytes_sent, last.bytes_sent));
         c.received_bytes

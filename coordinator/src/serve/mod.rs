@@ -87,6 +87,7 @@ async fn run(
                 certs,
                 &cfg.id,
                 &cfg.listen,
+                &cfg.advertise,
                 Some(join.clone()),
                 dir,
             )?))
