@@ -31,6 +31,14 @@ t0=$SECONDS
 "${dc[@]}" up -d >&2
 healthy 900
 echo "compose: healthy $((SECONDS - t0)) s after \`up -d\` began (first start: certificates, bundle conversion, plan included)"
+for n in n1 n2 n3; do # the nodes' own healthchecks (probe quic://) pass too
+  t=$SECONDS
+  until [ "$(docker inspect -f '{{.State.Health.Status}}' "$(cid $n)")" = healthy ]; do
+    [ $((SECONDS - t)) -le 60 ] || { echo "compose: $n is not healthy" >&2; exit 1; }
+    sleep 1
+  done
+done
+echo "compose: n1, n2, n3 healthy (ternfleet probe quic://)"
 first=$(ask)
 echo "compose: answer: $first"
 v1=$(placement_version)

@@ -34,6 +34,10 @@ cargo test --no-fail-fast -p ternfleet-coordinator -- --test-threads=1 2>&1 | te
 # Every bench target runs once as a test, built with the test profile (not a second,
 # LTO-optimised build of the whole workspace).
 cargo test --benches --workspace --quiet >/dev/null || status=1
+# The systemd units of deploy/ (skipped where systemd-analyze is absent).
+deploy/verify-units.sh target/debug/ternfleet || status=1
+# The bare-metal guide's commands on four network namespaces (root; ~1 minute).
+deploy/test-guide.sh target/debug/ternfleet || status=1
 skipped=$(wc -l <"$TERNFLEET_SKIP_LOG")
 grep -E "^test result:" target/test.log | awk -v s="$skipped" -v st="$status" \
   '{p+=$4; f+=$6; i+=$8} END {if (st != 0 && f == 0) f = 1; printf "tests: %d passed, %d failed, %d skipped\n", p - s, f, i + s}'

@@ -111,20 +111,32 @@ pub enum Command {
     /// `placement show`, `snapshot save|restore`. Tables by default; --json prints the admin
     /// API's response.
     Ctl(crate::ctl::CtlArgs),
-    /// Exit 0 when GET URL answers 200 within --timeout, else print what it answered and
-    /// exit 1: a healthcheck for images without curl (`ternfleet probe
-    /// http://127.0.0.1:8080/ready`). Plain HTTP only.
+    /// Readiness check for healthchecks (images without curl): exit 0 when the target is
+    /// ready within --timeout, else print what it answered and exit 1.
+    /// `probe http://127.0.0.1:8080/ready`: GET answers 200 (plain HTTP).
+    /// `probe quic://127.0.0.1:7400 --certs DIR --id n1`: the node answers `Hello` from the
+    /// certificate ID (any member's; mutual TLS) with its state Ready (loading, unavailable:
+    /// exit 1 saying so).
     Probe(ProbeArgs),
 }
 
 /// `ternfleet probe`.
 #[derive(Args, Debug)]
 pub struct ProbeArgs {
-    /// http://HOST:PORT/PATH
+    /// http://HOST:PORT/PATH, or quic://HOST:PORT (a node).
     pub url: String,
     /// Seconds to wait for the answer.
     #[arg(long, default_value_t = 5)]
     pub timeout: u64,
+    /// quic://: the cluster certificates (ca.pem, ID.pem, ID.key).
+    #[arg(long)]
+    pub certs: Option<PathBuf>,
+    /// quic://: the certificate to speak as (the node's own, in its container).
+    #[arg(long)]
+    pub id: Option<String>,
+    /// quic://: the node's id (its certificate's name; default: --id).
+    #[arg(long)]
+    pub node: Option<String>,
 }
 
 /// `ternfleet certs`.
@@ -1044,8 +1056,81 @@ pub fn run(cli: Cli) -> Result<()> {
     }
 }
 
+/// `probe quic://HOST:PORT`: a node's state, asked with `Hello` over mutual TLS.
+fn probe_node(a: &ProbeArgs, host: &str) -> Result<()> {
+    use ternfleet_shared::wire::{Frame, NodeState};
+    let (Some(certs), Some(id)) = (&a.certs, &a.id) else {
+        bail!("probe {}: quic:// needs --certs DIR and --id ID", a.url);
+    };
+    let node = a.node.clone().unwrap_or_else(|| id.clone());
+    let me = ternfleet_shared::mtls::Identity::load(certs, id)?;
+    let timeout = std::time::Duration::from_secs(a.timeout.max(1));
+    let addr = std::net::ToSocketAddrs::to_socket_addrs(host)
+        .with_context(|| format!("{host}: not a HOST:PORT that resolves"))?
+        .next()
+        .with_context(|| format!("{host}: resolves to no address"))?;
+    let hello = Frame::Hello { id: id.clone() }.encode()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let answer = rt.block_on(async {
+        let any: std::net::SocketAddr = if addr.is_ipv4() {
+            "0.0.0.0:0".parse()?
+        } else {
+            "[::]:0".parse()?
+        };
+        let ep = ternfleet_shared::net::endpoint(any, None)?;
+        let ask = async {
+            let conn = ep
+                .connect_with(me.client_config()?, addr, &node)?
+                .await
+                .with_context(|| format!("{}: handshake", a.url))?;
+            let (mut send, mut recv) = conn.open_bi().await?;
+            ternfleet_shared::net::write_frame(&mut send, &hello)
+                .await
+                .map_err(anyhow::Error::msg)?;
+            let f = ternfleet_shared::net::read_frame(&mut recv)
+                .await
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "{e}: the node closed the connection (a node outside a control plane \
+                     answers only the coordinators' certificates: --id coordinator --node ID)"
+                    )
+                })?;
+            conn.close(0u32.into(), b"probed");
+            anyhow::Ok(f)
+        };
+        let r = tokio::time::timeout(timeout, ask).await;
+        ep.close(0u32.into(), b"");
+        r.map_err(|_| anyhow::anyhow!("{}: no answer within {timeout:?}", a.url))?
+    })?;
+    match answer {
+        Frame::Status {
+            state: NodeState::Ready,
+            ..
+        } => Ok(()),
+        Frame::Status {
+            state: NodeState::Loading { done, total },
+            ..
+        } => bail!(
+            "{}: node {node} is loading ({:.0} % of {total} bytes)",
+            a.url,
+            done as f64 * 100.0 / total.max(1) as f64
+        ),
+        Frame::Status {
+            state: NodeState::Unavailable(why),
+            ..
+        } => bail!("{}: node {node} is unavailable: {why}", a.url),
+        Frame::Error { message, .. } => bail!("{}: {message}", a.url),
+        f => bail!("{}: answered {f:?}", a.url),
+    }
+}
+
 fn cmd_probe(a: ProbeArgs) -> Result<()> {
     use std::io::{Read, Write};
+    if let Some(host) = a.url.strip_prefix("quic://") {
+        return probe_node(&a, host.trim_end_matches('/'));
+    }
     let rest = a
         .url
         .strip_prefix("http://")

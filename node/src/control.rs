@@ -394,6 +394,16 @@ pub async fn answer_join(m: &Member, conn: &quinn::Connection, id: String, addr:
     if st.leader != Some(st.id) {
         return reply(false, leader, "not the leader".into());
     }
+    // Before the first placement is applied the state names no coordinators yet: a
+    // coordinator joining then would be registered as a node (and promoted to voter). The
+    // joiner retries.
+    if state.placement_version == 0 {
+        return reply(
+            false,
+            leader,
+            "the cluster has no placement yet (the first voter is seeding it)".into(),
+        );
+    }
     let seat = state.coordinators.contains(&id);
     let why = if seat {
         let cmd = Command::RegisterCoordinator {
@@ -524,8 +534,9 @@ async fn ask_join(
     Ok(reply)
 }
 
-/// Serves a control-plane peer's connection: Raft frames on uni-streams, `Join` and `Fetch`
-/// (a move's copy of a blob) on bi-streams (each checked against the id the peer's certificate names).
+/// Serves a control-plane peer's connection: Raft frames on uni-streams, `Join`, `Hello`
+/// (the node's state) and `Fetch` (a move's copy of a blob) on bi-streams (each checked
+/// against the id the peer's certificate names).
 pub async fn serve_connection(conn: quinn::Connection, m: Arc<Member>) {
     let raft = m.transport.clone().serve_connection(conn.clone());
     let joins = async {
@@ -538,6 +549,25 @@ pub async fn serve_connection(conn: quinn::Connection, m: Arc<Member>) {
                 {
                     Ok(Ok(b)) => match Frame::decode(&b) {
                         Ok(Frame::Join { id, addr }) => answer_join(&m, &conn, id, addr).await,
+                        // A member asking this node's state (`ternfleet probe quic://`, a
+                        // healthcheck run with the node's own certificate).
+                        Ok(Frame::Hello { id }) => {
+                            match (mtls::peer_id(&conn, std::slice::from_ref(&id)), m.blobs.get())
+                            {
+                                (Ok(peer), Some(b)) => b
+                                    .svc()
+                                    .handle(&peer, Frame::Hello { id })
+                                    .unwrap_or_else(|f| f),
+                                (Err(why), _) => Frame::Error {
+                                    class: ErrorClass::Unauthenticated,
+                                    message: format!("hello says {id:?}: {why}"),
+                                },
+                                (Ok(_), None) => Frame::Error {
+                                    class: ErrorClass::Unavailable,
+                                    message: format!("{} serves no experts", m.id),
+                                },
+                            }
+                        }
                         Ok(Frame::Fetch {
                             layer,
                             expert,
@@ -560,7 +590,7 @@ pub async fn serve_connection(conn: quinn::Connection, m: Arc<Member>) {
                         Ok(other) => Frame::Error {
                             class: ErrorClass::BadRequest,
                             message: format!(
-                                "a control-plane peer may send Join, Fetch or Raft frames, not {}",
+                                "a control-plane peer may send Join, Hello, Fetch or Raft frames, not {}",
                                 other.name()
                             ),
                         },
