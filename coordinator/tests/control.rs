@@ -275,6 +275,7 @@ fn door(certs: &Path, addr: &str, name: &str, log: &Path) -> Vec<Result<Frame, S
         })
         .await;
         let hello = ask(Frame::Hello { id: "n2".into() }).await;
+        let forged_hello = ask(Frame::Hello { id: "n3".into() }).await;
         let forged = Frame::Raft {
             from: "n3".into(),
             to: 1,
@@ -300,7 +301,7 @@ fn door(certs: &Path, addr: &str, name: &str, log: &Path) -> Vec<Result<Frame, S
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         conn.close(0u32.into(), b"done");
-        vec![join, hello]
+        vec![join, hello, forged_hello]
     })
 }
 
@@ -337,12 +338,18 @@ fn three_voters_survive_leader_sigkill_and_a_full_restart() {
         }) => assert!(message.contains("\"n9\""), "{message}"),
         other => panic!("a join for another id was not refused: {other:?}"),
     }
+    // A member asking the node's state in its own name (the healthcheck) is answered; in
+    // another's name, refused.
     match &answers[1] {
+        Ok(Frame::Status { id, .. }) => assert_eq!(id, &g.ids[l], "{:?}", answers[1]),
+        other => panic!("a member's Hello was not answered with the node's status: {other:?}"),
+    }
+    match &answers[2] {
         Ok(Frame::Error { class, message }) => {
-            assert_eq!(*class, ErrorClass::BadRequest);
-            assert!(message.contains("not Hello"), "{message}");
+            assert_eq!(*class, ErrorClass::Unauthenticated);
+            assert!(message.contains("\"n3\""), "{message}");
         }
-        other => panic!("a data-plane frame from a non-coordinator was not refused: {other:?}"),
+        other => panic!("a Hello in another member's name was not refused: {other:?}"),
     }
     let (same, _) = g.agree(&[0, 1, 2], None, &[0, 0, 0], 10);
     assert_eq!(
