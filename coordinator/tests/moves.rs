@@ -203,15 +203,19 @@ fn stream(url: &str, body: &Value) -> Result<Streamed, String> {
 /// Whether every node of `show` (a `placement show`) has the blob files of exactly as many
 /// experts as it holds.
 fn files_match(f: &Fleet, man: &Manifest, show: &Value) -> bool {
-    show["nodes"].as_array().unwrap().iter().all(|n| {
-        let id = n["id"].as_str().unwrap();
-        let files = man
-            .experts
-            .iter()
-            .filter(|e| f.bundle(id).join(&e.part.file).exists())
-            .count();
-        Some(files as u64) == n["count"].as_u64()
-    })
+    show["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|n| Some(blob_files(f, man, n["id"].as_str().unwrap()) as u64) == n["count"].as_u64())
+}
+
+/// How many of the manifest's expert blobs node `id`'s bundle directory holds.
+fn blob_files(f: &Fleet, man: &Manifest, id: &str) -> usize {
+    man.experts
+        .iter()
+        .filter(|e| f.bundle(id).join(&e.part.file).exists())
+        .count()
 }
 
 /// `0-5,9` → 0, 1, ..., 5, 9 (the admin API's expert specs).
@@ -453,11 +457,7 @@ fn rebalancing_onto_two_new_nodes_under_load_fails_no_request() {
     // Each node has the blob files of exactly the experts it holds.
     for n in show["nodes"].as_array().unwrap() {
         let id = n["id"].as_str().unwrap();
-        let files = man
-            .experts
-            .iter()
-            .filter(|e| f.bundle(id).join(&e.part.file).exists())
-            .count();
+        let files = blob_files(&f, &man, id);
         assert_eq!(
             files as u64,
             n["count"].as_u64().unwrap(),
