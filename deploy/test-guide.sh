@@ -145,6 +145,17 @@ got=$(complete)
 [ "$got" = "$want" ] || { echo "test-guide: the cluster's text differs from the single process's" >&2; echo " want: $want" >&2; echo " got:  $got" >&2; exit 1; }
 echo "test-guide: completion equals the single process's"
 
+# Waits (at most 60 s) until `ctl node list` shows node $1 up.
+wait_up() {
+  local t0=$SECONDS
+  until tfctl node list --json 2>/dev/null | python3 -c '
+import json, sys
+sys.exit(0 if any(n["id"] == sys.argv[1] and n["status"] == "up" for n in json.load(sys.stdin)["nodes"]) else 1)' "$1" 2>/dev/null; do
+    [ $((SECONDS - t0)) -le 60 ] || { echo "test-guide: $1 not up after 60 s" >&2; tfctl node list >&2; exit 1; }
+    sleep 0.5
+  done
+}
+
 # 5: day to day.
 tfctl status >/dev/null
 # The joiners are promoted from learners to voters once they caught up (bounded wait).
@@ -153,6 +164,9 @@ until [ "$(tfctl status --json 2>/dev/null | python3 -c 'import json,sys; print(
   [ $((SECONDS - t0)) -le 60 ] || { echo "test-guide: not 3 voters after 60 s" >&2; tfctl status >&2; exit 1; }
   sleep 0.5
 done
+# Every node up before a drain (a node marked down a moment ago, e.g. while it joined, would
+# make the drain refuse: the experts it shares with n2 would have no live holder).
+for h in n1 n2 n3; do wait_up "$h"; done
 tfctl node drain n2 >/dev/null
 [ "$(complete)" = "$want" ] || { echo "test-guide: drained, the text differs" >&2; exit 1; }
 tfctl node recommission n2 >/dev/null
@@ -166,13 +180,7 @@ for h in n1 n2 n3; do
   ! kill -0 "${pid[$h]}" 2>/dev/null || { echo "test-guide: $h ignored SIGTERM for 20 s" >&2; exit 1; }
   unset "pid[$h]"
   node "$h"                                  # no flag: it restarts from its Raft store
-  t0=$SECONDS
-  until tfctl node list --json 2>/dev/null | python3 -c '
-import json, sys
-sys.exit(0 if any(n["id"] == sys.argv[1] and n["status"] == "up" for n in json.load(sys.stdin)["nodes"]) else 1)' "$h" 2>/dev/null; do
-    [ $((SECONDS - t0)) -le 60 ] || { echo "test-guide: $h not up 60 s after its restart" >&2; exit 1; }
-    sleep 0.5
-  done
+  wait_up "$h"
   [ "$(complete)" = "$want" ] || { echo "test-guide: after restarting $h the text differs" >&2; exit 1; }
 done
 echo "test-guide: rolling restart of n1, n2, n3: each back up, the text unchanged"

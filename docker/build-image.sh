@@ -16,17 +16,9 @@ bin=target/release/ternfleet
 ctx=$(mktemp -d)
 trap 'rm -rf "$ctx"' EXIT
 root=$ctx/rootfs home=$ctx/home
-mkdir -p "$root/usr/local/bin" "$root/etc" "$root/tmp" "$home/data" "$home/certs" "$home/bundles"
-chmod 1777 "$root/tmp"
-# Debug info stays on the host: the image gets a stripped copy.
-objcopy --strip-debug "$bin" "$root/usr/local/bin/ternfleet" 2>/dev/null || cp "$bin" "$root/usr/local/bin/ternfleet"
-# The libraries the binary links, and the dynamic loader, at the paths it looks for them.
-for lib in $(ldd "$bin" | awk '$2 == "=>" && $3 ~ /^\// { print $3 } $1 ~ /^\// { print $1 }'); do
-  mkdir -p "$root$(dirname "$lib")"
-  cp -L "$lib" "$root$lib"
-done
-printf 'root:x:0:0:root:/:/nonexistent\nternfleet:x:10001:10001:ternfleet:/data:/nonexistent\n' >"$root/etc/passwd"
-printf 'root:x:0:\nternfleet:x:10001:\n' >"$root/etc/group"
+mkdir -p "$home/data" "$home/certs" "$home/bundles"
+. docker/rootfs.sh
+stage_rootfs "$root" "$bin"
 cp docker/Dockerfile "$ctx/Dockerfile"
 
 echo "build-image: docker build -t $tag" >&2

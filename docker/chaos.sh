@@ -12,6 +12,8 @@
 #   cut    `docker network disconnect` a voter: the majority keeps serving and commits (a
 #          drain and recommission of another node), the voter catches up when reconnected.
 #   roll   `docker restart` every node in turn under load: zero failed requests.
+#   restart  every container restarted at once: the committed placement (no version lost,
+#          every node's experts) and the same answer.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 project=tfchaos$$
@@ -137,12 +139,20 @@ loader=$!
 sleep 2
 docker network disconnect "$net" "$(cid n3)"
 down=$(node_is n3 down 60)
-# A write through the majority: drain the cut node (draining another would leave the
-# experts it shares with n3 without a live holder).
+# Draining a healthy node now would leave the experts it shares with n3 on no live node:
+# refused, naming n3.
+if refusal=$(ctl node drain n1 2>&1); then
+  echo "chaos: cut: draining n1 while n3 is down was accepted" >&2; exit 1
+fi
+case "$refusal" in
+  *"no live holder (n3 marked down)"*) ;;
+  *) echo "chaos: cut: draining n1 refused for another reason: $refusal" >&2; exit 1 ;;
+esac
+# A write through the majority: drain the cut node.
 ctl node drain n3 >/dev/null
 wait $loader
 read -r done failed differ <"$out"
-echo "chaos: cut n3 off: marked down in ${down} s; $done completed, $failed failed, $differ differing over 20 s; the majority committed a drain of n3"
+echo "chaos: cut n3 off: marked down in ${down} s; $done completed, $failed failed, $differ differing over 20 s; a drain of n1 refused (n3 down), the majority committed a drain of n3"
 [ "$failed" = 0 ] && [ "$differ" = 0 ] || exit 1
 docker network connect --alias n3 "$net" "$(cid n3)"
 ctl node recommission n3 >/dev/null
@@ -165,5 +175,21 @@ read -r done failed differ <"$out"
 wait $roller || { echo "chaos: roll: a node did not come back" >&2; exit 1; }
 echo "chaos: rolling restart of n1, n2, n3 under load: $done completed, $failed failed, $differ differing"
 [ "$failed" = 0 ] && [ "$differ" = 0 ] || exit 1
+# restart: every container at once (coordinator and nodes); the committed state is back.
+# The placement: its version, then each node's experts.
+version() { ctl placement show | python3 -c 'import json, sys; print(json.load(sys.stdin)["placement_version"])'; }
+holdings() { ctl placement show | python3 -c 'import json, sys; print(json.dumps({n["id"]: n["experts"] for n in json.load(sys.stdin)["nodes"]}, sort_keys=True))'; }
+before=$(version)
+held=$(holdings)
+t0=$SECONDS
+"${dc[@]}" restart -t 20 >/dev/null 2>&1
+healthy 300
+for n in n1 n2 n3; do node_is $n up 120 >/dev/null; done
+after=$(version)
+got=$(stream "$prompt" 48)
+check restart "$got"
+echo "chaos: restart of every container: healthy and every node up in $((SECONDS - t0)) s; placement version $before -> $after, every node's experts unchanged; the next request identical"
+[ "$after" -ge "$before" ] || { echo "chaos: restart: the placement version went back" >&2; exit 1; }
+[ "$(holdings)" = "$held" ] || { echo "chaos: restart: the experts held changed: $held -> $(holdings)" >&2; exit 1; }
 rm -f "$out"
 echo "chaos: ok"

@@ -764,6 +764,56 @@ impl ClusterState {
         }
     }
 
+    /// Why taking `id` out of service now would leave experts with no *live* holder, if it
+    /// would: experts whose other holders in service are all marked down (missed
+    /// heartbeats). The state machine's own check ([`Command::Drain`]) counts a down node as
+    /// a holder (it may come back, and replicas applying a command must not depend on
+    /// timing); the admin API checks this too before proposing a drain or decommission, so
+    /// an operator does not uncover experts while another holder is cut off.
+    ///
+    /// `keeps_sole`: the node keeps serving the experts no other node in service holds (a
+    /// decommission), so only experts whose other holders are all down count.
+    pub fn uncovered_without(&self, id: &str, keeps_sole: bool) -> Option<String> {
+        let n = self.nodes.get(id)?;
+        let held = |e: u32, l: u32, live: bool| {
+            self.nodes.iter().any(|(o, m)| {
+                o != id
+                    && m.status.in_service()
+                    && (!live || m.status != NodeStatus::Down)
+                    && m.experts.get(&l).is_some_and(|s| s.contains(&e))
+            })
+        };
+        // No live holder, and (a decommission) not one it keeps for lack of any other holder.
+        let uncovered = |e: u32, l: u32| !held(e, l, true) && (!keeps_sole || held(e, l, false));
+        let (l, alone) = n.experts.iter().find_map(|(l, es)| {
+            let alone: Vec<u32> = es.iter().copied().filter(|&e| uncovered(e, *l)).collect();
+            (!alone.is_empty()).then_some((*l, alone))
+        })?;
+        let down: Vec<&str> = self
+            .nodes
+            .iter()
+            .filter(|(o, m)| {
+                o.as_str() != id
+                    && m.status == NodeStatus::Down
+                    && m.experts
+                        .get(&l)
+                        .is_some_and(|s| alone.iter().any(|e| s.contains(e)))
+            })
+            .map(|(o, _)| o.as_str())
+            .collect();
+        Some(if down.is_empty() {
+            format!(
+                "would leave layer {l} experts {alone:?} on no node in service: place replicas elsewhere first"
+            )
+        } else {
+            format!(
+                "would leave layer {l} experts {alone:?} with no live holder ({} marked down): bring {} back or place replicas elsewhere first",
+                down.join(", "),
+                if down.len() == 1 { "it" } else { "them" }
+            )
+        })
+    }
+
     /// The experts of node `id` that no other node in service holds.
     fn sole_held(&self, id: &str) -> BTreeMap<u32, BTreeSet<u32>> {
         let Some(n) = self.nodes.get(id) else {
@@ -863,6 +913,57 @@ mod tests {
         s
     }
 
+    /// Node `id` holds all 8 experts of both layers (as if moves had brought them).
+    fn hold_every_expert(s: &mut ClusterState, id: &str) {
+        for l in 0..2 {
+            s.nodes
+                .get_mut(id)
+                .unwrap()
+                .experts
+                .insert(l, (0..8).collect());
+        }
+    }
+
+    #[test]
+    fn a_drain_that_leaves_only_down_holders_is_named() {
+        let mut s = seeded();
+        hold_every_expert(&mut s, "n1");
+        let beat = |s: &mut ClusterState, id: &str| {
+            s.apply(&Command::Heartbeat {
+                id: id.into(),
+                at_ms: 5,
+                loading: false,
+                applied: 0,
+            });
+        };
+        beat(&mut s, "n1");
+        beat(&mut s, "n2");
+        // n1 holds everything n2 does: n2 may go, n1 may not (experts 0 and 1 are its alone).
+        assert_eq!(s.uncovered_without("n2", false), None);
+        let why = s.uncovered_without("n1", false).unwrap();
+        assert!(
+            why.contains("layer 0 experts [0, 1] on no node in service"),
+            "{why}"
+        );
+        // A decommission keeps serving what only it holds.
+        assert_eq!(s.uncovered_without("n1", true), None);
+        // n1 cut off: the state machine still counts it, the admin's check does not.
+        s.apply(&Command::MarkDown { id: "n1".into() });
+        for keeps_sole in [false, true] {
+            let why = s.uncovered_without("n2", keeps_sole).unwrap();
+            assert!(
+                why.contains(
+                    "layer 0 experts [2, 3, 4, 5, 6, 7] with no live holder (n1 marked down)"
+                ),
+                "{why}"
+            );
+        }
+        assert_eq!(s.sole_holder_of("n2"), None);
+        beat(&mut s, "n1");
+        assert_eq!(s.uncovered_without("n2", false), None);
+        assert_eq!(s.uncovered_without("nope", false), None);
+    }
+
     #[test]
     fn seed_then_route_to_nodes_in_service() {
         let mut s = seeded();
@@ -903,13 +1004,7 @@ mod tests {
             s.apply(&Command::Drain { id: "n2".into() }),
             Outcome::Rejected(m) if m.contains("layer 1")
         ));
-        for l in 0..2 {
-            s.nodes
-                .get_mut("n1")
-                .unwrap()
-                .experts
-                .insert(l, (0..8).collect());
-        }
+        hold_every_expert(&mut s, "n1");
         assert!(matches!(
             s.apply(&Command::Drain { id: "n2".into() }),
             Outcome::Applied { .. }

@@ -150,6 +150,26 @@ impl AdminService {
         }))
     }
 
+    /// Refuses to take a node out of service when the other holders of some of its experts
+    /// are all marked down (the state machine counts a down node as a holder: it may return):
+    /// the experts would be served by no one until it does. Checked against the state read
+    /// just before the proposal; a node marked down between the read and the commit is not
+    /// caught.
+    async fn check_live_holders(
+        &self,
+        req: &Request<NodeRequest>,
+        what: &str,
+        keeps_sole: bool,
+    ) -> Result<(), Status> {
+        check_operator(req)?;
+        let id = &req.get_ref().id;
+        let state = self.state().await?;
+        match state.uncovered_without(id, keeps_sole) {
+            Some(why) => Err(Status::failed_precondition(format!("{what} {id} {why}"))),
+            None => Ok(()),
+        }
+    }
+
     /// What the coordinator routed: rows per expert and recent tokens' experts, by layer.
     fn routed(&self) -> crate::remote::RoutingStats {
         self.seat
@@ -354,6 +374,7 @@ impl Admin for AdminService {
         &self,
         req: Request<NodeRequest>,
     ) -> Result<Response<NodeActionResponse>, Status> {
+        self.check_live_holders(&req, "draining", false).await?;
         self.node_command(req, |id| Command::Drain { id }).await
     }
 
@@ -374,6 +395,8 @@ impl Admin for AdminService {
         req: Request<NodeRequest>,
     ) -> Result<Response<NodeActionResponse>, Status> {
         let replicas = req.get_ref().replicas;
+        self.check_live_holders(&req, "decommissioning", true)
+            .await?;
         let mut r = self
             .node_command(req, |id| Command::Decommission { id })
             .await?

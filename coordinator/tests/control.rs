@@ -627,7 +627,8 @@ fn form(g: &mut Group) {
 /// The operator's commands through `ternfleet ctl`: status (leader, voters, the learner
 /// seat), node list; drain, recommission and decommission under a load of concurrent
 /// requests (zero failed, every output the single process's); a drain that would leave
-/// experts on no node refused with the reason; a non-operator certificate refused; snapshot
+/// experts on no node refused with the reason, and one that would leave them only on a node
+/// marked down; a non-operator certificate refused; snapshot
 /// save, wipe every store, a new cluster, restore: the same placement.
 #[test]
 fn ctl_drains_and_recommissions_under_load_with_no_failed_request_and_restores_a_snapshot() {
@@ -703,7 +704,11 @@ fn ctl_drains_and_recommissions_under_load_with_no_failed_request_and_restores_a
             .collect();
         let routed = |n| wait_for_log(&coord, "cluster: routing with placement version", n, 10);
         let count = || coord.log_count("cluster: routing with placement version");
-        // Drain n2: refused for n1 afterwards (its experts' other copies are on n2).
+        // Drain n2: refused for n1 afterwards (its experts' other copies are on n2). Every
+        // node up first (one marked down while it joined would make the drain refuse).
+        for id in ["n1", "n2", "n3"] {
+            wait_node_status(&admin, &certs, id, "up", 20);
+        }
         let n = count();
         let r = ctl_json(&admin, &certs, &["node", "drain", "n2"]);
         assert_eq!(r["status"], "draining", "{r}");
@@ -769,6 +774,24 @@ fn ctl_drains_and_recommissions_under_load_with_no_failed_request_and_restores_a
         plan["colocation_moves"],
         plan["moves"].as_array().unwrap().len(),
         plan["hot"]
+    );
+
+    // A follower SIGKILLed and marked down: draining a node that shares experts with it is
+    // refused by the admin (the state machine would take it: a down node still counts as a
+    // holder), naming the down node.
+    let leader = ctl_json(&admin, &certs, &["status"])["leader"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let dead = (0..3).find(|&i| g.ids[i] != leader).unwrap();
+    let other = (0..3).find(|&i| i != dead).unwrap();
+    g.kill(dead);
+    wait_node_status(&admin, &certs, &g.ids[dead], "down", 20);
+    let (ok, _, err) = ctl(&admin, &certs, &["node", "drain", &g.ids[other]]);
+    assert!(
+        !ok && err.contains("FailedPrecondition")
+            && err.contains(&format!("no live holder ({} marked down)", g.ids[dead])),
+        "{err}"
     );
 
     // Snapshot save happened with n2 drained; wipe every store, start a new cluster (seeded

@@ -290,20 +290,8 @@ fn rebalancing_onto_two_new_nodes_under_load_fails_no_request() {
         std::thread::sleep(Duration::from_secs(8));
         f.spawn("n3", &["--join", &first]);
         f.spawn("n4", &["--join", &first]);
-        let t = Instant::now();
-        loop {
-            let nodes = ctl_json(&admin, &certs, &["node", "list"]);
-            let up = nodes["nodes"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .filter(|n| n["status"] == "up")
-                .count();
-            if up == 4 {
-                break;
-            }
-            assert!(t.elapsed() < Duration::from_secs(30), "{nodes}");
-            std::thread::sleep(Duration::from_millis(200));
+        for id in ["n1", "n2", "n3", "n4"] {
+            wait_node_status(&admin, &certs, id, "up", 30);
         }
         // Two more seconds of steady state (the new nodes hold nothing, so nothing changes
         // for the requests).

@@ -389,6 +389,21 @@ pub fn ctl_json(admin: &str, certs: &Path, args: &[&str]) -> Value {
     serde_json::from_str(out.trim()).unwrap_or_else(|e| panic!("ctl {args:?}: {e}: {out}"))
 }
 
+/// Waits (at most `secs`) until `ctl node list` shows node `id` with `status`.
+pub fn wait_node_status(admin: &str, certs: &Path, id: &str, status: &str, secs: u64) {
+    let t = std::time::Instant::now();
+    while !ctl_json(admin, certs, &["node", "list"])["nodes"]
+        .as_array()
+        .is_some_and(|ns| ns.iter().any(|n| n["id"] == id && n["status"] == status))
+    {
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(secs),
+            "node {id} not {status} within {secs} s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+}
+
 /// A child's stderr appended to `log` (a restarted process keeps the earlier lines).
 pub fn append_to(log: &Path) -> Stdio {
     std::fs::OpenOptions::new()
