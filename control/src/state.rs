@@ -621,10 +621,7 @@ impl ClusterState {
     /// would (the first layer where it does).
     fn sole_holder_of(&self, id: &str) -> Option<String> {
         let (l, alone) = self.sole_held(id).into_iter().next()?;
-        Some(format!(
-            "would leave layer {l} experts {:?} on no node in service: place replicas elsewhere first",
-            alone.into_iter().collect::<Vec<_>>()
-        ))
+        Some(no_holder(l, &alone))
     }
 
     /// The lowest command level among the registered nodes (a seeded node not registered
@@ -774,21 +771,16 @@ impl ClusterState {
     /// `keeps_sole`: the node keeps serving the experts no other node in service holds (a
     /// decommission), so only experts whose other holders are all down count.
     pub fn uncovered_without(&self, id: &str, keeps_sole: bool) -> Option<String> {
-        let n = self.nodes.get(id)?;
-        let held = |e: u32, l: u32, live: bool| {
-            self.nodes.iter().any(|(o, m)| {
-                o != id
-                    && m.status.in_service()
-                    && (!live || m.status != NodeStatus::Down)
-                    && m.experts.get(&l).is_some_and(|s| s.contains(&e))
-            })
-        };
-        // No live holder, and (a decommission) not one it keeps for lack of any other holder.
-        let uncovered = |e: u32, l: u32| !held(e, l, true) && (!keeps_sole || held(e, l, false));
-        let (l, alone) = n.experts.iter().find_map(|(l, es)| {
-            let alone: Vec<u32> = es.iter().copied().filter(|&e| uncovered(e, *l)).collect();
-            (!alone.is_empty()).then_some((*l, alone))
-        })?;
+        let sole = self.held_alone(id, false);
+        let (l, alone) = self
+            .held_alone(id, true)
+            .into_iter()
+            .find_map(|(l, mut es)| {
+                if keeps_sole {
+                    es.retain(|e| !sole.get(&l).is_some_and(|s| s.contains(e)));
+                }
+                (!es.is_empty()).then_some((l, es))
+            })?;
         let down: Vec<&str> = self
             .nodes
             .iter()
@@ -802,12 +794,11 @@ impl ClusterState {
             .map(|(o, _)| o.as_str())
             .collect();
         Some(if down.is_empty() {
-            format!(
-                "would leave layer {l} experts {alone:?} on no node in service: place replicas elsewhere first"
-            )
+            no_holder(l, &alone)
         } else {
             format!(
-                "would leave layer {l} experts {alone:?} with no live holder ({} marked down): bring {} back or place replicas elsewhere first",
+                "would leave layer {l} experts {:?} with no live holder ({} marked down): bring {} back or place replicas elsewhere first",
+                alone.iter().collect::<Vec<_>>(),
                 down.join(", "),
                 if down.len() == 1 { "it" } else { "them" }
             )
@@ -816,6 +807,12 @@ impl ClusterState {
 
     /// The experts of node `id` that no other node in service holds.
     fn sole_held(&self, id: &str) -> BTreeMap<u32, BTreeSet<u32>> {
+        self.held_alone(id, false)
+    }
+
+    /// The experts of node `id` that no other node in service holds (`live`: no other node
+    /// in service and not marked down).
+    fn held_alone(&self, id: &str, live: bool) -> BTreeMap<u32, BTreeSet<u32>> {
         let Some(n) = self.nodes.get(id) else {
             return BTreeMap::new();
         };
@@ -829,6 +826,7 @@ impl ClusterState {
                         !self.nodes.iter().any(|(o, m)| {
                             o != id
                                 && m.status.in_service()
+                                && (!live || m.status != NodeStatus::Down)
                                 && m.experts.get(l).is_some_and(|s| s.contains(e))
                         })
                     })
@@ -871,6 +869,15 @@ impl ClusterState {
                 .collect(),
         }
     }
+}
+
+/// Why an operator's command is refused when it would leave layer `l`'s experts `alone` on
+/// no node in service.
+fn no_holder(l: u32, alone: &BTreeSet<u32>) -> String {
+    format!(
+        "would leave layer {l} experts {:?} on no node in service: place replicas elsewhere first",
+        alone.iter().collect::<Vec<_>>()
+    )
 }
 
 #[cfg(test)]
