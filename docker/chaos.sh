@@ -176,16 +176,15 @@ wait $roller || { echo "chaos: roll: a node did not come back" >&2; exit 1; }
 echo "chaos: rolling restart of n1, n2, n3 under load: $done completed, $failed failed, $differ differing"
 [ "$failed" = 0 ] && [ "$differ" = 0 ] || exit 1
 # restart: every container at once (coordinator and nodes); the committed state is back.
-# The placement: its version, then each node's experts.
-version() { ctl placement show | python3 -c 'import json, sys; print(json.load(sys.stdin)["placement_version"])'; }
+# Each node's experts in the placement.
 holdings() { ctl placement show | python3 -c 'import json, sys; print(json.dumps({n["id"]: n["experts"] for n in json.load(sys.stdin)["nodes"]}, sort_keys=True))'; }
-before=$(version)
+before=$(placement_version)
 held=$(holdings)
 t0=$SECONDS
 "${dc[@]}" restart -t 20 >/dev/null 2>&1
 healthy 300
 for n in n1 n2 n3; do node_is $n up 120 >/dev/null; done
-after=$(version)
+after=$(placement_version)
 got=$(stream "$prompt" 48)
 check restart "$got"
 echo "chaos: restart of every container: healthy and every node up in $((SECONDS - t0)) s; placement version $before -> $after, every node's experts unchanged; the next request identical"

@@ -35,6 +35,11 @@ ctl() {
     --certs /certs --id operator "$@" --json
 }
 
+# The committed placement's version.
+placement_version() {
+  ctl placement show | python3 -c 'import json,sys; print(json.load(sys.stdin)["placement_version"])'
+}
+
 # The container id of a service.
 cid() { "${dc[@]}" ps -q "$1"; }
 

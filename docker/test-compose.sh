@@ -22,10 +22,6 @@ print(text.replace("\n", " "))
 PY
 }
 
-placement_version() {
-  ctl placement show | python3 -c 'import json,sys; print(json.load(sys.stdin)["placement_version"])'
-}
-
 prepare
 t0=$SECONDS
 "${dc[@]}" up -d >&2
