@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the tests need (Python gguf/numpy for the gguf-py
-# interop tests, grpcio for a gRPC client, the openai package and curl for the serve end-to-end tests, the models), then
+# interop tests, grpcio for a gRPC client, the openai package and curl for the serve end-to-end tests,
+# Prometheus for the scrape test, the models), then
 # runs format, lint and every test of the workspace. .ci/run calls exactly this.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 python3 -c "import gguf, numpy, openai, grpc" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check numpy gguf openai grpcio
-# curl drives the SSE wire-format test of `ternfleet serve`.
-command -v curl >/dev/null || { apt-get update -qq && apt-get install -y -qq curl >/dev/null; }
+# curl drives the SSE wire-format test of `ternfleet serve`; Debian's Prometheus scrapes a
+# running cluster in the observability test.
+need=()
+command -v curl >/dev/null || need+=(curl)
+command -v prometheus >/dev/null || need+=(prometheus)
+if [ ${#need[@]} -gt 0 ]; then
+  apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
 ./scripts/fetch-model.sh
 # Gemma dequantized to f16: MoEfied with every expert selected it must equal the dense model.
 [ -f models/gemma-3-270m-f16.gguf ] || python3 scripts/dequantize-model.py \

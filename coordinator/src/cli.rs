@@ -218,6 +218,14 @@ pub struct NodeArgs {
     /// picks one).
     #[arg(long)]
     pub listen: Option<String>,
+    /// HTTP address of /metrics (Prometheus), /health and /ready [default: 127.0.0.1:9400;
+    /// if that is taken, e.g. by another node on this machine, the node runs without it and
+    /// warns]. Port 0 picks one (the start-up line says which); `off` turns it off.
+    #[arg(long, value_name = "ADDR|off")]
+    pub metrics: Option<String>,
+    /// Allow --metrics on a non-loopback address (it is plaintext HTTP, read-only).
+    #[arg(long = "listen-any")]
+    pub listen_any: bool,
     /// Keep at most this much of the node's experts in RAM (e.g. 8GiB); the rest is read
     /// from disk on demand and on the coordinator's prefetch hints. Default: all mapped.
     #[arg(long = "ram-budget", value_parser = parse_size)]
@@ -1270,6 +1278,12 @@ fn cmd_node(a: NodeArgs) -> Result<()> {
         move_chunk: a
             .move_chunk
             .clamp(1, ternfleet_shared::wire::MAX_BLOB_CHUNK as u64) as u32,
+        metrics: match a.metrics.as_deref() {
+            None => ternfleet_node::server::MetricsAddr::Default,
+            Some("off") => ternfleet_node::server::MetricsAddr::Off,
+            Some(addr) => ternfleet_node::server::MetricsAddr::At(addr.to_string()),
+        },
+        listen_any: a.listen_any,
     })?;
     Ok(())
 }

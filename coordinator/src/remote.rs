@@ -277,6 +277,17 @@ impl Drop for RemoteExperts {
             s.rtt_ns_max as f64 / 1e6,
             s.stall_ns_max as f64 / 1e6,
         );
+        for n in s.nodes.iter().filter(|n| n.calls > 0) {
+            tracing::info!(
+                "cluster: node {}: {} calls, {} routes, {} failed, round trip mean {:.3} ms, worst {:.3} ms",
+                n.id,
+                n.calls,
+                n.routes,
+                n.failures,
+                n.rtt.mean_s() * 1e3,
+                n.rtt.max_ns as f64 / 1e6,
+            );
+        }
     }
 }
 
@@ -680,12 +691,17 @@ fn send_parts(
             reason: e.to_string(),
         })?;
         let deadline = inner.opts.call_deadline(rs.len());
+        let id = inner.node_id(node);
         if let Ok(mut s) = inner.stats.lock() {
             s.calls += 1;
             s.bytes_sent += bytes.len() as u64;
             if !tried.is_empty() {
                 s.failovers += 1;
             }
+            let n = s.node(node, &id);
+            n.calls += 1;
+            n.routes += rs.len() as u64;
+            n.bytes_sent += bytes.len() as u64;
         }
         let now = Instant::now();
         let rx = inner.transport.send(node, Arc::new(bytes), deadline);
@@ -874,10 +890,14 @@ impl InFlight for RemoteInFlight {
             let failure: (ErrorClass, String) = match got {
                 Ok(Frame::Result { rows, .. }) if rows.len() == p.routes.len() * d => {
                     let rtt = p.sent.elapsed().as_nanos() as u64;
+                    let id = inner.node_id(p.node);
                     if let Ok(mut s) = inner.stats.lock() {
                         s.bytes_received += rows.len() as u64 * 4;
                         s.rtt_ns += rtt;
                         s.rtt_ns_max = s.rtt_ns_max.max(rtt);
+                        let n = s.node(p.node, &id);
+                        n.bytes_received += rows.len() as u64 * 4;
+                        n.rtt.observe(rtt);
                         if p.tried.len() > 1 {
                             let stall = p.first_sent.elapsed().as_nanos() as u64;
                             s.stall_ns_max = s.stall_ns_max.max(stall);
@@ -910,6 +930,9 @@ impl InFlight for RemoteInFlight {
             };
             let (class, msg) = failure;
             let node = inner.node_id(p.node);
+            if let Ok(mut s) = inner.stats.lock() {
+                s.node(p.node, &node).failures += 1;
+            }
             if Instant::now() >= deadline {
                 let mut experts: Vec<u32> =
                     p.routes.iter().map(|&r| self.routes[r].expert).collect();

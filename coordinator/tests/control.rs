@@ -39,6 +39,8 @@ struct Group {
     addrs: Vec<String>,
     procs: Vec<Option<Proc>>,
     logs: Vec<PathBuf>,
+    /// Each node's metrics address, from its start-up line (empty: none).
+    metrics: Vec<String>,
 }
 
 /// What a node's latest "control: membership" line says.
@@ -90,6 +92,7 @@ impl Group {
             bundle: bundle.to_owned(),
             addrs: vec![String::new(); n],
             procs: (0..n).map(|_| None).collect(),
+            metrics: vec![String::new(); n],
             ids,
             logs,
         }
@@ -126,6 +129,7 @@ impl Group {
             assert_eq!(addr, self.addrs[i], "restarted on its old address");
         }
         self.addrs[i] = addr;
+        self.metrics[i] = v["metrics"].as_str().unwrap_or_default().to_string();
         self.procs[i] = Some(p);
     }
 
@@ -1325,4 +1329,293 @@ fn a_partitioned_voter_commits_nothing_the_majority_goes_on_and_both_heal() {
         v4.leader, v3.leader,
         "the old leader took over again on its return"
     );
+}
+
+/// Debian's Prometheus, on a free loopback port, scraping `targets` (job → addresses) every
+/// second; killed on drop.
+struct Prometheus {
+    url: String,
+    _proc: Proc,
+    _dir: tempfile::TempDir,
+}
+
+impl Prometheus {
+    fn start(targets: &[(&str, Vec<String>)]) -> Option<Prometheus> {
+        if Command::new("prometheus")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            ternfleet_shared::testing::skip(
+                "the Prometheus scrape test",
+                "no prometheus binary (apt-get install prometheus)",
+            );
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = String::from(
+            "global:\n  scrape_interval: 1s\n  scrape_timeout: 900ms\nscrape_configs:\n",
+        );
+        for (job, addrs) in targets {
+            let list: Vec<String> = addrs.iter().map(|a| format!("'{a}'")).collect();
+            cfg += &format!(
+                "  - job_name: {job}\n    static_configs:\n      - targets: [{}]\n",
+                list.join(", ")
+            );
+        }
+        let file = dir.path().join("prometheus.yml");
+        std::fs::write(&file, cfg).unwrap();
+        // Prometheus prints no bound port: take a free one (bind port 0, release it).
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .unwrap()
+            .port();
+        let child = Command::new("prometheus")
+            .arg(format!("--config.file={}", file.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                dir.path().join("data").display()
+            ))
+            .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+            .arg("--log.level=warn")
+            .stdout(Stdio::null())
+            .stderr(append_to(&log_dir().join("prometheus.log")))
+            .spawn()
+            .expect("spawning prometheus");
+        let p = Prometheus {
+            url: format!("http://127.0.0.1:{port}"),
+            _proc: Proc(child),
+            _dir: dir,
+        };
+        let t = Instant::now();
+        while get(&p.url, "/-/ready").0 != 200 {
+            assert!(
+                t.elapsed() < Duration::from_secs(30),
+                "prometheus not ready"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        Some(p)
+    }
+
+    /// `query`'s samples: (job, instance, the other labels, value).
+    fn query(&self, query: &str) -> Vec<(String, String, serde_json::Value, f64)> {
+        let (code, body) = get(&self.url, &format!("/api/v1/query?query={query}"));
+        assert_eq!(code, 200, "{query}: {body}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        v["data"]["result"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|r| {
+                let m = &r["metric"];
+                (
+                    m["job"].as_str().unwrap_or_default().to_string(),
+                    m["instance"].as_str().unwrap_or_default().to_string(),
+                    m.clone(),
+                    r["value"][1]
+                        .as_str()
+                        .and_then(|x| x.parse().ok())
+                        .unwrap_or(f64::NAN),
+                )
+            })
+            .collect()
+    }
+
+    /// The targets' health: (job, instance, "up" / "down" / "unknown").
+    fn targets(&self) -> Vec<(String, String, String)> {
+        let (_, body) = get(&self.url, "/api/v1/targets");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+        v["data"]["activeTargets"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .iter()
+            .map(|t| {
+                (
+                    t["labels"]["job"].as_str().unwrap_or_default().to_string(),
+                    t["labels"]["instance"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string(),
+                    t["health"].as_str().unwrap_or_default().to_string(),
+                )
+            })
+            .collect()
+    }
+}
+
+/// A real Prometheus scrapes a running control-plane cluster (three nodes with an expert
+/// store each, a seated coordinator): every target up; the coordinator's per-node series
+/// (calls, routes, bytes, round-trip histograms), failovers, placement version and Raft
+/// gauges, and the nodes' store, per-expert, queue and Raft series present; and under load
+/// the per-node series grow on every node, as seen through Prometheus's own query API.
+#[test]
+fn prometheus_scrapes_the_coordinator_and_every_node_and_sees_the_load() {
+    let bundle = tiny_moe_bundle("control-prom-qwen3moe");
+    let mut g = Group::new(&bundle);
+    mtls::issue(&g.dir.path().join("certs"), "coordinator").unwrap();
+    // A RAM budget of a few experts: the store reads and evicts under load.
+    let flags = ["--metrics", "127.0.0.1:0", "--ram-budget", "256KiB"];
+    g.spawn(
+        0,
+        "127.0.0.1:0",
+        &[&["--init-cluster"][..], &flags].concat(),
+    );
+    let first = g.addrs[0].clone();
+    for i in [1, 2] {
+        g.spawn(
+            i,
+            "127.0.0.1:0",
+            &[&["--join", first.as_str()][..], &flags].concat(),
+        );
+    }
+    g.agree(&[0, 1, 2], None, &[0, 0, 0], 30);
+    assert!(g.metrics.iter().all(|m| !m.is_empty()), "{:?}", g.metrics);
+    let coord = Server::start(&bundle, &seat_args(&g, &g.addrs[0]), "prom-coordinator");
+    // The node's own side port: health, readiness, text.
+    for m in &g.metrics {
+        let url = format!("http://{m}");
+        assert_eq!(get(&url, "/health").0, 200);
+        let (code, text) = get(&url, "/metrics");
+        assert_eq!(code, 200);
+        assert!(text.contains("ternfleet_node_ready 1"), "{text}");
+    }
+    let coord_addr = coord.url.trim_start_matches("http://").to_string();
+    let Some(prom) = Prometheus::start(&[
+        ("coordinator", vec![coord_addr.clone()]),
+        ("nodes", g.metrics.clone()),
+    ]) else {
+        return;
+    };
+    let t = Instant::now();
+    loop {
+        let ts = prom.targets();
+        if ts.len() == 4 && ts.iter().all(|t| t.2 == "up") {
+            eprintln!("prometheus: 4 targets up after {:?}", t.elapsed());
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(30), "targets: {ts:?}");
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    // Raft gauges refresh every second; a scrape every second after that.
+    let per_instance = |q: &str| -> std::collections::BTreeMap<String, f64> {
+        prom.query(q)
+            .into_iter()
+            .map(|(job, inst, m, v)| {
+                let node = m["node"].as_str().map(str::to_string);
+                (node.unwrap_or(format!("{job}/{inst}")), v)
+            })
+            .collect()
+    };
+    let wait_for = |q: &str, n: usize| {
+        let t = Instant::now();
+        loop {
+            let got = per_instance(q);
+            if got.len() >= n {
+                return got;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "{q}: {got:?} (want {n} series)"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    };
+    // Present on every process before any request: Raft and placement.
+    for q in [
+        "ternfleet_raft_term",
+        "ternfleet_raft_commit_index",
+        "ternfleet_raft_applied_index",
+        "ternfleet_raft_apply_lag",
+        "ternfleet_placement_version",
+    ] {
+        let got = wait_for(q, 4);
+        assert!(got.values().all(|v| *v >= 0.0), "{q}: {got:?}");
+    }
+    let versions = wait_for("ternfleet_placement_version", 4);
+    assert!(versions.values().all(|v| *v >= 1.0), "{versions:?}");
+    assert_eq!(
+        wait_for("ternfleet_raft_leader", 4).values().sum::<f64>(),
+        1.0,
+        "exactly one leader"
+    );
+
+    let before_tokens = wait_for("ternfleet_generated_tokens_total", 1);
+    for i in 0..4 {
+        completion(
+            &coord.url,
+            &request(&format!("Scraped request {i} says"), 12, i),
+        );
+    }
+    // Every node's series grew (seen at a later scrape), the coordinator's per node too.
+    let grew = |q: &str, before: &std::collections::BTreeMap<String, f64>, n: usize| {
+        let t = Instant::now();
+        loop {
+            let now = per_instance(q);
+            let up = now
+                .iter()
+                .filter(|(k, v)| **v > before.get(*k).copied().unwrap_or(0.0))
+                .count();
+            if up >= n {
+                return now;
+            }
+            assert!(
+                t.elapsed() < Duration::from_secs(20),
+                "{q}: {now:?}, before {before:?}"
+            );
+            std::thread::sleep(Duration::from_millis(250));
+        }
+    };
+    let none = std::collections::BTreeMap::new();
+    grew("ternfleet_generated_tokens_total", &before_tokens, 1);
+    let rtt = grew("ternfleet_cluster_node_round_trip_seconds_count", &none, 3);
+    assert_eq!(
+        rtt.keys().cloned().collect::<Vec<_>>(),
+        ["n1", "n2", "n3"],
+        "per-node round trips"
+    );
+    for q in [
+        "ternfleet_cluster_node_calls_total",
+        "ternfleet_cluster_node_routes_total",
+        "ternfleet_cluster_node_sent_bytes_total",
+        "ternfleet_cluster_node_received_bytes_total",
+    ] {
+        grew(q, &none, 3);
+    }
+    wait_for("ternfleet_cluster_failovers_total", 1);
+    wait_for("ternfleet_cluster_node_failures_total", 3);
+    // The nodes: calls, routes, per-expert rows, compute time, the store's reads.
+    for q in [
+        "ternfleet_node_routes_total",
+        "ternfleet_node_call_seconds_count",
+        "ternfleet_expert_store_read_bytes_total",
+        "ternfleet_expert_store_reads_total",
+        "ternfleet_expert_store_read_seconds_total",
+    ] {
+        grew(q, &none, 3);
+    }
+    let hits = prom.query("ternfleet_expert_store_demands_total");
+    for r in ["hit", "miss"] {
+        assert_eq!(
+            hits.iter().filter(|h| h.2["result"] == r).count(),
+            3,
+            "{r}: {hits:?}"
+        );
+    }
+    let experts = prom.query("ternfleet_node_expert_routes_total");
+    assert!(experts.len() > 3, "per-expert series: {experts:?}");
+    for q in [
+        "ternfleet_expert_store_resident_experts",
+        "ternfleet_expert_store_budget_bytes",
+        "ternfleet_node_queue_depth",
+        "ternfleet_node_held_experts",
+        "ternfleet_queue_depth",
+        "ternfleet_kv_blocks_used",
+    ] {
+        assert!(!prom.query(q).is_empty(), "{q} missing");
+    }
+    let budget = per_instance("ternfleet_expert_store_budget_bytes");
+    assert!(budget.values().all(|b| *b == 262144.0), "{budget:?}");
 }

@@ -627,3 +627,28 @@ pub async fn accept_members(endpoint: quinn::Endpoint, m: Arc<Member>) {
         });
     }
 }
+
+/// Refreshes `m`'s Raft gauges (term, commit, applied, leader, placement version) into `sink`
+/// every second, on `rt`, for `/metrics` (a scrape never waits on the Raft loop).
+pub fn publish_gauges(
+    m: Arc<Member>,
+    rt: &tokio::runtime::Handle,
+    sink: impl Fn(ternfleet_shared::metrics::RaftGauges) + Send + 'static,
+) {
+    rt.spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            let st = tokio::time::timeout(Duration::from_secs(1), m.handle.status()).await;
+            let Ok(Ok(s)) = st else { continue };
+            let placement_version = m.handle.applied().borrow().placement_version;
+            sink(ternfleet_shared::metrics::RaftGauges {
+                term: s.term,
+                commit: s.commit,
+                applied: s.applied,
+                is_leader: s.leader == Some(s.id),
+                placement_version,
+            });
+        }
+    });
+}

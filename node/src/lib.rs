@@ -19,6 +19,7 @@
 //! roles use.
 pub mod control;
 pub mod expert;
+pub mod metrics;
 pub mod moves;
 pub mod server;
 pub mod service;

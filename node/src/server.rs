@@ -51,8 +51,9 @@ pub struct NodeOptions {
     /// The FFN activation of the bundle's architecture (the coordinator's model code knows
     /// it; the manifest names the architecture).
     pub act: Activation,
-    /// Where the node remembers which blobs it verified (`None`: hash every start), and keeps
-    /// its Raft store (`ID/raft.redb`) when it is a control-plane member.
+    /// Where the node remembers which blobs it verified (`ID/verified-*.json`; `None`: hash
+    /// every start), and keeps its Raft store (`ID/raft.redb`) when it is a control-plane
+    /// member. Per node id: nodes sharing one state directory never overwrite each other's.
     pub state_dir: Option<PathBuf>,
     /// A seat in the control plane's Raft group (`--init-cluster`, `--join ADDR`); `None`:
     /// the static cluster file only.
@@ -64,6 +65,58 @@ pub struct NodeOptions {
     pub move_rate: u64,
     /// Bytes asked for per `Fetch` of a move's copy.
     pub move_chunk: u32,
+    /// The HTTP side port (`/metrics`, `/health`, `/ready`).
+    pub metrics: MetricsAddr,
+    /// Allow the plaintext metrics port on a non-loopback address.
+    pub listen_any: bool,
+}
+
+/// Where `--metrics` binds.
+#[derive(Clone, Debug, PartialEq)]
+pub enum MetricsAddr {
+    /// Not given: [`DEFAULT_METRICS`]; taken already (another node on this machine), the node
+    /// runs without it and says so.
+    Default,
+    /// `--metrics off`.
+    Off,
+    /// `--metrics ADDR`: failing to bind it is an error.
+    At(String),
+}
+
+/// The metrics port's default address (../shared/CONVENTIONS.md).
+pub const DEFAULT_METRICS: &str = "127.0.0.1:9400";
+
+/// Binds the metrics port as `--metrics` says (`None`: off, or the default was taken).
+fn bind_metrics(
+    want: &MetricsAddr,
+    listen_any: bool,
+) -> Result<Option<std::net::TcpListener>, NodeError> {
+    let (addr, soft) = match want {
+        MetricsAddr::Off => return Ok(None),
+        MetricsAddr::Default => (DEFAULT_METRICS, true),
+        MetricsAddr::At(a) => (a.as_str(), false),
+    };
+    let a: SocketAddr = addr.parse().map_err(|_| {
+        setup(format!(
+            "--metrics {addr:?}: not an IP:port address (or off)"
+        ))
+    })?;
+    if !a.ip().is_loopback() && !listen_any {
+        return Err(setup(format!(
+            "--metrics {a}: the metrics port is plaintext HTTP; binding a non-loopback address needs --listen-any"
+        )));
+    }
+    match std::net::TcpListener::bind(a) {
+        Ok(l) => {
+            l.set_nonblocking(true).map_err(setup)?;
+            Ok(Some(l))
+        }
+        Err(e) if soft => {
+            tracing::warn!("node: no metrics port: {a} is taken ({e}); pass --metrics ADDR (port 0 picks one) or --metrics off");
+            Ok(None)
+        }
+        Err(e) => Err(setup(format!("--metrics {a}: cannot bind: {e}"))),
+    }
 }
 
 /// Errors starting a node (loading its shard later is reported through its status).
@@ -138,10 +191,12 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
             .map_err(|e| setup(format!("binding QUIC on {addr}: {e}")))?
     };
     let bound = endpoint.local_addr().map_err(setup)?;
-    println!(
-        "{}",
-        serde_json::json!({"ternfleet": "listening", "role": "node", "id": opts.id, "quic": bound.to_string()})
-    );
+    let metrics_listener = bind_metrics(&opts.metrics, opts.listen_any)?;
+    let mut line = serde_json::json!({"ternfleet": "listening", "role": "node", "id": opts.id, "quic": bound.to_string()});
+    if let Some(a) = metrics_listener.as_ref().and_then(|l| l.local_addr().ok()) {
+        line["metrics"] = serde_json::Value::String(a.to_string());
+    }
+    println!("{line}");
     // Every kernel table of this build (scalar, AVX2, AVX-512) computes the scalar
     // reference's bits (kernels' tests), so its results may replicate any other node's.
     let svc = Arc::new(Service::new(
@@ -231,6 +286,25 @@ pub fn run(opts: NodeOptions) -> Result<(), NodeError> {
         .sum();
     svc.progress(0, total);
     tracing::info!(id = %opts.id, quic = %bound, experts = held.iter().map(Vec::len).sum::<usize>(), bytes = total, "node: serving placement from {}", if member.is_some() { "the control plane" } else { "the cluster file" });
+    if let Some(l) = metrics_listener {
+        let raft = Arc::new(std::sync::Mutex::new(None));
+        if let Some(m) = &member {
+            let r = raft.clone();
+            crate::control::publish_gauges(m.clone(), rt.handle(), move |g| {
+                if let Ok(mut r) = r.lock() {
+                    *r = Some(g);
+                }
+            });
+        }
+        let reg = crate::metrics::registry(svc.clone(), raft);
+        let _g = rt.enter();
+        let l = tokio::net::TcpListener::from_std(l).map_err(setup)?;
+        tracing::info!(
+            "node: metrics on http://{}/metrics",
+            l.local_addr().map_err(setup)?
+        );
+        rt.spawn(crate::metrics::serve(l, svc.clone(), reg));
+    }
     let allowed = Arc::new(placement.coordinators.clone());
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_CALLS));
     rt.spawn(accept_loop(
@@ -313,7 +387,10 @@ fn holdings(svc: &Arc<Service>, opts: &NodeOptions, man: Arc<Manifest>) -> Holdi
             evict: opts.evict,
             io_threads: opts.io_threads,
         },
-        VerifiedParts::open(opts.state_dir.as_deref(), &opts.bundle),
+        VerifiedParts::open(
+            opts.state_dir.as_ref().map(|s| s.join(&opts.id)).as_deref(),
+            &opts.bundle,
+        ),
         svc.clone(),
         MoveOptions {
             prune: opts.prune,
@@ -487,7 +564,14 @@ async fn stream(
             }),
         },
         Ok(f) => {
-            let Ok(_permit) = permits.acquire_owned().await else {
+            svc.calls
+                .waiting
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let permit = permits.acquire_owned().await;
+            svc.calls
+                .waiting
+                .fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+            let Ok(_permit) = permit else {
                 return;
             };
             // On a compute (rayon) worker: the call's matmuls split across the pool from

@@ -6,6 +6,7 @@
 //! them to the dense local numbering of the backend (`LocalExperts` or the expert store), so
 //! a node computes exactly what the single process computes for the same expert and rows.
 
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -43,6 +44,16 @@ impl Shard {
             })
             .collect();
         Shard { backend, local }
+    }
+
+    /// How many experts this shard serves.
+    pub fn held(&self) -> usize {
+        self.local.iter().flatten().flatten().count()
+    }
+
+    /// The expert store's counters, when the shard is served through one.
+    pub fn store_stats(&self) -> Option<ternfleet_shared::expert::StoreStats> {
+        self.backend.store_stats()
     }
 
     /// Runs a call: one f32 row per route, in route order.
@@ -115,6 +126,8 @@ pub struct Service {
     /// The experts served now: replaced whole when a move adds or drops one (a call keeps
     /// the shard it started with).
     shard: RwLock<Option<Arc<Shard>>>,
+    /// What `/metrics` reports of the calls served.
+    pub calls: crate::metrics::CallStats,
 }
 
 impl Service {
@@ -128,6 +141,7 @@ impl Service {
             bundle: bundle.to_string(),
             state: RwLock::new(NodeState::Loading { done: 0, total }),
             shard: RwLock::new(None),
+            calls: Default::default(),
         }
     }
 
@@ -205,12 +219,21 @@ impl Service {
                 };
                 // An FFN's output rows are as wide as its input rows.
                 let cols = c.cols.max(1);
-                Ok(match shard.run(&self.id, c) {
+                let (layer, experts): (u32, Vec<u32>) =
+                    (c.layer, c.routes.iter().map(|r| r.expert).collect());
+                let t = Instant::now();
+                self.calls.running.fetch_add(1, Ordering::Relaxed);
+                let r = shard.run(&self.id, c);
+                self.calls.running.fetch_sub(1, Ordering::Relaxed);
+                let ns = t.elapsed().as_nanos() as u64;
+                self.calls.call(r.is_ok(), ns, layer, &experts);
+                Ok(match r {
                     Ok(rows) => Frame::Result { cols, rows },
                     Err((class, message)) => error(class, message),
                 })
             }
             Frame::Hint { layer, experts } => {
+                self.calls.hints.fetch_add(1, Ordering::Relaxed);
                 if let Some(shard) = self.shard() {
                     let layer = layer as usize;
                     if let Some(map) = shard.local.get(layer) {

@@ -437,14 +437,15 @@ impl VerifiedParts {
         if let Some(parent) = file.parent() {
             std::fs::create_dir_all(parent)?;
         }
-        let body = {
-            let e = self
-                .entries
-                .lock()
-                .map_err(|_| std::io::Error::other("verified parts lock poisoned"))?;
-            serde_json::to_vec(&*e).map_err(std::io::Error::other)?
-        };
-        let tmp = file.with_extension("json.tmp");
+        // The lock is held to the rename: two threads saving (moves copy in parallel) never
+        // write one temporary file at once. The temporary name carries the pid, so a second
+        // process on the same state directory cannot interleave with this one either.
+        let e = self
+            .entries
+            .lock()
+            .map_err(|_| std::io::Error::other("verified parts lock poisoned"))?;
+        let body = serde_json::to_vec(&*e).map_err(std::io::Error::other)?;
+        let tmp = file.with_extension(format!("json.{}.tmp", std::process::id()));
         std::fs::write(&tmp, body)?;
         std::fs::rename(&tmp, file)
     }

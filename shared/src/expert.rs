@@ -88,6 +88,11 @@ pub struct StoreStats {
     pub read_ns: u64,
     /// Worst read latency.
     pub read_ns_max: u64,
+    /// Experts resident now, and the bytes the store holds (resident and being read) within
+    /// its budget.
+    pub resident: u64,
+    pub used_bytes: u64,
+    pub budget_bytes: u64,
 }
 
 impl StoreStats {
@@ -120,6 +125,85 @@ pub struct RemoteStats {
     /// Layer steps that sent rows to nodes: `calls / layer_steps` is the round trips per
     /// layer and step (per token at batch 1).
     pub layer_steps: u64,
+    /// The same per node, by the node's index in the transport (the list only grows).
+    pub nodes: Vec<NodeCalls>,
+}
+
+impl RemoteStats {
+    /// Node `i`'s counters (created on first use), named `id`.
+    pub fn node(&mut self, i: usize, id: &str) -> &mut NodeCalls {
+        if self.nodes.len() <= i {
+            self.nodes.resize_with(i + 1, NodeCalls::default);
+        }
+        let n = &mut self.nodes[i];
+        if n.id != id {
+            n.id = id.to_string();
+        }
+        n
+    }
+}
+
+/// One node's share of [`RemoteStats`].
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct NodeCalls {
+    pub id: String,
+    pub calls: u64,
+    /// Routes (one row through one expert) sent.
+    pub routes: u64,
+    pub bytes_sent: u64,
+    pub bytes_received: u64,
+    /// Calls that failed (error, timeout, lost connection) and went to a replica or failed
+    /// their step.
+    pub failures: u64,
+    /// Round-trip times of answered calls.
+    pub rtt: Latencies,
+}
+
+/// Upper bounds (seconds) of [`Latencies`]' buckets: 100 µs doubling to 3.3 s, then +Inf.
+pub const LATENCY_BOUNDS: [f64; 16] = {
+    let mut b = [0.0; 16];
+    let mut i = 0;
+    let mut v = 1e-4;
+    while i < 16 {
+        b[i] = v;
+        v *= 2.0;
+        i += 1;
+    }
+    b
+};
+
+/// A latency histogram as plain counters (published as a Prometheus histogram).
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize)]
+pub struct Latencies {
+    /// `buckets[i]`: observations in (`LATENCY_BOUNDS[i-1]`, `LATENCY_BOUNDS[i]`]; the last
+    /// one above every bound.
+    pub buckets: [u64; LATENCY_BOUNDS.len() + 1],
+    pub count: u64,
+    pub sum_ns: u64,
+    pub max_ns: u64,
+}
+
+impl Latencies {
+    pub fn observe(&mut self, ns: u64) {
+        let s = ns as f64 / 1e9;
+        let i = LATENCY_BOUNDS
+            .iter()
+            .position(|&b| s <= b)
+            .unwrap_or(LATENCY_BOUNDS.len());
+        self.buckets[i] += 1;
+        self.count += 1;
+        self.sum_ns += ns;
+        self.max_ns = self.max_ns.max(ns);
+    }
+
+    /// Mean in seconds (0 with no observation).
+    pub fn mean_s(&self) -> f64 {
+        if self.count == 0 {
+            0.0
+        } else {
+            self.sum_ns as f64 / self.count as f64 / 1e9
+        }
+    }
 }
 
 /// Errors of an expert backend.
@@ -228,6 +312,23 @@ pub trait ExpertBackend: Send + Sync {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn latencies_fall_in_the_bucket_of_their_upper_bound() {
+        let mut l = Latencies::default();
+        for ns in [50_000, 100_000, 100_001, 3_000_000, 10_000_000_000] {
+            l.observe(ns);
+        }
+        // 50 µs and 100 µs: the first bucket (le 0.0001); 100.001 µs: the second; 3 ms:
+        // le 0.0032 (index 5); 10 s: above every bound.
+        assert_eq!(l.buckets[0], 2);
+        assert_eq!(l.buckets[1], 1);
+        assert_eq!(l.buckets[5], 1);
+        assert_eq!(l.buckets[LATENCY_BOUNDS.len()], 1);
+        assert_eq!(l.count, 5);
+        assert_eq!(l.max_ns, 10_000_000_000);
+        assert!((LATENCY_BOUNDS[15] - 3.2768).abs() < 1e-12);
+    }
 
     #[test]
     fn transient_errors_are_retryable_and_bad_batches_are_not() {

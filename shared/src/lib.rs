@@ -34,6 +34,7 @@ pub mod compute;
 pub mod error;
 pub mod expert;
 pub mod gguf;
+pub mod metrics;
 pub mod mtls;
 pub mod net;
 pub mod proto;

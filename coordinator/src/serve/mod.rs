@@ -147,6 +147,14 @@ async fn run(
         out.flush().context("writing the start-up line")?;
     }
     let metrics = Arc::new(metrics::Metrics::new());
+    if let Some(seat) = &seat {
+        let m = metrics.clone();
+        ternfleet_node::control::publish_gauges(
+            seat.member.clone(),
+            &tokio::runtime::Handle::current(),
+            move |g| m.raft(g),
+        );
+    }
     let slots = cfg.parallel + cfg.max_queue;
     let ready = Arc::new(AtomicBool::new(false));
     let state = Arc::new(http::AppState {

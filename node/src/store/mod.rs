@@ -264,7 +264,13 @@ impl StoreExperts {
 
     /// The counters so far.
     pub fn stats(&self) -> StoreStats {
-        self.shared.lock().policy.stats().clone()
+        let st = self.shared.lock();
+        StoreStats {
+            resident: st.policy.resident() as u64,
+            used_bytes: st.policy.used(),
+            budget_bytes: st.policy.budget(),
+            ..st.policy.stats().clone()
+        }
     }
 }
 
