@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
 # The README's test command: installs what the tests need (Python gguf/numpy for the gguf-py
 # interop tests, grpcio for a gRPC client, the openai package and curl for the serve end-to-end tests,
-# Prometheus for the scrape test, the models), then
+# Prometheus for the scrape test, Chromium and selenium for the web console test, the models), then
 # runs format, lint and every test of the workspace. .ci/run calls exactly this.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-python3 -c "import gguf, numpy, openai, grpc" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check numpy gguf openai grpcio
+python3 -c "import gguf, numpy, openai, grpc, selenium" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check numpy gguf openai grpcio selenium
 # curl drives the SSE wire-format test of `ternfleet serve`; Debian's Prometheus scrapes a
-# running cluster in the observability test.
+# running cluster in the observability test; headless Chromium (selenium) drives the console.
 need=()
 command -v curl >/dev/null || need+=(curl)
 command -v prometheus >/dev/null || need+=(prometheus)
+[ -x /usr/bin/chromium ] || need+=(chromium)
+[ -x /usr/bin/chromedriver ] || need+=(chromium-driver)
 if [ ${#need[@]} -gt 0 ]; then
   apt-get update -qq && apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi

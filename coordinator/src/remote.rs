@@ -35,7 +35,7 @@ use ternfleet_shared::expert::{
     ExpertBackend, ExpertBatch, ExpertError, Health, InFlight, RemoteStats, Route,
 };
 use ternfleet_shared::net::{NetError, Transport};
-use ternfleet_shared::wire::{Call, Frame, NodeState, WireRoute};
+use ternfleet_shared::wire::{Call, Frame, NodeReport, NodeState, WireRoute};
 
 /// How often down nodes are asked whether they are back.
 pub const PROBE_EVERY: Duration = Duration::from_millis(250);
@@ -92,6 +92,8 @@ struct Inner {
     bundle: String,
     /// Rows routed to each (layer, expert) so far (what the placement planner balances).
     routed: RoutingCounts,
+    /// Each node's last report (the console's node panel), by node index.
+    reports: Mutex<Vec<Option<NodeReport>>>,
 }
 
 /// What the coordinator routed, shared with whoever plans the placement (the admin API).
@@ -196,6 +198,7 @@ impl RemoteExperts {
             me: me.to_string(),
             bundle: bundle.to_string(),
             routed: c.routed.clone(),
+            reports: Mutex::new(Vec::new()),
         });
         let start = Instant::now();
         let mut last_log = Instant::now() - Duration::from_secs(10);
@@ -235,6 +238,16 @@ impl RemoteExperts {
                 layer: 0,
                 reason: format!("starting the node prober: {e}"),
             })?;
+        {
+            let weak = Arc::downgrade(&inner);
+            std::thread::Builder::new()
+                .name("node-reports".into())
+                .spawn(move || reporter(weak))
+                .map_err(|e| ExpertError::Unavailable {
+                    layer: 0,
+                    reason: format!("starting the node reporter: {e}"),
+                })?;
+        }
         if let Some(feed) = c.follow.clone() {
             let weak = Arc::downgrade(&inner);
             std::thread::Builder::new()
@@ -252,13 +265,34 @@ impl RemoteExperts {
         })
     }
 
-    /// The counters so far.
+    /// The counters so far, with each node's health, holdings and last report.
     pub fn stats(&self) -> RemoteStats {
-        self.inner
+        let mut s = self
+            .inner
             .stats
             .lock()
             .map(|s| s.clone())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        let placement = self.inner.placement();
+        let reports = self
+            .inner
+            .reports
+            .lock()
+            .map(|r| r.clone())
+            .unwrap_or_default();
+        if let Ok(nodes) = self.inner.nodes.lock() {
+            for (i, h) in nodes.iter().enumerate() {
+                let n = s.node(i, &h.id);
+                n.up = h.down.is_none();
+                n.state = if n.up { "ready".into() } else { h.why.clone() };
+                n.held = placement
+                    .nodes
+                    .get(i)
+                    .map_or(0, |p| p.experts.iter().map(|e| e.len() as u64).sum());
+                n.report = reports.get(i).cloned().flatten();
+            }
+        }
+        s
     }
 }
 
@@ -357,6 +391,42 @@ fn prober(inner: Weak<Inner>) {
         };
         if !which.is_empty() {
             inner.probe(&which, Duration::from_secs(1));
+        }
+    }
+}
+
+/// How often the nodes are asked for their reports.
+pub const REPORT_EVERY: Duration = Duration::from_secs(2);
+
+/// Asks every node that is up for its report every [`REPORT_EVERY`], until the backend is
+/// dropped. A node that does not answer (or speaks an older protocol) keeps its last report.
+fn reporter(inner: Weak<Inner>) {
+    let query = match Frame::ReportQuery.encode() {
+        Ok(b) => Arc::new(b),
+        Err(_) => return,
+    };
+    loop {
+        std::thread::sleep(REPORT_EVERY);
+        let Some(inner) = inner.upgrade() else { return };
+        let up: Vec<usize> = match inner.nodes.lock() {
+            Ok(n) => (0..n.len()).filter(|&i| n[i].down.is_none()).collect(),
+            Err(_) => return,
+        };
+        let deadline = Instant::now() + Duration::from_secs(1);
+        let rxs: Vec<(usize, Receiver<_>)> = up
+            .iter()
+            .map(|&i| (i, inner.transport.send(i, query.clone(), deadline)))
+            .collect();
+        for (i, rx) in rxs {
+            let wait = deadline.saturating_duration_since(Instant::now());
+            if let Ok(Ok(Frame::Report(r))) = rx.recv_timeout(wait) {
+                if let Ok(mut reports) = inner.reports.lock() {
+                    if reports.len() <= i {
+                        reports.resize(i + 1, None);
+                    }
+                    reports[i] = Some(r);
+                }
+            }
         }
     }
 }
@@ -841,6 +911,24 @@ impl ExpertBackend for RemoteExperts {
 
     fn remote_stats(&self) -> Option<RemoteStats> {
         Some(self.stats())
+    }
+
+    fn holders(&self) -> Option<Vec<Vec<Vec<String>>>> {
+        let p = self.inner.placement();
+        Some(
+            (0..p.n_layer())
+                .map(|l| {
+                    (0..self.inner.n_expert)
+                        .map(|e| {
+                            p.holders(l, e)
+                                .iter()
+                                .filter_map(|&i| p.nodes.get(i).map(|n| n.id.clone()))
+                                .collect()
+                        })
+                        .collect()
+                })
+                .collect(),
+        )
     }
 
     fn health(&self) -> Health {

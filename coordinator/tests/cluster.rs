@@ -1293,3 +1293,94 @@ fn coordinator_and_two_nodes_in_their_own_network_namespaces() {
     assert_eq!(across, local, "over veth between namespaces vs one process");
     drop(nodes);
 }
+
+/// The web console in headless Chromium (`tests/console/console_test.py`, selenium and
+/// Debian's chromium + chromium-driver): the page loads from the coordinator, the API key
+/// entered opens the `/admin/v1/` mirrors (refused without it), every node shows up, a chat
+/// message streams its reply in pieces, tokens/s and TTFT show; a node SIGKILLed is shown down
+/// within the heartbeat timeout plus one refresh. Screenshots land in
+/// target/cluster-test/console/ (the ones in docs/ come from here).
+#[test]
+fn the_web_console_chats_and_shows_a_killed_node_down_in_chromium() {
+    let script = root().join("tests/console/console_test.py");
+    let have = |c: &str| Path::new(c).exists();
+    let selenium = Command::new("python3")
+        .args(["-c", "import selenium"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !(have("/usr/bin/chromium") && have("/usr/bin/chromedriver") && selenium) {
+        skip(
+            "the web console test",
+            "needs chromium, chromium-driver (apt) and selenium (pip)",
+        );
+        return;
+    }
+    // MoEfied Gemma: a real model, so the chat (and the screenshots) read as text.
+    let Some(g) = gemma() else { return };
+    let b = bundle(&g, "gemma-moe8", Some(8), "keep");
+    let mut c = Cluster::start("console", &b, 3, 2);
+    let key = "console-test-key";
+    let mut args = c.cluster_args();
+    // Every expert of a token's layer (the dense model's answer, split across the nodes), in
+    // Gemma's chat format (the GGUF carries no template).
+    args.extend(["--api-key", key, "--chat-template", "gemma"].map(String::from));
+    let coord = Server::start(&b, &args, "console-coordinator");
+    // The mirrors need the key; the page itself is public (it holds no data).
+    assert_eq!(get(&coord.url, "/admin/v1/cluster").0, 401);
+    let (code, page) = get(&coord.url, "/");
+    assert!(code == 200 && page.contains("ternfleet console"), "{code}");
+    let shots = log_dir().join("console");
+    // Heartbeat every second, a probe answered within one; the page refreshes every second.
+    let down_within = 1.0 + 1.0 + 0.25 + 1.0 + 0.75;
+    let mut py = Command::new("python3")
+        .arg(&script)
+        .args(["--url", &coord.url, "--key", key, "--nodes", "n1,n2,n3"])
+        .args(["--kill", "n2", "--down-within", &down_within.to_string()])
+        .arg("--shots")
+        .arg(&shots)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(append_to(&log_dir().join("console-test.log")))
+        .spawn()
+        .expect("python3");
+    let mut stdin = py.stdin.take().expect("piped");
+    let stdout = py.stdout.take().expect("piped");
+    let py = Proc(py);
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::BufReader::new(stdout)
+            .lines()
+            .map_while(Result::ok)
+        {
+            let _ = tx.send(line);
+        }
+    });
+    let t = Instant::now();
+    let mut result = None;
+    let mut py = py;
+    loop {
+        match rx.recv_timeout(Duration::from_millis(200)) {
+            Ok(l) if l == "kill n2" => {
+                c.kill(1);
+                use std::io::Write;
+                stdin.write_all(b"killed\n").expect("writing to the script");
+                stdin.flush().expect("writing to the script");
+            }
+            Ok(l) => result = Some(l),
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => break,
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(180),
+            "the console test hangs"
+        );
+    }
+    let st = wait_bounded(&mut py.0, 10, "the console script");
+    let log = std::fs::read_to_string(log_dir().join("console-test.log")).unwrap_or_default();
+    assert!(st.success(), "the console script failed:\n{log}");
+    let v: Value = serde_json::from_str(result.as_deref().unwrap_or("")).expect("its results");
+    eprintln!("web console: {v}");
+    assert!(v["down_shown_after_s"].as_f64().unwrap_or(f64::MAX) <= down_within);
+    assert!(shots.join("console.png").exists() && shots.join("console-node-down.png").exists());
+}

@@ -555,7 +555,7 @@ async fn stream(
             class: ErrorClass::BadRequest,
             message: e.to_string(),
         }),
-        Ok(f @ Frame::Hello { .. }) => svc.handle(&peer, f),
+        Ok(f @ (Frame::Hello { .. } | Frame::ReportQuery)) => svc.handle(&peer, f),
         Ok(Frame::Join { id, addr }) => match &member {
             Some(m) => Ok(crate::control::answer_join(m, &conn, id, addr).await),
             None => Ok(Frame::Error {

@@ -187,6 +187,29 @@ impl Service {
         self.shard.read().ok().and_then(|s| s.clone())
     }
 
+    /// This node's counters for the coordinator's console.
+    pub fn report(&self) -> ternfleet_shared::wire::NodeReport {
+        let shard = self.shard();
+        let st = shard
+            .as_ref()
+            .and_then(|s| s.store_stats())
+            .unwrap_or_default();
+        let c = &self.calls;
+        ternfleet_shared::wire::NodeReport {
+            held: shard.as_ref().map_or(0, |s| s.held()) as u64,
+            budget_bytes: st.budget_bytes,
+            used_bytes: st.used_bytes,
+            resident: st.resident,
+            hits: st.hits,
+            waits: st.waits,
+            misses: st.misses,
+            read_bytes: st.bytes_read,
+            calls: c.ok.load(Ordering::Relaxed) + c.failed.load(Ordering::Relaxed),
+            routes: c.routes.load(Ordering::Relaxed),
+            queue: c.waiting.load(Ordering::Relaxed).max(0) as u64,
+        }
+    }
+
     fn status(&self) -> Frame {
         Frame::Status {
             id: self.id.clone(),
@@ -248,6 +271,7 @@ impl Service {
                 }
                 Ok(self.status())
             }
+            Frame::ReportQuery => Ok(Frame::Report(self.report())),
             other => Ok(error(
                 ErrorClass::BadRequest,
                 format!("node {}: a node does not take {other:?}", self.id),

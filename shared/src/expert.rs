@@ -157,6 +157,13 @@ pub struct NodeCalls {
     pub failures: u64,
     /// Round-trip times of answered calls.
     pub rtt: Latencies,
+    /// Filled when the stats are read (not counted): whether the coordinator routes to it,
+    /// its state as the last probe saw it, the experts the placement gives it, and its own
+    /// report (`None`: not answered yet, or a node of an older release).
+    pub up: bool,
+    pub state: String,
+    pub held: u64,
+    pub report: Option<crate::wire::NodeReport>,
 }
 
 /// Upper bounds (seconds) of [`Latencies`]' buckets: 100 µs doubling to 3.3 s, then +Inf.
@@ -301,6 +308,11 @@ pub trait ExpertBackend: Send + Sync {
     }
     /// The cluster counters, when the experts run on remote nodes.
     fn remote_stats(&self) -> Option<RemoteStats> {
+        None
+    }
+    /// Per layer and routed expert, the ids of the nodes holding it, when the experts run on
+    /// remote nodes (`None`: all in this process).
+    fn holders(&self) -> Option<Vec<Vec<Vec<String>>>> {
         None
     }
     /// Current health.

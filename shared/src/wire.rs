@@ -49,6 +49,8 @@ enum Kind {
     Joined = 9,
     Fetch = 10,
     Blob = 11,
+    ReportQuery = 12,
+    Report = 13,
 }
 
 /// A node's state as it reports it.
@@ -81,6 +83,66 @@ pub struct Call {
     pub routes: Vec<WireRoute>,
     /// `n_tokens` rows of `cols` values of `ty`, back to back.
     pub input: Vec<u8>,
+}
+
+/// What a node reports of itself for the coordinator's console (`Report`): cumulative
+/// counters and current gauges. A node of an older release answers the query with an error
+/// (unknown frame kind), which the coordinator takes as "no report".
+#[derive(Clone, Debug, Default, PartialEq, Eq, serde::Serialize)]
+pub struct NodeReport {
+    /// Experts it serves.
+    pub held: u64,
+    /// Its expert store (zeros without `--ram-budget`): budget, bytes used, experts resident,
+    /// demands by result, bytes read from disk.
+    pub budget_bytes: u64,
+    pub used_bytes: u64,
+    pub resident: u64,
+    pub hits: u64,
+    pub waits: u64,
+    pub misses: u64,
+    pub read_bytes: u64,
+    /// Calls answered, routes computed, calls waiting for a compute slot.
+    pub calls: u64,
+    pub routes: u64,
+    pub queue: u64,
+}
+
+impl NodeReport {
+    const FIELDS: usize = 11;
+
+    fn values(&self) -> [u64; Self::FIELDS] {
+        [
+            self.held,
+            self.budget_bytes,
+            self.used_bytes,
+            self.resident,
+            self.hits,
+            self.waits,
+            self.misses,
+            self.read_bytes,
+            self.calls,
+            self.routes,
+            self.queue,
+        ]
+    }
+
+    fn from_values(v: [u64; Self::FIELDS]) -> NodeReport {
+        let [held, budget_bytes, used_bytes, resident, hits, waits, misses, read_bytes, calls, routes, queue] =
+            v;
+        NodeReport {
+            held,
+            budget_bytes,
+            used_bytes,
+            resident,
+            hits,
+            waits,
+            misses,
+            read_bytes,
+            calls,
+            routes,
+            queue,
+        }
+    }
 }
 
 /// Every message of the protocol.
@@ -144,6 +206,10 @@ pub enum Frame {
         total: u64,
         bytes: Vec<u8>,
     },
+    /// Coordinator → node: report your counters (the console's node panel).
+    ReportQuery,
+    /// The answer to `ReportQuery`.
+    Report(NodeReport),
 }
 
 /// Largest chunk one `Fetch` is answered with.
@@ -324,6 +390,8 @@ impl Frame {
             Frame::Joined { .. } => Kind::Joined,
             Frame::Fetch { .. } => Kind::Fetch,
             Frame::Blob { .. } => Kind::Blob,
+            Frame::ReportQuery => Kind::ReportQuery,
+            Frame::Report(_) => Kind::Report,
         }
     }
 
@@ -341,6 +409,8 @@ impl Frame {
             Kind::Joined => "Joined",
             Kind::Fetch => "Fetch",
             Kind::Blob => "Blob",
+            Kind::ReportQuery => "ReportQuery",
+            Kind::Report => "Report",
         }
     }
 
@@ -460,6 +530,12 @@ impl Frame {
                 o.u64(*offset);
                 o.u64(*total);
                 o.bytes(bytes);
+            }
+            Frame::ReportQuery => {}
+            Frame::Report(r) => {
+                for v in r.values() {
+                    o.u64(v);
+                }
             }
         }
         let len = o.0.len() - HEADER;
@@ -633,6 +709,14 @@ impl Frame {
                     bytes,
                 }
             }
+            k if k == Kind::ReportQuery as u8 => Frame::ReportQuery,
+            k if k == Kind::Report as u8 => {
+                let mut v = [0u64; NodeReport::FIELDS];
+                for x in &mut v {
+                    *x = r.u64("report field")?;
+                }
+                Frame::Report(NodeReport::from_values(v))
+            }
             k => return Err(bad(format!("unknown frame kind {k}"))),
         };
         r.end(match f.kind() {
@@ -647,6 +731,8 @@ impl Frame {
             Kind::Joined => "joined",
             Kind::Fetch => "fetch",
             Kind::Blob => "blob",
+            Kind::ReportQuery => "report query",
+            Kind::Report => "report",
         })?;
         Ok(f)
     }
@@ -804,6 +890,15 @@ mod tests {
                 leader_addr: "10.0.0.1:7400".into(),
                 message: "not the leader".into(),
             },
+            Frame::ReportQuery,
+            Frame::Report(NodeReport {
+                held: 11,
+                budget_bytes: 1 << 33,
+                resident: 7,
+                misses: u64::MAX,
+                queue: 2,
+                ..Default::default()
+            }),
             Frame::Fetch {
                 layer: 3,
                 expert: 17,

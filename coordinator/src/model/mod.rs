@@ -159,6 +159,8 @@ pub struct Model {
     /// The learned shadow predictor ([`predict::LearnedPredictor`]), used for the hints where
     /// it has a map; `None`: the router predictor.
     pub learned: Option<Arc<predict::LearnedPredictor>>,
+    /// Rows routed to each routed expert so far, `[layer][expert]` (the console's heatmap).
+    pub routed: std::sync::Mutex<Vec<Vec<u64>>>,
     file: Arc<GgufFile>,
 }
 
@@ -340,6 +342,7 @@ impl Model {
             experts,
             lookahead: 0,
             learned: None,
+            routed: Default::default(),
             file,
         })
     }
@@ -430,6 +433,7 @@ impl Model {
                 experts: Box::new(experts),
                 lookahead: 0,
                 learned: None,
+                routed: Default::default(),
                 file,
             });
         }
@@ -463,6 +467,7 @@ impl Model {
             },
             lookahead: 0,
             learned: None,
+            routed: Default::default(),
             file,
         })
     }
@@ -891,6 +896,19 @@ impl Model {
                     routes: &routes,
                     numerics,
                 };
+                let n_routed = cfg.moe.as_ref().map_or(0, |m| m.n_expert);
+                if let (true, Ok(mut r)) = (n_routed > 0, self.routed.lock()) {
+                    if r.len() <= il {
+                        r.resize(il + 1, Vec::new());
+                    }
+                    let row = &mut r[il];
+                    if row.len() < n_routed {
+                        row.resize(n_routed, 0);
+                    }
+                    for rt in routes.iter().filter(|rt| (rt.expert as usize) < n_routed) {
+                        row[rt.expert as usize] += 1;
+                    }
+                }
                 let sent = Instant::now();
                 let call = self.experts.submit(&batch)?;
                 *flight = Some(Flight {

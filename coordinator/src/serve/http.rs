@@ -74,6 +74,10 @@ pub fn router(state: Arc<AppState>, max_body: usize) -> Router {
         .route("/tokenize", post(tokenize))
         .route("/detokenize", post(detokenize))
         .route("/apply-template", post(apply_template))
+        .route("/", get(super::console::page))
+        .route("/admin/v1/cluster", get(super::console::cluster))
+        .route("/admin/v1/routing", get(super::console::routing))
+        .route("/admin/v1/stats", get(super::console::stats))
         .fallback(not_found)
         .layer(DefaultBodyLimit::max(max_body))
         .layer(axum::middleware::from_fn(move |req, next| {
@@ -194,7 +198,7 @@ async fn metrics(State(s): State<Arc<AppState>>) -> Response {
 }
 
 /// Bearer key check (constant time per key); `Ok` when no keys are configured.
-fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
+pub(crate) fn authorize(s: &AppState, headers: &HeaderMap) -> Result<(), ApiError> {
     authorize_value(
         s,
         headers
@@ -645,11 +649,18 @@ pub(crate) fn reject_error(r: Reject) -> ApiError {
 impl Flight {
     pub(crate) fn observe_token(&mut self) {
         let now = Instant::now();
+        let mut recent = self
+            .metrics
+            .recent
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        recent.token(now);
         match self.last {
-            None => self
-                .metrics
-                .ttft
-                .observe((now - self.arrived).as_secs_f64()),
+            None => {
+                let ttft = (now - self.arrived).as_secs_f64();
+                self.metrics.ttft.observe(ttft);
+                recent.ttft(ttft);
+            }
             Some(t) => self.metrics.itl.observe((now - t).as_secs_f64()),
         }
         self.last = Some(now);

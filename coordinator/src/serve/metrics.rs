@@ -106,6 +106,70 @@ fn cluster(enc: &mut DescriptorEncoder, r: &RemoteStats) -> std::fmt::Result {
     )
 }
 
+/// The last few seconds, for the console: generated tokens per second (per-second buckets)
+/// and recent times to first token.
+#[derive(Debug, Default)]
+pub struct Recent {
+    start: Option<std::time::Instant>,
+    /// (second since start, tokens generated in it), oldest first.
+    tokens: std::collections::VecDeque<(u64, u64)>,
+    /// The last [`Recent::TTFTS`] times to first token, seconds.
+    ttfts: std::collections::VecDeque<f64>,
+}
+
+impl Recent {
+    /// Seconds of token history kept (the rate is over the last full [`Recent::WINDOW`]).
+    const KEEP: u64 = 16;
+    pub const WINDOW: u64 = 5;
+    const TTFTS: usize = 32;
+
+    fn second(&mut self, now: std::time::Instant) -> u64 {
+        let start = *self.start.get_or_insert(now);
+        now.saturating_duration_since(start).as_secs()
+    }
+
+    /// One token generated at `now`.
+    pub fn token(&mut self, now: std::time::Instant) {
+        let sec = self.second(now);
+        match self.tokens.back_mut() {
+            Some((s, n)) if *s == sec => *n += 1,
+            _ => self.tokens.push_back((sec, 1)),
+        }
+        while self
+            .tokens
+            .front()
+            .is_some_and(|(s, _)| s + Self::KEEP < sec)
+        {
+            self.tokens.pop_front();
+        }
+    }
+
+    pub fn ttft(&mut self, secs: f64) {
+        self.ttfts.push_back(secs);
+        while self.ttfts.len() > Self::TTFTS {
+            self.ttfts.pop_front();
+        }
+    }
+
+    /// Tokens per second over the [`Recent::WINDOW`] full seconds before `now`.
+    pub fn tokens_per_s(&mut self, now: std::time::Instant) -> f64 {
+        let sec = self.second(now);
+        let from = sec.saturating_sub(Self::WINDOW);
+        let n: u64 = self
+            .tokens
+            .iter()
+            .filter(|(s, _)| *s >= from && *s < sec)
+            .map(|(_, n)| n)
+            .sum();
+        n as f64 / Self::WINDOW as f64
+    }
+
+    /// Mean of the recent times to first token (`None`: none yet).
+    pub fn ttft_mean(&self) -> Option<f64> {
+        (!self.ttfts.is_empty()).then(|| self.ttfts.iter().sum::<f64>() / self.ttfts.len() as f64)
+    }
+}
+
 /// Every metric, cheap to update from any thread.
 pub struct Metrics {
     pub registry: Registry,
@@ -125,6 +189,8 @@ pub struct Metrics {
     pub step_failures: Counter,
     /// The store's, the cluster's and the control plane's series, written at scrape time.
     pub snapshot: Arc<Mutex<Snapshot>>,
+    /// Recent tokens/s and TTFT (the console).
+    pub recent: Mutex<Recent>,
 }
 
 impl Default for Metrics {
@@ -152,6 +218,7 @@ impl Metrics {
             steps: Counter::default(),
             step_failures: Counter::default(),
             snapshot: Default::default(),
+            recent: Default::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -261,5 +328,33 @@ impl Metrics {
         prometheus_client::encoding::text::encode(&mut s, &self.registry)
             .expect("writing to a String cannot fail");
         s
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::{Duration, Instant};
+
+    /// Tokens per second over the last full seconds; old seconds drop out; TTFT mean of the
+    /// recent ones.
+    #[test]
+    fn recent_rate_counts_the_last_full_seconds() {
+        let mut r = Recent::default();
+        let t0 = Instant::now();
+        for i in 0..50 {
+            // 10 tokens in each of seconds 0..5.
+            r.token(t0 + Duration::from_millis(i * 100));
+        }
+        assert_eq!(r.tokens_per_s(t0 + Duration::from_millis(5_000)), 10.0);
+        // Half a second into second 5: still the five full seconds before it.
+        assert_eq!(r.tokens_per_s(t0 + Duration::from_millis(5_500)), 10.0);
+        // Two seconds later only three of them are in the window.
+        assert_eq!(r.tokens_per_s(t0 + Duration::from_millis(7_000)), 6.0);
+        assert_eq!(r.tokens_per_s(t0 + Duration::from_secs(60)), 0.0);
+        assert_eq!(r.ttft_mean(), None);
+        r.ttft(0.1);
+        r.ttft(0.3);
+        assert!((r.ttft_mean().unwrap() - 0.2).abs() < 1e-12);
     }
 }

@@ -12,6 +12,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod console;
 pub mod driver;
 pub mod grpc;
 pub mod http;
