@@ -28,6 +28,14 @@ pub const DEFAULT_MODEL: &str = "models/qwen2.5-coder-0.5b-instruct-q4_k_m.gguf"
 pub struct Cli {
     #[command(subcommand)]
     pub command: Command,
+    /// Logs on stderr as text lines or JSON objects (one per line). RUST_LOG filters them
+    /// (default info).
+    #[arg(long = "log-format", global = true, value_enum, default_value_t)]
+    pub log_format: crate::telemetry::LogFormat,
+    /// Export trace spans (request, step, layer, node call; expert execution on the nodes)
+    /// over OTLP/gRPC to this collector, e.g. http://127.0.0.1:4317. Off when unset.
+    #[arg(long = "otlp-endpoint", global = true, value_name = "URL")]
+    pub otlp_endpoint: Option<String>,
 }
 
 /// Subcommands.
@@ -118,6 +126,10 @@ pub enum Command {
     /// certificate ID (any member's; mutual TLS) with its state Ready (loading, unavailable:
     /// exit 1 saying so).
     Probe(ProbeArgs),
+    /// A minimal OTLP/gRPC trace receiver: prints every span it receives as a JSON line
+    /// (trace id, span id, parent, name, service, ternfleet.id) — to look at a cluster's traces
+    /// without a collector, and for the trace tests and the tracing-cost bench.
+    OtlpSink(OtlpSinkArgs),
 }
 
 /// `ternfleet probe`.
@@ -197,6 +209,14 @@ pub enum ClusterCmd {
         #[arg(short = 'o', long = "out")]
         out: PathBuf,
     },
+}
+
+/// `ternfleet otlp-sink`.
+#[derive(Args, Debug)]
+pub struct OtlpSinkArgs {
+    /// gRPC address to receive OTLP on (port 0 picks one; the start-up line says which).
+    #[arg(long, default_value = "127.0.0.1:4317")]
+    pub listen: String,
 }
 
 /// `ternfleet node`.
@@ -1012,12 +1032,7 @@ pub fn set_prefetch(
 
 /// Logging, the compute thread pool and the kernel choice.
 fn init_runtime(threads: Option<usize>) -> Result<()> {
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
-    let _ = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .try_init();
+    crate::telemetry::init()?;
     let threads =
         threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     if threads == 0 {
@@ -1045,7 +1060,27 @@ pub(crate) fn progress_bar(template: &str) -> indicatif::ProgressBar {
 
 /// Runs one parsed command line.
 pub fn run(cli: Cli) -> Result<()> {
-    match cli.command {
+    let (service, id) = match &cli.command {
+        Command::Node(a) => ("ternfleet-node", a.id.clone()),
+        Command::Serve(a) => (
+            "ternfleet-coordinator",
+            a.id.clone().unwrap_or_else(|| "coordinator".into()),
+        ),
+        _ => ("ternfleet", String::new()),
+    };
+    crate::telemetry::configure(crate::telemetry::Options {
+        format: cli.log_format,
+        otlp_endpoint: cli.otlp_endpoint.clone(),
+        service: service.into(),
+        id,
+    });
+    let r = dispatch(cli.command);
+    crate::telemetry::shutdown();
+    r
+}
+
+fn dispatch(command: Command) -> Result<()> {
+    match command {
         Command::Generate(a) => cmd_generate(a),
         Command::Tokenize(a) => cmd_tokenize(a),
         Command::Perplexity(a) => cmd_perplexity(a),
@@ -1061,6 +1096,7 @@ pub fn run(cli: Cli) -> Result<()> {
         Command::Node(a) => cmd_node(a),
         Command::Ctl(a) => crate::ctl::run(a),
         Command::Probe(a) => cmd_probe(a),
+        Command::OtlpSink(a) => crate::otlp_sink::run(&a.listen),
     }
 }
 

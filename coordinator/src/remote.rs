@@ -640,6 +640,8 @@ struct Part {
     deadline: Instant,
     /// Nodes already tried for these routes.
     tried: Vec<usize>,
+    /// The call's trace span (disabled unless traces are exported).
+    _span: tracing::Span,
 }
 
 /// A layer's calls in flight.
@@ -746,6 +748,10 @@ fn send_parts(
                 expert: routes[r].expert,
             });
         }
+        let id = inner.node_id(node);
+        // One span per call (ends when the part is dropped: answered, failed over or
+        // abandoned); its context rides the frame so the node's span joins the trace.
+        let span = tracing::debug_span!("node_call", node = %id, layer, routes = rs.len());
         // The rows' kernel bytes, straight into the frame (no intermediate Activations).
         let call = Frame::Call(Call {
             layer: layer as u32,
@@ -755,13 +761,13 @@ fn send_parts(
             cols: input.cols() as u32,
             routes: wire,
             input: rows.iter().flat_map(|&r| input.row(r)).copied().collect(),
+            trace: ternfleet_shared::trace::traceparent(&span),
         });
         let bytes = call.encode().map_err(|e| ExpertError::Unavailable {
             layer,
             reason: e.to_string(),
         })?;
         let deadline = inner.opts.call_deadline(rs.len());
-        let id = inner.node_id(node);
         if let Ok(mut s) = inner.stats.lock() {
             s.calls += 1;
             s.bytes_sent += bytes.len() as u64;
@@ -785,6 +791,7 @@ fn send_parts(
             first_sent: first_sent.unwrap_or(now),
             deadline,
             tried: t,
+            _span: span,
         });
     }
     Ok(parts)

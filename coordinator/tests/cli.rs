@@ -570,3 +570,64 @@ fn certs_init_issues_and_with_keep_keeps_what_is_there() {
     assert_eq!(std::fs::read(d.path().join("certs/n1.pem")).unwrap(), n1);
     assert!(d.path().join("certs/n2.pem").exists());
 }
+
+/// `--log-format json` (a global flag): every line on stderr is one JSON object with a
+/// timestamp, level and message; the default is text. A bad `--otlp-endpoint` is a clear
+/// error at start, not a panic.
+#[test]
+fn logs_are_json_lines_on_request() {
+    let m = tiny();
+    let out = Command::new(env!("CARGO_BIN_EXE_ternfleet"))
+        .env("RUST_LOG", "info")
+        .args([
+            "generate",
+            "-m",
+            &m,
+            "-p",
+            "hello",
+            "-n",
+            "2",
+            "--log-format",
+            "json",
+        ])
+        .output()
+        .expect("binary runs");
+    assert!(out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(!lines.is_empty(), "no log lines");
+    for l in &lines {
+        let v: serde_json::Value =
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("not JSON ({e}): {l}"));
+        assert!(
+            v["timestamp"].is_string() && v["level"].is_string() && v["fields"].is_object(),
+            "{l}"
+        );
+    }
+    assert!(
+        lines.iter().any(|l| l.contains("kernels")),
+        "the kernels line: {err}"
+    );
+    let out = Command::new(env!("CARGO_BIN_EXE_ternfleet"))
+        .env("RUST_LOG", "info")
+        .args(["generate", "-m", &m, "-p", "hello", "-n", "1"])
+        .output()
+        .expect("binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.lines()
+            .any(|l| l.contains("INFO") && !l.starts_with('{')),
+        "text by default: {err}"
+    );
+    let out = bin()
+        .args(["generate", "-m", &m, "-p", "hello", "-n", "1"])
+        .args(["--otlp-endpoint", "not a url"])
+        .output()
+        .expect("binary runs");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("--otlp-endpoint not a url") && !err.contains("panicked"),
+        "{err}"
+    );
+}

@@ -1384,3 +1384,134 @@ fn the_web_console_chats_and_shows_a_killed_node_down_in_chromium() {
     assert!(v["down_shown_after_s"].as_f64().unwrap_or(f64::MAX) <= down_within);
     assert!(shots.join("console.png").exists() && shots.join("console-node-down.png").exists());
 }
+
+/// Traces across processes: a coordinator (`serve`) and three nodes export their spans over
+/// OTLP/gRPC to `ternfleet otlp-sink`; one completion gives one trace id that covers the
+/// coordinator's request, step, layer and node-call spans and every node's expert-execution
+/// spans, each of those a child of one of the coordinator's node-call spans (the context
+/// crossed QUIC in the call frame).
+#[test]
+fn one_trace_covers_the_coordinator_and_every_node_over_otlp() {
+    let b = bundle(&tiny("tiny-qwen3moe-q8_0.gguf"), "qwen3moe", None, "keep");
+    let mut sink = Command::new(bin())
+        .args(["otlp-sink", "--listen", "127.0.0.1:0"])
+        .stdout(Stdio::piped())
+        .stderr(append_to(&log_dir().join("otlp-sink.log")))
+        .spawn()
+        .expect("spawning the sink");
+    let stdout = sink.stdout.take().expect("piped");
+    let _sink = Proc(sink);
+    let lines = Arc::new(std::sync::Mutex::new(Vec::<String>::new()));
+    {
+        let lines = lines.clone();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for l in std::io::BufReader::new(stdout)
+                .lines()
+                .map_while(Result::ok)
+            {
+                lines.lock().unwrap_or_else(|e| e.into_inner()).push(l);
+            }
+        });
+    }
+    let t = Instant::now();
+    let first = loop {
+        if let Some(l) = lines.lock().unwrap().first().cloned() {
+            break l;
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "no sink start-up line"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let v: Value = serde_json::from_str(&first).unwrap();
+    assert_eq!(v["role"], "otlp-sink");
+    let ep = format!("http://{}", v["grpc"].as_str().unwrap());
+    let man = Manifest::read(&b).unwrap();
+    let list: Vec<(String, String)> = (1..=3)
+        .map(|i| (format!("n{i}"), "127.0.0.1:1".to_string()))
+        .collect();
+    let c = Cluster::start_placed_with(
+        "otlp",
+        &b,
+        ClusterFile::plan(&man, &list, 1).unwrap(),
+        &["--otlp-endpoint", &ep],
+    );
+    let mut args = c.cluster_args();
+    args.extend(["--otlp-endpoint".to_string(), ep.clone()]);
+    let coord = Server::start(&b, &args, "otlp-coordinator");
+    completion(&coord.url, &request("The capital of France is", 4, 1));
+
+    // Spans arrive within a batch delay (0.5 s) of ending.
+    let spans = |lines: &[String]| -> Vec<Value> {
+        lines[1..]
+            .iter()
+            .filter_map(|l| serde_json::from_str(l).ok())
+            .collect()
+    };
+    let t = Instant::now();
+    let (trace, got) = loop {
+        let all = spans(&lines.lock().unwrap());
+        let found = all
+            .iter()
+            .filter(|s| s["name"] == "request" && s["service"] == "ternfleet-coordinator")
+            .map(|s| s["trace_id"].as_str().unwrap_or_default().to_string())
+            .find(|tid| {
+                let of: Vec<&Value> = all.iter().filter(|s| s["trace_id"] == *tid).collect();
+                let nodes: std::collections::BTreeSet<&str> = of
+                    .iter()
+                    .filter(|s| s["name"] == "expert_execution")
+                    .filter_map(|s| s["id"].as_str())
+                    .collect();
+                nodes.len() == 3
+            });
+        if let Some(tid) = found {
+            let of: Vec<Value> = all.into_iter().filter(|s| s["trace_id"] == tid).collect();
+            break (tid, of);
+        }
+        if t.elapsed() > Duration::from_secs(20) {
+            let all = spans(&lines.lock().unwrap());
+            let kinds: std::collections::BTreeMap<String, usize> =
+                all.iter().fold(Default::default(), |mut m, s| {
+                    *m.entry(format!(
+                        "{} {} {} trace {}",
+                        s["service"], s["id"], s["name"], s["trace_id"]
+                    ))
+                    .or_default() += 1;
+                    m
+                });
+            panic!("no trace covering the coordinator and n1-n3: {kinds:#?}");
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    let count = |name: &str, service: &str| {
+        got.iter()
+            .filter(|s| s["name"] == name && s["service"] == service)
+            .count()
+    };
+    for name in ["request", "step", "layer", "node_call"] {
+        assert!(count(name, "ternfleet-coordinator") > 0, "{name}: {got:?}");
+    }
+    let calls: std::collections::BTreeSet<&str> = got
+        .iter()
+        .filter(|s| s["name"] == "node_call")
+        .filter_map(|s| s["span_id"].as_str())
+        .collect();
+    for s in got.iter().filter(|s| s["name"] == "expert_execution") {
+        assert_eq!(s["service"], "ternfleet-node", "{s}");
+        assert!(
+            calls.contains(s["parent"].as_str().unwrap_or_default()),
+            "an expert execution whose parent is no node call of the trace: {s}"
+        );
+    }
+    eprintln!(
+        "trace {trace}: {} spans (request {}, steps {}, layers {}, node calls {}, expert executions on n1-n3 {})",
+        got.len(),
+        count("request", "ternfleet-coordinator"),
+        count("step", "ternfleet-coordinator"),
+        count("layer", "ternfleet-coordinator"),
+        count("node_call", "ternfleet-coordinator"),
+        count("expert_execution", "ternfleet-node"),
+    );
+}

@@ -244,6 +244,12 @@ impl Service {
                 let cols = c.cols.max(1);
                 let (layer, experts): (u32, Vec<u32>) =
                     (c.layer, c.routes.iter().map(|r| r.expert).collect());
+                // A child of the coordinator's node-call span when it sent its context.
+                let span = tracing::debug_span!("expert_execution", layer, routes = experts.len());
+                if let Some(tp) = &c.trace {
+                    ternfleet_shared::trace::set_parent(&span, tp);
+                }
+                let _entered = span.enter();
                 let t = Instant::now();
                 self.calls.running.fetch_add(1, Ordering::Relaxed);
                 let r = shard.run(&self.id, c);

@@ -39,4 +39,5 @@ pub mod mtls;
 pub mod net;
 pub mod proto;
 pub mod testing;
+pub mod trace;
 pub mod wire;

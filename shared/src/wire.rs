@@ -51,6 +51,7 @@ enum Kind {
     Blob = 11,
     ReportQuery = 12,
     Report = 13,
+    TracedCall = 14,
 }
 
 /// A node's state as it reports it.
@@ -83,6 +84,10 @@ pub struct Call {
     pub routes: Vec<WireRoute>,
     /// `n_tokens` rows of `cols` values of `ty`, back to back.
     pub input: Vec<u8>,
+    /// The calling span's W3C `traceparent` when the coordinator exports traces: the frame
+    /// is then a `TracedCall` (a kind of its own, so a node of an older release only ever
+    /// sees it from a coordinator that was asked to trace).
+    pub trace: Option<String>,
 }
 
 /// What a node reports of itself for the coordinator's console (`Report`): cumulative
@@ -381,6 +386,7 @@ impl Frame {
         match self {
             Frame::Hello { .. } => Kind::Hello,
             Frame::Status { .. } => Kind::Status,
+            Frame::Call(c) if c.trace.is_some() => Kind::TracedCall,
             Frame::Call(_) => Kind::Call,
             Frame::Result { .. } => Kind::Result,
             Frame::Error { .. } => Kind::Error,
@@ -400,7 +406,7 @@ impl Frame {
         match self.kind() {
             Kind::Hello => "Hello",
             Kind::Status => "Status",
-            Kind::Call => "Call",
+            Kind::Call | Kind::TracedCall => "Call",
             Kind::Result => "Result",
             Kind::Error => "Error",
             Kind::Hint => "Hint",
@@ -450,6 +456,9 @@ impl Frame {
             }
             Frame::Call(c) => {
                 o.0.reserve(24 + c.routes.len() * 8 + c.input.len());
+                if let Some(t) = &c.trace {
+                    o.text(t);
+                }
                 o.u32(c.layer);
                 o.u8(numerics_code(c.numerics));
                 o.u32(c.ty.id());
@@ -620,6 +629,13 @@ impl Frame {
                 }
             }
             k if k == Kind::Call as u8 => Frame::Call(decode_call(&mut r)?),
+            k if k == Kind::TracedCall as u8 => {
+                let trace = r.text("call traceparent")?;
+                Frame::Call(Call {
+                    trace: Some(trace),
+                    ..decode_call(&mut r)?
+                })
+            }
             k if k == Kind::Result as u8 => {
                 let cols = r.u32("result cols")?;
                 let n = r.u64("result rows")?;
@@ -722,7 +738,7 @@ impl Frame {
         r.end(match f.kind() {
             Kind::Hello => "hello",
             Kind::Status => "status",
-            Kind::Call => "call",
+            Kind::Call | Kind::TracedCall => "call",
             Kind::Result => "result",
             Kind::Error => "error",
             Kind::Hint => "hint",
@@ -805,6 +821,7 @@ fn decode_call(r: &mut In<'_>) -> Result<Call, WireError> {
         cols,
         routes,
         input,
+        trace: None,
     })
 }
 
@@ -831,6 +848,7 @@ mod tests {
                 },
             ],
             input: (0..2 * 2 * 34).map(|i| i as u8).collect(),
+            trace: None,
         }
     }
 
@@ -890,6 +908,10 @@ mod tests {
                 leader_addr: "10.0.0.1:7400".into(),
                 message: "not the leader".into(),
             },
+            Frame::Call(Call {
+                trace: Some("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01".into()),
+                ..call()
+            }),
             Frame::ReportQuery,
             Frame::Report(NodeReport {
                 held: 11,
@@ -993,6 +1015,7 @@ mod tests {
                 MAX_ROUTES
             ],
             input: vec![0; 2048 * 4],
+            trace: None,
         };
         assert!(matches!(
             Frame::decode(&Frame::Call(c).encode().unwrap()),

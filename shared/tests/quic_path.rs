@@ -89,6 +89,7 @@ fn large_answers_cross_loopback_in_large_packets_without_loss() {
             })
             .collect(),
         input: vec![0u8; 2048 * 4],
+        trace: None,
     });
     let req = Arc::new(call.encode().unwrap());
     let started = Instant::now();

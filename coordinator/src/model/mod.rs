@@ -627,7 +627,12 @@ impl Model {
         let tx = pool.begin(&adds)?;
         // The whole pass on one pool thread: its parallel loops then hand work to the other
         // workers directly instead of waking the pool and sleeping once per loop.
-        let x = ternfleet_shared::compute::on_pool(|| self.layers(pool, inputs, &segs, opts, obs));
+        // The caller's trace span (the server's step) goes along: the layer spans are its
+        // children.
+        let span = tracing::Span::current();
+        let x = ternfleet_shared::compute::on_pool(|| {
+            span.in_scope(|| self.layers(pool, inputs, &segs, opts, obs))
+        });
         match x {
             Ok(x) => {
                 let toks: Vec<&[u32]> = inputs.iter().map(|i| i.tokens).collect();
@@ -721,6 +726,9 @@ impl Model {
         // overlaps lane B's experts. Every row's arithmetic is the same either way (lanes
         // are only used with invariant numerics), so the output bits are too.
         for il in 0..=w.layers.len() {
+            // A trace span per layer (disabled, and free, unless traces are exported): the
+            // experts collected for layer `il - 1` and layer `il`'s attention and calls.
+            let _layer = tracing::debug_span!("layer", layer = il).entered();
             for (&(r0, r1), flight) in lanes.iter().zip(flights.iter_mut()) {
                 let nl = r1 - r0;
                 if let Some(f) = flight.take() {

@@ -9,7 +9,6 @@
 //! - `/admin/v1/stats`: tokens/s over the last seconds, recent time to first token, queue
 //!   depth, running sequences, KV blocks.
 
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -20,7 +19,7 @@ use axum::Json;
 use serde_json::{json, Value};
 use ternfleet_shared::error::ErrorClass;
 
-use super::http::{authorize, AppState};
+use super::http::{authorize, status, AppState};
 use super::metrics::Recent;
 use super::openai::ApiError;
 
@@ -36,18 +35,6 @@ pub async fn page() -> Response {
         PAGE,
     )
         .into_response()
-}
-
-fn status(s: &AppState) -> (&'static str, Option<String>) {
-    if s.draining.load(Ordering::SeqCst) {
-        ("draining", None)
-    } else if let Some(why) = s.degraded.lock().ok().and_then(|d| d.clone()) {
-        ("degraded", Some(why))
-    } else if s.ready.load(Ordering::SeqCst) {
-        ("ready", None)
-    } else {
-        ("loading", None)
-    }
 }
 
 fn ratio(a: u64, b: u64) -> Option<f64> {

@@ -32,7 +32,8 @@ use super::scheduler::{
 /// What the API layer asks of the compute thread.
 pub enum Cmd {
     /// A new request; its events go to `reply`, which must hold `max_tokens + 2` events.
-    Submit(Box<Submit>, Sender<Event>),
+    /// The span is the request's trace span (the parent of the steps it runs in).
+    Submit(Box<Submit>, Sender<Event>, tracing::Span),
     /// Stop admitting; finish what runs until `deadline`, cancel the rest, then exit.
     Drain { deadline: Instant },
 }
@@ -62,6 +63,8 @@ pub struct DriverOptions {
 struct Live {
     reply: Sender<Event>,
     seq: Option<SeqId>,
+    /// Ends (is dropped) with the request.
+    span: tracing::Span,
 }
 
 /// Runs until drained (or the command channel closes). `status.0` (ready) is set once
@@ -119,7 +122,7 @@ pub fn run(
         cmds.extend(rx.try_iter());
         for c in cmds {
             match c {
-                Cmd::Submit(req, reply) => {
+                Cmd::Submit(req, reply, span) => {
                     let id = req.id;
                     if drain.is_some() {
                         let _ = reply.try_send(Event::Rejected(Reject::QueueFull {
@@ -130,7 +133,14 @@ pub fn run(
                     }
                     match sched.submit(*req) {
                         Ok(()) => {
-                            live.insert(id, Live { reply, seq: None });
+                            live.insert(
+                                id,
+                                Live {
+                                    reply,
+                                    seq: None,
+                                    span,
+                                },
+                            );
                         }
                         Err(e) => {
                             let _ = reply.try_send(Event::Rejected(e));
@@ -254,6 +264,22 @@ fn run_step(
     metrics
         .batch_rows
         .observe(rows.iter().map(|r| r.tokens.len()).sum::<usize>() as f64);
+    // The step's trace span: a child of its first request's, linked to the others'.
+    let parent = rows
+        .first()
+        .and_then(|r| live.get(&r.id))
+        .map_or_else(tracing::Span::none, |l| l.span.clone());
+    let step = tracing::debug_span!(parent: &parent, "step", rows = rows.len());
+    if !step.is_disabled() {
+        use opentelemetry::trace::TraceContextExt;
+        use tracing_opentelemetry::OpenTelemetrySpanExt;
+        for r in rows.iter().skip(1) {
+            if let Some(l) = live.get(&r.id) {
+                step.add_link(l.span.context().span().span_context().clone());
+            }
+        }
+    }
+    let _step = step.enter();
     let mut last = (ErrorClass::Internal, String::new());
     for _ in 0..attempts {
         metrics.steps.inc();

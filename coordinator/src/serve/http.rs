@@ -162,27 +162,30 @@ async fn health() -> Json<Value> {
     Json(json!({"status": "ok"}))
 }
 
-async fn ready(State(s): State<Arc<AppState>>) -> Response {
+/// The server's state as `/ready` and the console say it: `ready`, `loading`, `draining`, or
+/// `degraded` with the reason.
+pub(crate) fn status(s: &AppState) -> (&'static str, Option<String>) {
     if s.draining.load(Ordering::SeqCst) {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "draining"})),
-        )
-            .into_response()
+        ("draining", None)
     } else if let Some(why) = s.degraded.lock().ok().and_then(|d| d.clone()) {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "degraded", "reason": why})),
-        )
-            .into_response()
+        ("degraded", Some(why))
     } else if s.ready.load(Ordering::SeqCst) {
-        Json(json!({"status": "ready"})).into_response()
+        ("ready", None)
     } else {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "loading"})),
-        )
-            .into_response()
+        ("loading", None)
+    }
+}
+
+async fn ready(State(s): State<Arc<AppState>>) -> Response {
+    match status(&s) {
+        ("ready", _) => Json(json!({"status": "ready"})).into_response(),
+        (st, reason) => {
+            let mut body = json!({ "status": st });
+            if let Some(r) = reason {
+                body["reason"] = Value::String(r);
+            }
+            (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+        }
     }
 }
 
@@ -610,7 +613,13 @@ pub(crate) fn submit(
         logprobs: p.valid.logprobs,
         deadline: Some(arrived + s.timeout),
     };
-    e.tx.try_send(Cmd::Submit(Box::new(req), tx))
+    let span = tracing::debug_span!(
+        "request",
+        id = n,
+        prompt_tokens = p.prompt.len(),
+        max_tokens = p.max_tokens
+    );
+    e.tx.try_send(Cmd::Submit(Box::new(req), tx, span))
         .map_err(|err| match err {
             std::sync::mpsc::TrySendError::Full(_) => ApiError::new(
                 ErrorClass::Overloaded,
