@@ -231,32 +231,14 @@ impl RemoteExperts {
             std::thread::sleep(PROBE_EVERY);
         }
         let weak = Arc::downgrade(&inner);
-        std::thread::Builder::new()
-            .name("node-prober".into())
-            .spawn(move || prober(weak))
-            .map_err(|e| ExpertError::Unavailable {
-                layer: 0,
-                reason: format!("starting the node prober: {e}"),
-            })?;
-        {
-            let weak = Arc::downgrade(&inner);
-            std::thread::Builder::new()
-                .name("node-reports".into())
-                .spawn(move || reporter(weak))
-                .map_err(|e| ExpertError::Unavailable {
-                    layer: 0,
-                    reason: format!("starting the node reporter: {e}"),
-                })?;
-        }
+        spawn_worker("node-prober", "the node prober", move || prober(weak))?;
+        let weak = Arc::downgrade(&inner);
+        spawn_worker("node-reports", "the node reporter", move || reporter(weak))?;
         if let Some(feed) = c.follow.clone() {
             let weak = Arc::downgrade(&inner);
-            std::thread::Builder::new()
-                .name("placement".into())
-                .spawn(move || follow(weak, feed))
-                .map_err(|e| ExpertError::Unavailable {
-                    layer: 0,
-                    reason: format!("starting the placement follower: {e}"),
-                })?;
+            spawn_worker("placement", "the placement follower", move || {
+                follow(weak, feed)
+            })?;
         }
         Ok(RemoteExperts {
             inner,
@@ -265,14 +247,19 @@ impl RemoteExperts {
         })
     }
 
-    /// The counters so far, with each node's health, holdings and last report.
+    /// The counters so far.
     pub fn stats(&self) -> RemoteStats {
-        let mut s = self
-            .inner
+        self.inner
             .stats
             .lock()
             .map(|s| s.clone())
-            .unwrap_or_default();
+            .unwrap_or_default()
+    }
+
+    /// [`RemoteExperts::stats`] with each node's health, holdings and last report filled in
+    /// (the console's view; not for every step).
+    pub fn view(&self) -> RemoteStats {
+        let mut s = self.stats();
         let placement = self.inner.placement();
         let reports = self
             .inner
@@ -393,6 +380,22 @@ fn prober(inner: Weak<Inner>) {
             inner.probe(&which, Duration::from_secs(1));
         }
     }
+}
+
+/// Starts one of the backend's background threads (`name`), or says which could not start.
+fn spawn_worker(
+    name: &str,
+    what: &str,
+    f: impl FnOnce() + Send + 'static,
+) -> Result<(), ExpertError> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .spawn(f)
+        .map(drop)
+        .map_err(|e| ExpertError::Unavailable {
+            layer: 0,
+            reason: format!("starting {what}: {e}"),
+        })
 }
 
 /// How often the nodes are asked for their reports.
@@ -918,6 +921,10 @@ impl ExpertBackend for RemoteExperts {
 
     fn remote_stats(&self) -> Option<RemoteStats> {
         Some(self.stats())
+    }
+
+    fn remote_view(&self) -> Option<RemoteStats> {
+        Some(self.view())
     }
 
     fn holders(&self) -> Option<Vec<Vec<Vec<String>>>> {

@@ -157,9 +157,9 @@ pub struct NodeCalls {
     pub failures: u64,
     /// Round-trip times of answered calls.
     pub rtt: Latencies,
-    /// Filled when the stats are read (not counted): whether the coordinator routes to it,
-    /// its state as the last probe saw it, the experts the placement gives it, and its own
-    /// report (`None`: not answered yet, or a node of an older release).
+    /// Filled by [`ExpertBackend::remote_view`] only (not counted): whether the coordinator
+    /// routes to it, its state as the last probe saw it, the experts the placement gives it,
+    /// and its own report (`None`: not answered yet, or a node of an older release).
     pub up: bool,
     pub state: String,
     pub held: u64,
@@ -306,9 +306,14 @@ pub trait ExpertBackend: Send + Sync {
     fn store_stats(&self) -> Option<StoreStats> {
         None
     }
-    /// The cluster counters, when the experts run on remote nodes.
+    /// The cluster counters, when the experts run on remote nodes (cheap: read every step).
     fn remote_stats(&self) -> Option<RemoteStats> {
         None
+    }
+    /// [`ExpertBackend::remote_stats`] with each node's `up`, `state`, `held` and `report`
+    /// filled in (the console; takes the backend's locks, so not for every step).
+    fn remote_view(&self) -> Option<RemoteStats> {
+        self.remote_stats()
     }
     /// Per layer and routed expert, the ids of the nodes holding it, when the experts run on
     /// remote nodes (`None`: all in this process).

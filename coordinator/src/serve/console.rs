@@ -49,7 +49,7 @@ pub async fn cluster(
     let (st, reason) = status(&s);
     let snap_raft = s.metrics.snapshot.lock().ok().and_then(|g| g.raft.clone());
     let experts = s.engine.get().map(|e| &e.model.experts);
-    let remote = experts.and_then(|e| e.remote_stats());
+    let remote = experts.and_then(|e| e.remote_view());
     let own_store = experts.and_then(|e| e.store_stats());
     let mode = match (&remote, &snap_raft) {
         (None, _) => "single",
