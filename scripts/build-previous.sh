@@ -19,7 +19,11 @@ rm -rf "$out/src" "$out/ternfleet"
 mkdir -p "$out/src"
 git -C "$root" archive "$rev" | tar -x -C "$out/src"
 echo "build-previous: building ternfleet at $rev (the previous release) ..." >&2
-CARGO_TARGET_DIR="$out/target" cargo build --quiet --locked --profile test \
+# Line tables only and no incremental cache, whatever that release's Cargo.toml says; its build
+# directory goes once the binary is out (disk on CI machines is not plentiful).
+CARGO_PROFILE_TEST_DEBUG=line-tables-only CARGO_INCREMENTAL=0 \
+  CARGO_TARGET_DIR="$out/target" cargo build --quiet --locked --profile test \
   --manifest-path "$out/src/Cargo.toml" --bin ternfleet
 cp "$out/target/debug/ternfleet" "$out/ternfleet"
+rm -rf "$out/target" "$out/src"
 echo "$rev" >"$out/rev"

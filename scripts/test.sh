@@ -6,6 +6,11 @@
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
+# One clean build, not an edit loop: no incremental cache (it doubles target/ at opt-level 3).
+export CARGO_INCREMENTAL=0
+# Free disk after each phase, so a run that fills the disk says where.
+disk() { echo "test.sh: $1: $(df -h --output=avail "$root" | tail -1 | tr -d ' ') free, target/ $(du -sh "$root/target" 2>/dev/null | cut -f1)" >&2; }
+disk start
 python3 -c "import gguf, numpy, openai, grpc, selenium" 2>/dev/null || python3 -m pip install --quiet --disable-pip-version-check numpy gguf openai grpcio selenium
 # curl drives the SSE wire-format test of `ternfleet serve`; Debian's Prometheus scrapes a
 # running cluster in the observability test; headless Chromium (selenium) drives the console.
@@ -28,6 +33,7 @@ cargo clippy --workspace --all-targets --quiet -- -D warnings
 # The previous release's binary, for the rolling-upgrade test (built once, beside ours).
 ./scripts/build-previous.sh
 mkdir -p target
+disk "after lint and the previous release"
 # Everything above installed every reference, so a test that cannot find one fails instead of
 # skipping (ternfleet_shared::testing::skip); set TERNFLEET_REQUIRE_REFS=0 to let it skip and
 # be counted as skipped.
@@ -38,7 +44,9 @@ status=0
 # The light crates first; then the coordinator's model-heavy tests one at a time, each on both
 # cores (its rayon pool), so two of them never fight over the machine's two cores.
 cargo test --no-fail-fast --workspace --exclude ternfleet-coordinator 2>&1 | tee target/test.log || status=1
+disk "after the light crates"
 cargo test --no-fail-fast -p ternfleet-coordinator -- --test-threads=1 2>&1 | tee -a target/test.log || status=1
+disk "after the coordinator"
 # Benches must keep compiling and running (criterion --test mode runs each once).
 # Every bench target runs once as a test, built with the test profile (not a second,
 # LTO-optimised build of the whole workspace).
@@ -47,6 +55,7 @@ cargo test --benches --workspace --quiet >/dev/null || status=1
 deploy/verify-units.sh target/debug/ternfleet || status=1
 # The bare-metal guide's commands on four network namespaces (root; ~1 minute).
 deploy/test-guide.sh target/debug/ternfleet || status=1
+disk end
 skipped=$(wc -l <"$TERNFLEET_SKIP_LOG")
 grep -E "^test result:" target/test.log | awk -v s="$skipped" -v st="$status" \
   '{p+=$4; f+=$6; i+=$8} END {if (st != 0 && f == 0) f = 1; printf "tests: %d passed, %d failed, %d skipped\n", p - s, f, i + s}'
