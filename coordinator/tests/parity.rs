@@ -274,6 +274,8 @@ const EXACT_PPL: &[&str] = &[
     "gemma-3-270m-q4_k_m",
     "tiny-llama-q8_0",
     "tiny-llama-q4_k",
+    "tiny-llama-q4_1",
+    "tiny-llama-q5_1",
     "tiny-mixtral-q8_0",
     "tiny-qwen3moe-q8_0",
     "tiny-qwen2moe-q8_0",

@@ -140,6 +140,7 @@ pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
         GgmlType::F16 => GgmlType::F16,
         GgmlType::BF16 => GgmlType::BF16,
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
+        GgmlType::Q4_1 | GgmlType::Q5_1 => GgmlType::Q8_1,
         GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => GgmlType::Q8_K,
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => GgmlType::Q8_K,
         GgmlType::TF2 | GgmlType::TF1 => GgmlType::Q8_TF,
@@ -151,12 +152,7 @@ pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
 pub fn can_dequantize(ty: GgmlType) -> bool {
     !matches!(
         ty,
-        GgmlType::Q8_1
-            | GgmlType::I8
-            | GgmlType::I16
-            | GgmlType::I32
-            | GgmlType::I64
-            | GgmlType::F64
+        GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64 | GgmlType::F64
     )
 }
 
@@ -183,8 +179,9 @@ pub fn dequantize_row(ty: GgmlType, src: &[u8], dst: &mut [f32]) -> Result<(), K
     Ok(())
 }
 
-/// Quantize f32 values to an activation type (Q8_0, Q8_K, F16, BF16, F32), bit-exact with
-/// ggml's `quantize_row_q8_0_ref` / `quantize_row_q8_K_ref` (ggml-quants.c) and its
+/// Quantize f32 values to an activation type (Q8_0, Q8_1, Q8_K, F16, BF16, F32), bit-exact
+/// with what llama.cpp's x86 build computes for `quantize_row_q8_0` / `quantize_row_q8_1` and
+/// ggml's `quantize_row_q8_K_ref` (ggml-quants.c) and its
 /// round-to-nearest-even f16/bf16 conversions, or to a ternary weight type: TQ1_0 / TQ2_0
 /// bit-exact with `quantize_row_tq{1,2}_0_ref`, TF2 / TF1 with per-block absmean scales.
 /// Q8_TF takes ONE token row (its scale is the row's absmax). `dst.len()` must equal
@@ -214,6 +211,7 @@ pub fn can_quantize(ty: GgmlType) -> bool {
     matches!(
         ty,
         GgmlType::Q8_0
+            | GgmlType::Q8_1
             | GgmlType::Q8_K
             | GgmlType::F16
             | GgmlType::BF16

@@ -12,6 +12,7 @@ pub fn is_activation_type(ty: GgmlType) -> bool {
             | GgmlType::F16
             | GgmlType::BF16
             | GgmlType::Q8_0
+            | GgmlType::Q8_1
             | GgmlType::Q8_K
             | GgmlType::Q8_TF
     )
@@ -118,8 +119,10 @@ pub struct Activations {
     cols: usize,
     row_bytes: usize,
     data: Vec<u8>,
-    /// Q8_0 only: per block `d` as f32, `n * cols / 32` of them.
+    /// Q8_0 and Q8_1: per block `d` as f32, `n * cols / 32` of them.
     scales: Vec<f32>,
+    /// Q8_1 only: per block `s` (= d · Σq, f16 in the block) as f32.
+    sums: Vec<f32>,
 }
 
 impl Activations {
@@ -231,6 +234,7 @@ impl Activations {
             row_bytes: rb,
             data,
             scales: Vec::new(),
+            sums: Vec::new(),
         };
         a.fill_scales();
         Ok(a)
@@ -257,11 +261,21 @@ impl Activations {
 
     fn fill_scales(&mut self) {
         self.scales.clear();
-        if self.ty == Some(GgmlType::Q8_0) {
-            let n = self.n * self.row_bytes;
-            for b in self.data[..n].chunks_exact(GgmlType::Q8_0.type_size()) {
-                self.scales.push(scalar::f16_at(b, 0));
+        self.sums.clear();
+        let n = self.n * self.row_bytes;
+        match self.ty {
+            Some(GgmlType::Q8_0) => {
+                for b in self.data[..n].chunks_exact(GgmlType::Q8_0.type_size()) {
+                    self.scales.push(scalar::f16_at(b, 0));
+                }
             }
+            Some(GgmlType::Q8_1) => {
+                for b in self.data[..n].chunks_exact(GgmlType::Q8_1.type_size()) {
+                    self.scales.push(scalar::f16_at(b, 0));
+                    self.sums.push(scalar::f16_at(b, 2));
+                }
+            }
+            _ => {}
         }
     }
 
@@ -298,8 +312,10 @@ pub(crate) struct Gemm<'a> {
     pub a: &'a [u8],
     pub a_stride: usize,
     pub ntok: usize,
-    /// Q8_0 activations: per-block f32 scales (`ntok * cols / 32`).
+    /// Q8_0 / Q8_1 activations: per-block f32 scales (`ntok * cols / 32`).
     pub a_scales: &'a [f32],
+    /// Q8_1 activations: per-block f32 `s` (`ntok * cols / 32`).
+    pub a_sums: &'a [f32],
     /// The float order of multi-token calls (`crate::scalar::token_order`).
     pub numerics: crate::Numerics,
 }
@@ -355,6 +371,7 @@ impl<'a> Gemm<'a> {
             a_stride: x.row_bytes,
             ntok: x.n,
             a_scales: &x.scales,
+            a_sums: &x.sums,
             numerics,
         })
     }

@@ -13,6 +13,7 @@
 //! - `block_q5_0`  { f16 d; u8 qh[4]; u8 qs[16] }            22 bytes
 //! - `block_q5_1`  { f16 d; f16 m; u8 qh[4]; u8 qs[16] }     24 bytes
 //! - `block_q8_0`  { f16 d; i8 qs[32] }                      34 bytes
+//! - `block_q8_1`  { f16 d; f16 s; i8 qs[32] }               36 bytes (s = d · Σqs)
 //! - `block_q2_K`  { u8 scales[16]; u8 qs[64]; f16 d; f16 dmin }             84 bytes / 256 values
 //! - `block_q3_K`  { u8 hmask[32]; u8 qs[64]; u8 scales[12]; f16 d }         110 bytes
 //! - `block_q4_K`  { f16 d; f16 dmin; u8 scales[12]; u8 qs[128] }            144 bytes
@@ -176,6 +177,13 @@ fn dequantize_block(ty: GgmlType, x: &[u8], y: &mut [f32]) -> bool {
             let d = f16_at(x, 0);
             for j in 0..QK {
                 y[j] = (x[2 + j] as i8) as f32 * d;
+            }
+        }
+        // q8_1 (ggml has no dequantizer for it: the activation type of q4_1 / q5_1): d · q
+        GgmlType::Q8_1 => {
+            let d = f16_at(x, 0);
+            for j in 0..QK {
+                y[j] = (x[4 + j] as i8) as f32 * d;
             }
         }
         // dequantize_row_q8_K
@@ -358,30 +366,59 @@ pub(crate) fn nearest_int(fval: f32) -> i32 {
     (val.to_bits() & 0x007f_ffff) as i32 - 0x0040_0000
 }
 
-/// ggml-quants.c `quantize_row_q8_0_ref`: one 34-byte block per 32 values.
+/// One 32-value block as llama.cpp's x86 `quantize_row_q8_0` / `quantize_row_q8_1` (AVX path)
+/// quantize it: `d = amax / 127` (f32, before its f16 rounding) and the codes.
+fn q8_block(xb: &[f32]) -> (f32, [i8; QK]) {
+    // What llama.cpp runs on x86 (ggml-cpu/arch/x86/quants.c, AVX path): multiply by
+    // 127/amax and round half to even (`_mm256_round_ps(_MM_ROUND_NEAREST)`). The portable
+    // reference (`quantize_row_q8_0_ref`, and gguf-py) multiplies by 1/d and rounds half away
+    // from zero; the two differ on ties and 1-ulp products. Activations are never stored, so
+    // we follow the engine we must match token for token.
+    let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let d = amax / 127.0;
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    let mut q = [0i8; QK];
+    for (q, v) in q.iter_mut().zip(xb) {
+        let r = v * id;
+        // `nearest_int` equals `round_ties_even` below 2^22 and is not a libm call (`rintf`
+        // without SSE4.1 in the baseline target); NaN and huge values take the exact path.
+        *q = if r.abs() < 4_194_304.0 {
+            nearest_int(r) as i8
+        } else {
+            r.round_ties_even() as i8
+        };
+    }
+    (d, q)
+}
+
+/// ggml-quants.c `quantize_row_q8_0_ref` (in the x86 rounding of [`q8_block`]): one 34-byte
+/// block per 32 values.
 pub(crate) fn quantize_q8_0(x: &[f32], y: &mut [u8]) {
-    // What llama.cpp runs on x86 (ggml-cpu/arch/x86/quants.c `quantize_row_q8_0`, AVX path):
-    // multiply by 127/amax and round half to even (`_mm256_round_ps(_MM_ROUND_NEAREST)`).
-    // The portable reference (`quantize_row_q8_0_ref`, and gguf-py) multiplies by 1/d and
-    // rounds half away from zero; the two differ on ties and 1-ulp products. Activations are
-    // never stored, so we follow the engine we must match token for token.
     for (xb, yb) in x
         .chunks_exact(QK)
         .zip(y.chunks_exact_mut(GgmlType::Q8_0.type_size()))
     {
-        let amax = xb.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let d = amax / 127.0;
-        let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+        let (d, q) = q8_block(xb);
         yb[0..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
-        for (q, v) in yb[2..].iter_mut().zip(xb) {
-            let r = v * id;
-            // `nearest_int` equals `round_ties_even` below 2^22 and is not a libm call (`rintf`
-            // without SSE4.1 in the baseline target); NaN and huge values take the exact path.
-            *q = if r.abs() < 4_194_304.0 {
-                nearest_int(r) as i8
-            } else {
-                r.round_ties_even() as i8
-            } as u8;
+        for (o, q) in yb[2..].iter_mut().zip(q) {
+            *o = q as u8;
+        }
+    }
+}
+
+/// llama.cpp's x86 `quantize_row_q8_1` (the activations of q4_1 / q5_1): q8_0's `d` and codes
+/// plus `s = f16(d · Σq)`, with the f32 `d` before its f16 rounding; 36 bytes per 32 values.
+pub(crate) fn quantize_q8_1(x: &[f32], y: &mut [u8]) {
+    for (xb, yb) in x
+        .chunks_exact(QK)
+        .zip(y.chunks_exact_mut(GgmlType::Q8_1.type_size()))
+    {
+        let (d, q) = q8_block(xb);
+        let sum: i32 = q.iter().map(|&v| v as i32).sum();
+        yb[0..2].copy_from_slice(&f16::from_f32(d).to_bits().to_le_bytes());
+        yb[2..4].copy_from_slice(&f16::from_f32(d * sum as f32).to_bits().to_le_bytes());
+        for (o, q) in yb[4..].iter_mut().zip(q) {
+            *o = q as u8;
         }
     }
 }
@@ -426,6 +463,7 @@ pub(crate) fn quantize_q8_k(x: &[f32], y: &mut [u8]) {
 pub(crate) fn quantize(ty: GgmlType, x: &[f32], y: &mut [u8]) -> bool {
     match ty {
         GgmlType::Q8_0 => quantize_q8_0(x, y),
+        GgmlType::Q8_1 => quantize_q8_1(x, y),
         GgmlType::Q8_K => quantize_q8_k(x, y),
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::quantize_tq(ty, x, y),
         GgmlType::TF2 | GgmlType::TF1 => crate::ternary::quantize_tf(ty, x, y),
@@ -542,6 +580,48 @@ pub(crate) fn vec_dot_legacy(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 
         }
     }
     hsum8(&acc)
+}
+
+/// The 32 unsigned codes of a q4_1 / q5_1 block (value order), its scale and its min.
+fn legacy1_block(ty: GgmlType, x: &[u8]) -> (f32, f32, [u8; QK]) {
+    let mut v = [0u8; QK];
+    if ty == GgmlType::Q4_1 {
+        for j in 0..QK / 2 {
+            v[j] = x[4 + j] & 0x0F;
+            v[j + QK / 2] = x[4 + j] >> 4;
+        }
+    } else {
+        let qh = u32::from_le_bytes([x[4], x[5], x[6], x[7]]);
+        for j in 0..QK / 2 {
+            v[j] = (x[8 + j] & 0x0F) | ((((qh >> j) & 1) << 4) as u8);
+            v[j + QK / 2] = (x[8 + j] >> 4) | ((((qh >> (j + 16)) & 1) << 4) as u8);
+        }
+    }
+    (f16_at(x, 0), f16_at(x, 2), v)
+}
+
+/// Q4_1 / Q5_1 against q8_1, as `ggml_vec_dot_{q4_1,q5_1}_q8_1` (AVX2 branch; ggml runs it
+/// for any number of tokens, there is no GEMM for these types on x86): per block eight i32
+/// lanes of four products of the unsigned codes, `acc[l] = fma(dw·da, lane, acc[l])`, and a
+/// scalar `summs = fma(m, s, summs)` (GCC contracts its `summs += m * s`: `vfmadd231ss` in the
+/// reference build); the result is `hsum8(acc) + summs`.
+pub(crate) fn vec_dot_legacy1(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let bs = ty.type_size();
+    let mut acc = [0f32; 8];
+    let mut summs = 0f32;
+    for (x, y) in w.chunks_exact(bs).zip(a.chunks_exact(36)).take(n / QK) {
+        let (dw, m, v) = legacy1_block(ty, x);
+        summs = m.mul_add(f16_at(y, 2), summs);
+        let d = dw * f16_at(y, 0);
+        for l in 0..8 {
+            let mut lane = 0i32;
+            for j in 4 * l..4 * l + 4 {
+                lane += v[j] as i32 * (y[4 + j] as i8) as i32;
+            }
+            acc[l] = d.mul_add(lane as f32, acc[l]);
+        }
+    }
+    hsum8(&acc) + summs
 }
 
 /// Which ggml kernel, hence which float order, a k-quant dot follows.
@@ -735,6 +815,8 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
         GgmlType::Q8_0
             | GgmlType::Q4_0
             | GgmlType::Q5_0
+            | GgmlType::Q4_1
+            | GgmlType::Q5_1
             | GgmlType::Q4_K
             | GgmlType::Q5_K
             | GgmlType::Q6_K
@@ -750,6 +832,7 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
 pub(crate) fn dot(ty: GgmlType, order: KOrder, n: usize, w: &[u8], a: &[u8]) -> f32 {
     match ty {
         GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => vec_dot_legacy(ty, n, w, a),
+        GgmlType::Q4_1 | GgmlType::Q5_1 => vec_dot_legacy1(ty, n, w, a),
         GgmlType::Q4_K => vec_dot_qk45(n, w, a, false, order),
         GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, order),
         GgmlType::Q6_K => vec_dot_q6k(n, w, a, order),

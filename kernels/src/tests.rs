@@ -69,13 +69,15 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     }
 }
 
-const MATMUL_TYPES: [GgmlType; 13] = [
+const MATMUL_TYPES: [GgmlType; 15] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
     GgmlType::Q8_0,
     GgmlType::Q4_0,
     GgmlType::Q5_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_1,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
@@ -486,6 +488,52 @@ fn quantize_q8_0_is_bit_exact_on_ties_and_odd_inputs() {
     let mut got = vec![0u8; GgmlType::Q8_0.row_size(x.len() as u64).unwrap() as usize];
     quantize_row(GgmlType::Q8_0, &x, &mut got).unwrap();
     assert_eq!(got, q8_0_x86(&x));
+}
+
+/// ggml-cpu/arch/x86/quants.c `quantize_row_q8_1` (AVX2 path), transcribed independently: q8_0's
+/// scale and codes, then `s = f16(d · Σq)` with the f32 `d = amax / 127`.
+fn q8_1_x86(x: &[f32]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for (xb, q0) in x.chunks(QK).zip(q8_0_x86(x).chunks(34)) {
+        let amax = xb.iter().map(|v| v.abs()).fold(0f32, f32::max);
+        let sum: i32 = q0[2..].iter().map(|&q| q as i8 as i32).sum();
+        out.extend_from_slice(&q0[..2]);
+        out.extend(
+            half::f16::from_f32(amax / 127.0 * sum as f32)
+                .to_bits()
+                .to_le_bytes(),
+        );
+        out.extend_from_slice(&q0[2..]);
+    }
+    out
+}
+
+#[test]
+fn quantize_q8_1_is_bit_exact_with_llama_cpp_x86_on_every_isa() {
+    // Ties, random blocks, zeros, and a NaN / infinity block (the guarded slow path, which
+    // only the reference's folds define: compared between implementations, not with q8_1_x86).
+    let mut rng = Rng(78);
+    let mut x: Vec<f32> = (0..256).map(|i| (i % 255) as f32 - 127.0 + 0.5).collect();
+    x[0] = 127.0;
+    x[32] = -127.0;
+    x.extend((0..32 * 40).map(|_| rng.normalish() * 3.0));
+    x.extend([0.0f32; 32]);
+    let clean = x.len();
+    let mut odd = vec![1.0f32; 64];
+    odd[3] = f32::NAN;
+    odd[40] = f32::INFINITY;
+    x.extend(odd);
+    let bytes = GgmlType::Q8_1.row_size(x.len() as u64).unwrap() as usize;
+    let mut want = vec![0u8; bytes];
+    quantize_row(GgmlType::Q8_1, &x, &mut want).unwrap();
+    let clean_bytes = clean / QK * 36;
+    assert_eq!(want[..clean_bytes], q8_1_x86(&x[..clean])[..]);
+    for isa in Isa::ALL {
+        let Some(k) = kernels_for(isa) else { continue };
+        let mut got = vec![0u8; bytes];
+        assert!((k.quantize)(GgmlType::Q8_1, &x, &mut got));
+        assert_eq!(got, want, "{isa:?}");
+    }
 }
 
 #[test]

@@ -369,6 +369,7 @@ pub fn quantize_as(
     // A weight type whose dot type `act_ty` is (kernels pick activations by weight type).
     let weight_ty = match act_ty {
         GgmlType::Q8_K => GgmlType::Q4_K,
+        GgmlType::Q8_1 => GgmlType::Q4_1,
         GgmlType::Q8_TF => GgmlType::TF2,
         t => t,
     };

@@ -12,7 +12,8 @@
 
 use super::tern_avx2::run_tern;
 use super::{drive, k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset};
-use super::{BF16, F16, F32, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
+use super::{legacy_act, legacy_has_min, legacy_nibbles};
+use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 use super::{TF1, TF2, TQ1_0, TQ2_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
 use crate::matmul::Gemm;
@@ -68,6 +69,8 @@ fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
         GgmlType::Q8_0 => mm_q8_0,
         GgmlType::Q4_0 => mm_q4_0,
         GgmlType::Q5_0 => mm_q5_0,
+        GgmlType::Q4_1 => mm_q4_1,
+        GgmlType::Q5_1 => mm_q5_1,
         GgmlType::Q4_K => mm_q4_k,
         GgmlType::Q5_K => mm_q5_k,
         GgmlType::Q6_K => mm_q6_k,
@@ -95,6 +98,8 @@ macro_rules! entry {
 entry!(mm_q8_0, run_legacy, Q8_0);
 entry!(mm_q4_0, run_legacy, Q4_0);
 entry!(mm_q5_0, run_legacy, Q5_0);
+entry!(mm_q4_1, run_legacy, Q4_1);
+entry!(mm_q5_1, run_legacy, Q5_1);
 entry!(mm_q4_k, run_k, Q4_K);
 entry!(mm_q5_k, run_k, Q5_K);
 entry!(mm_q6_k, run_k, Q6_K);
@@ -316,7 +321,8 @@ fn prefetch(p: *const u8) {
 // ---------------------------------------------------------------------------------------------
 // Legacy 32-value blocks.
 
-/// 32 weight codes of the block at `p` in value order: unsigned (q4_0, q5_0) or signed (q8_0).
+/// 32 weight codes of the block at `p` in value order: unsigned (q4_0, q5_0, q4_1, q5_1) or
+/// signed (q8_0).
 ///
 /// # Safety
 /// AVX2 available; `p` readable for one `KIND` block.
@@ -328,14 +334,14 @@ unsafe fn unpack_legacy<const KIND: u8>(p: *const u8) -> __m256i {
         if KIND == Q8_0 {
             return _mm256_loadu_si256(p.add(2).cast());
         }
-        let qoff = if KIND == Q4_0 { 2 } else { 6 };
+        let (qoff, hoff) = legacy_nibbles(KIND);
         let q = _mm_loadu_si128(p.add(qoff).cast());
         let lo = _mm_and_si128(q, _mm_set1_epi8(0x0F));
         let hi = _mm_and_si128(_mm_srli_epi16(q, 4), _mm_set1_epi8(0x0F));
         let mut u = _mm256_set_m128i(hi, lo);
-        if KIND == Q5_0 {
+        if hoff != 0 {
             // ggml's bytes_from_bits_32: byte i = 0xFF where bit i of qh is set.
-            let qh = p.add(2).cast::<i32>().read_unaligned();
+            let qh = p.add(hoff).cast::<i32>().read_unaligned();
             let shuf = _mm256_set_epi64x(
                 0x0303_0303_0303_0303,
                 0x0202_0202_0202_0202,
@@ -351,7 +357,9 @@ unsafe fn unpack_legacy<const KIND: u8>(p: *const u8) -> __m256i {
     }
 }
 
-/// Rows `r0..r0+R` × tokens `t0..t0+T` of a legacy-type matmul.
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of a legacy-type matmul. Kinds with a min (q4_1,
+/// q5_1) also keep each (row, token)'s scalar `fma(m, s, summs)` chain and add it after the
+/// lanes' sum, as `scalar::vec_dot_legacy1`.
 ///
 /// # Safety
 /// AVX2 available; `g` validated, `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
@@ -365,8 +373,10 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
     let nb = g.cols / QK;
     let bs = legacy_block_bytes(KIND);
     let k = legacy_offset(KIND);
+    let (abs, aoff) = legacy_act(KIND);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut summs = [[0f32; T]; R];
     // SAFETY (whole body): offsets within rows r0..r0+R / tokens t0..t0+T (nb blocks each)
     // and side-table indices below `g.ntok * nb`.
     unsafe {
@@ -374,12 +384,15 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
             let mut av = [_mm256_setzero_si256(); T];
             let mut cv = [_mm256_setzero_si256(); T];
             let mut dav = [_mm256_setzero_ps(); T];
+            let mut sa = [0f32; T];
             for t in 0..T {
                 let i = (t0 + t) * nb + b;
-                let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * 34);
-                av[t] = _mm256_loadu_si256(ap.add(2).cast());
+                let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * abs);
+                av[t] = _mm256_loadu_si256(ap.add(aoff).cast());
                 dav[t] = _mm256_set1_ps(*g.a_scales.as_ptr().add(i));
-                if KIND != Q8_0 {
+                if legacy_has_min(KIND) {
+                    sa[t] = *g.a_sums.as_ptr().add(i);
+                } else if KIND != Q8_0 {
                     // `-offset · Σa` over each lane's four activations (ggml sums per lane).
                     let s4 =
                         _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), av[t]), ones);
@@ -394,6 +407,12 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
                 }
                 let u = unpack_legacy::<KIND>(wp);
                 let dw = f16_splat(wp);
+                if legacy_has_min(KIND) {
+                    let m = _mm_cvtss_f32(_mm256_castps256_ps128(f16_splat(wp.add(2))));
+                    for t in 0..T {
+                        summs[r][t] = m.mul_add(sa[t], summs[r][t]);
+                    }
+                }
                 let au = if KIND == Q8_0 {
                     _mm256_sign_epi8(u, u)
                 } else {
@@ -406,7 +425,7 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
                         av[t]
                     };
                     let p = _mm256_madd_epi16(_mm256_maddubs_epi16(au, a), ones);
-                    let p = if KIND == Q8_0 {
+                    let p = if KIND == Q8_0 || legacy_has_min(KIND) {
                         p
                     } else {
                         _mm256_add_epi32(p, cv[t])
@@ -416,7 +435,16 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
                 }
             }
         }
-        store(g, r0, t0, &acc, out);
+        if legacy_has_min(KIND) {
+            for r in 0..R {
+                for t in 0..T {
+                    *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) =
+                        hsum(acc[r][t]) + summs[r][t];
+                }
+            }
+        } else {
+            store(g, r0, t0, &acc, out);
+        }
     }
 }
 

@@ -8,8 +8,9 @@
 
 use super::avx512q::{run_k, run_legacy};
 use super::drive;
+use super::legacy_min::run_legacy_min;
 use super::tern_avx512::run_tern;
-use super::{BF16, F16, F32, Q4_0, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0};
+use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 use super::{TF1, TF2, TQ1_0, TQ2_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
 use crate::matmul::Gemm;
@@ -68,6 +69,8 @@ fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
         GgmlType::Q8_0 => mm_q8_0,
         GgmlType::Q4_0 => mm_q4_0,
         GgmlType::Q5_0 => mm_q5_0,
+        GgmlType::Q4_1 => mm_q4_1,
+        GgmlType::Q5_1 => mm_q5_1,
         GgmlType::Q4_K => mm_q4_k,
         GgmlType::Q5_K => mm_q5_k,
         GgmlType::Q6_K => mm_q6_k,
@@ -95,6 +98,8 @@ macro_rules! entry {
 entry!(mm_q8_0, run_legacy, Q8_0);
 entry!(mm_q4_0, run_legacy, Q4_0);
 entry!(mm_q5_0, run_legacy, Q5_0);
+entry!(mm_q4_1, run_legacy_min, Q4_1);
+entry!(mm_q5_1, run_legacy_min, Q5_1);
 entry!(mm_q4_k, run_k, Q4_K);
 entry!(mm_q5_k, run_k, Q5_K);
 entry!(mm_q6_k, run_k, Q6_K);

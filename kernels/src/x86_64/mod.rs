@@ -6,6 +6,7 @@ pub(crate) mod avx2;
 pub(crate) mod avx512;
 mod avx512q;
 mod kq_lanes;
+mod legacy_min;
 mod quant_avx2;
 mod tern_avx2;
 mod tern_avx512;
@@ -131,22 +132,52 @@ pub(crate) const TQ1_0: u8 = 9;
 pub(crate) const TQ2_0: u8 = 10;
 pub(crate) const TF2: u8 = 11;
 pub(crate) const TF1: u8 = 12;
+pub(crate) const Q4_1: u8 = 13;
+pub(crate) const Q5_1: u8 = 14;
 
 /// Bytes per block of a legacy (32-value) kind.
 pub(crate) const fn legacy_block_bytes(kind: u8) -> usize {
     match kind {
         Q8_0 => 34,
         Q4_0 => 18,
+        Q4_1 => 20,
+        Q5_1 => 24,
         _ => 22,
     }
 }
 
-/// The unsigned code of a legacy kind is `value + OFFSET`.
+/// The unsigned code of a legacy kind is `value + OFFSET` (q4_1 / q5_1: the code itself,
+/// their offset is the block's min, summed apart).
 pub(crate) const fn legacy_offset(kind: u8) -> i32 {
     match kind {
         Q8_0 => 128,
         Q4_0 => 8,
+        Q4_1 | Q5_1 => 0,
         _ => 16,
+    }
+}
+
+/// Whether a legacy kind has a min (q4_1 / q5_1, against q8_1 activations).
+pub(crate) const fn legacy_has_min(kind: u8) -> bool {
+    matches!(kind, Q4_1 | Q5_1)
+}
+
+/// (bytes per activation block, offset of its codes): q8_1 for kinds with a min, else q8_0.
+pub(crate) const fn legacy_act(kind: u8) -> (usize, usize) {
+    if legacy_has_min(kind) {
+        (36, 4)
+    } else {
+        (34, 2)
+    }
+}
+
+/// (offset of the low nibbles, offset of the high-bit word or 0) of a 4/5-bit legacy kind.
+pub(crate) const fn legacy_nibbles(kind: u8) -> (usize, usize) {
+    match kind {
+        Q4_0 => (2, 0),
+        Q4_1 => (4, 0),
+        Q5_1 => (8, 4),
+        _ => (6, 2),
     }
 }
 

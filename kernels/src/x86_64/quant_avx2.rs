@@ -1,5 +1,5 @@
-//! Activation quantization (f32 → q8_0 / q8_K) with AVX2, bit-identical to `scalar::quantize_q8_0`
-//! and `scalar::quantize_q8_k`. Both the AVX2 and the AVX-512 tables use it: it is bound by the
+//! Activation quantization (f32 → q8_0 / q8_1 / q8_K) with AVX2, bit-identical to
+//! `scalar::quantize_q8_0`, `scalar::quantize_q8_1` and `scalar::quantize_q8_k`. Both the AVX2 and the AVX-512 tables use it: it is bound by the
 //! loads and the per-block scalar scale, so wider registers buy nothing.
 //!
 //! A block holding an infinity or a NaN, or whose scale factor overflows, takes the scalar reference (the SIMD max and
@@ -15,7 +15,9 @@ use core::arch::x86_64::*;
 pub(super) unsafe fn quantize(ty: GgmlType, x: &[f32], y: &mut [u8]) -> bool {
     match ty {
         // SAFETY: as this function's contract.
-        GgmlType::Q8_0 => unsafe { quantize_q8_0(x, y) },
+        GgmlType::Q8_0 => unsafe { quantize_q8::<false>(x, y) },
+        // SAFETY: as above.
+        GgmlType::Q8_1 => unsafe { quantize_q8::<true>(x, y) },
         // SAFETY: as above.
         GgmlType::Q8_K => unsafe { quantize_q8_k(x, y) },
         _ => return scalar::quantize(ty, x, y),
@@ -71,16 +73,27 @@ fn pack32(q: [__m256i; 4]) -> __m256i {
     _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7))
 }
 
+/// q8_0 (`Q81 = false`) or q8_1 (`true`: the block also carries `s = f16(d · Σq)`).
+///
 /// # Safety
 /// As [`quantize`].
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn quantize_q8_0(x: &[f32], y: &mut [u8]) {
-    let bs = GgmlType::Q8_0.type_size();
-    for (xb, yb) in x.chunks_exact(QK).zip(y.chunks_exact_mut(bs)) {
+unsafe fn quantize_q8<const Q81: bool>(x: &[f32], y: &mut [u8]) {
+    let (ty, qoff) = if Q81 {
+        (GgmlType::Q8_1, 4)
+    } else {
+        (GgmlType::Q8_0, 2)
+    };
+    let reference = if Q81 {
+        scalar::quantize_q8_1
+    } else {
+        scalar::quantize_q8_0
+    };
+    for (xb, yb) in x.chunks_exact(QK).zip(y.chunks_exact_mut(ty.type_size())) {
         // SAFETY: `xb` holds 32 floats.
         let v = unsafe { [0, 8, 16, 24].map(|i| _mm256_loadu_ps(xb.as_ptr().add(i))) };
         let Some(amax) = block_amax(&v) else {
-            scalar::quantize_q8_0(xb, yb);
+            reference(xb, yb);
             continue;
         };
         let d = amax / 127.0;
@@ -88,15 +101,23 @@ unsafe fn quantize_q8_0(x: &[f32], y: &mut [u8]) {
         if !id.is_finite() {
             // Denormal amax: the factor overflows, and the reference saturates where the
             // conversion would not.
-            scalar::quantize_q8_0(xb, yb);
+            reference(xb, yb);
             continue;
         }
         yb[0..2].copy_from_slice(&half::f16::from_f32(d).to_bits().to_le_bytes());
         let idv = _mm256_set1_ps(id);
         // |v · id| <= 127: the conversion rounds half to even (MXCSR default), as `nearest_int`.
         let q = v.map(|vi| _mm256_cvtps_epi32(_mm256_mul_ps(vi, idv)));
-        // SAFETY: `yb` holds 2 + 32 bytes.
-        unsafe { _mm256_storeu_si256(yb.as_mut_ptr().add(2).cast(), pack32(q)) };
+        if Q81 {
+            let sum = super::avx2::hsum_i32(_mm256_add_epi32(
+                _mm256_add_epi32(q[0], q[1]),
+                _mm256_add_epi32(q[2], q[3]),
+            ));
+            let s = half::f16::from_f32(d * sum as f32);
+            yb[2..4].copy_from_slice(&s.to_bits().to_le_bytes());
+        }
+        // SAFETY: `yb` holds `qoff` + 32 bytes.
+        unsafe { _mm256_storeu_si256(yb.as_mut_ptr().add(qoff).cast(), pack32(q)) };
     }
 }
 
