@@ -76,7 +76,7 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 
 /// ggml-quants.c `dequantize_row_q3_K`: unpack the 12 scale bytes into 16 signed 6-bit scales
 /// (still offset by 32).
-fn q3k_scales(s: &[u8]) -> [i8; 16] {
+pub(crate) fn q3k_scales(s: &[u8]) -> [i8; 16] {
     const KMASK1: u32 = 0x0303_0303;
     const KMASK2: u32 = 0x0f0f_0f0f;
     let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
@@ -645,14 +645,14 @@ pub(crate) enum KOrder {
 /// - q4_K is repacked to `q4_K_8x8` on AVX2 machines: tokens in whole groups of four from the
 ///   start go through the GEMM, the remaining `ntok % 4` through the GEMV. (ggml repacks only
 ///   matrices whose row count is a multiple of 8; we use these orders for every q4_K matrix.)
-/// - q6_K runs the tiled matmul from 8 tokens on and `ggml_vec_dot_q6_K_q8_K` below.
+/// - q6_K and q3_K run the tiled matmul from 8 tokens on and their `vec_dot` below.
 /// - q5_K is not repacked on x86: ggml runs it through the tiled matmul from 8 tokens on, as
 ///   q6_K. Below 8 tokens (`ggml_vec_dot_q5_K_q8_K`) we keep the q4_K GEMV order: no model we
 ///   test against llama.cpp token for token has q5_K weights.
 pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
     match ty {
-        GgmlType::Q6_K | GgmlType::Q5_K if ntok >= 8 => KOrder::Tiled,
-        GgmlType::Q6_K => KOrder::Lanes8,
+        GgmlType::Q6_K | GgmlType::Q5_K | GgmlType::Q3_K if ntok >= 8 => KOrder::Tiled,
+        GgmlType::Q6_K | GgmlType::Q3_K => KOrder::Lanes8,
         _ if t < ntok - ntok % 4 => KOrder::Sb64,
         _ => KOrder::Sb256,
     }
@@ -661,7 +661,7 @@ pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
 /// The order token `t` of the matmul `g` sums in. Parity: [`k_order`] of the whole batch.
 /// Invariant: one order per weight type whatever the batch holds and wherever the token sits,
 /// so a token's row equals its 1-token matmul bit for bit: q4_K/q5_K `Sb256` (the repacked
-/// GEMV's, one f32 step per super-block) and q6_K `Tiled` (also one f32 step per super-block,
+/// GEMV's, one f32 step per super-block) and q6_K / q3_K `Tiled` (also one f32 step per super-block,
 /// which a GEMM with tokens in the register lanes does as cheaply as the GEMV; its `vec_dot`
 /// order `Lanes8` would need eight f32 chains per token there). Every other weight type sums
 /// in one order for any batch (`vec_dot_legacy`, the float dots, `crate::ternary`), on every
@@ -670,7 +670,7 @@ pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
 pub(crate) fn token_order(g: &crate::matmul::Gemm<'_>, t: usize) -> KOrder {
     match g.numerics {
         crate::Numerics::Invariant => match g.wty {
-            GgmlType::Q6_K => KOrder::Tiled,
+            GgmlType::Q6_K | GgmlType::Q3_K => KOrder::Tiled,
             _ => KOrder::Sb256,
         },
         crate::Numerics::Routed if g.wty == GgmlType::Q4_K => k_order(g.wty, 0, 1),
@@ -756,6 +756,59 @@ fn q6k_codes(x: &[u8]) -> [u8; QK_K] {
     c
 }
 
+/// The 256 signed values (-4..3) and the 16 scales (-32..31) of a q3_K super-block, as
+/// `dequantize_row_q3_K` reads them (value `e` uses scale `e / 16`).
+pub(crate) fn q3k_values(x: &[u8]) -> ([i8; QK_K], [i32; 16]) {
+    let hm = &x[0..32];
+    let qs = &x[32..96];
+    let raw = q3k_scales(&x[96..108]);
+    let mut sc = [0i32; 16];
+    for (s, r) in sc.iter_mut().zip(raw) {
+        *s = r as i32 - 32;
+    }
+    let mut v = [0i8; QK_K];
+    for e in 0..QK_K {
+        // Chunk c of 32 values: 2-bit field c % 4 of bytes 32·(c / 4).., high bit c of hmask.
+        let (c, i) = (e / 32, e % 32);
+        let low = (qs[32 * (c / 4) + i] >> (2 * (c % 4))) & 3;
+        let high = (hm[i] >> c) & 1;
+        v[e] = low as i8 - if high != 0 { 0 } else { 4 };
+    }
+    (v, sc)
+}
+
+/// q3_K against q8_K. [`KOrder::Lanes8`] is `ggml_vec_dot_q3_K_q8_K` (AVX2 branch): lane `l`
+/// holds values `4l..4l+4` of every 32-value chunk, each times its sub-block's scale (the
+/// offset 4 taken per value, not through bsums), one `fma(dy·dw, lane, acc_l)` per super-block,
+/// [`hsum8`] at the end. [`KOrder::Tiled`] is the tiled matmul's one step per super-block.
+fn vec_dot_q3k(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
+    let mut lanes_acc = [0f32; 8];
+    let mut acc = 0f32;
+    for (x, y) in w.chunks_exact(110).zip(a.chunks_exact(292)).take(n / QK_K) {
+        let (yd, q8, _) = q8k_parts(y);
+        let (v, sc) = q3k_values(x);
+        let dw = f16_at(x, 108);
+        let mut lanes = [0i32; 8];
+        for e in 0..QK_K {
+            lanes[(e % 32) / 4] += sc[e / 16] * v[e] as i32 * (q8[e] as i8) as i32;
+        }
+        if order == KOrder::Tiled {
+            let isum: i32 = lanes.iter().sum();
+            acc = (isum as f32 * dw).mul_add(yd, acc);
+        } else {
+            let d = yd * dw;
+            for l in 0..8 {
+                lanes_acc[l] = d.mul_add(lanes[l] as f32, lanes_acc[l]);
+            }
+        }
+    }
+    if order == KOrder::Tiled {
+        acc
+    } else {
+        hsum8(&lanes_acc)
+    }
+}
+
 /// q6_K against q8_K in [`KOrder::Lanes8`] or [`KOrder::Tiled`] order.
 fn vec_dot_q6k(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
     let mut lanes_acc = [0f32; 8];
@@ -817,6 +870,7 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
             | GgmlType::Q5_0
             | GgmlType::Q4_1
             | GgmlType::Q5_1
+            | GgmlType::Q3_K
             | GgmlType::Q4_K
             | GgmlType::Q5_K
             | GgmlType::Q6_K
@@ -836,6 +890,7 @@ pub(crate) fn dot(ty: GgmlType, order: KOrder, n: usize, w: &[u8], a: &[u8]) -> 
         GgmlType::Q4_K => vec_dot_qk45(n, w, a, false, order),
         GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, order),
         GgmlType::Q6_K => vec_dot_q6k(n, w, a, order),
+        GgmlType::Q3_K => vec_dot_q3k(n, w, a, order),
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::vec_dot_tq(ty, n, w, a),
         GgmlType::TF2 | GgmlType::TF1 => crate::ternary::vec_dot_tf(ty, n, w, a),
         _ => float_dot_fn(ty).expect("Gemm is only built for weight types with a dot")(n, w, a),

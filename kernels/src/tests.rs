@@ -69,7 +69,7 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     }
 }
 
-const MATMUL_TYPES: [GgmlType; 15] = [
+const MATMUL_TYPES: [GgmlType; 16] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -78,6 +78,7 @@ const MATMUL_TYPES: [GgmlType; 15] = [
     GgmlType::Q5_0,
     GgmlType::Q4_1,
     GgmlType::Q5_1,
+    GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,

@@ -64,15 +64,15 @@ fn invariant_rows_equal_their_one_token_matmuls_on_every_isa() {
                     let mut scalar_inv = None;
                     for &isa in &isas {
                         // Each token alone. At n = 1 Parity and Invariant are the same call,
-                        // except q6_K: Parity keeps llama.cpp's `vec_dot` order for decode,
-                        // Invariant the tiled order of its GEMM.
+                        // except q6_K and q3_K: Parity keeps llama.cpp's `vec_dot` order for
+                        // decode, Invariant the tiled order of its GEMM.
                         let mut alone = Vec::with_capacity(n * nr);
                         let mut alone_parity = Vec::with_capacity(n * nr);
                         for t in 0..n {
                             let xt = &x[t * cols..(t + 1) * cols];
                             let p = run(isa, &m, xt, 1, rows.clone(), Numerics::Parity);
                             let i = run(isa, &m, xt, 1, rows.clone(), Numerics::Invariant);
-                            if ty != GgmlType::Q6_K {
+                            if !matches!(ty, GgmlType::Q6_K | GgmlType::Q3_K) {
                                 assert_eq!(bits(&p), bits(&i), "{isa:?} {ty:?} cols={cols} n=1");
                             }
                             alone.extend(i);
@@ -131,7 +131,12 @@ fn invariant_rows_do_not_depend_on_the_batch_they_share() {
     // The same token in different batches (alone, with others, at another position) gives the
     // same row, through the public entry point and its selected ISA.
     let mut rng = Rng(0xBA7C);
-    for ty in [GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q5_K] {
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q6_K,
+        GgmlType::Q5_K,
+        GgmlType::Q3_K,
+    ] {
         let (rows, cols) = (12, 512);
         let w = random_weights(ty, rows * cols, &mut rng);
         let m = QMatrix::new(ty, rows, cols, &w).unwrap();
@@ -158,8 +163,8 @@ fn invariant_rows_do_not_depend_on_the_batch_they_share() {
 #[test]
 fn parity_still_differs_from_invariant_where_llama_cpp_changes_order() {
     // q4_K/q5_K at 4 tokens: Parity runs the repacked GEMM's per-64-value order, Invariant the
-    // GEMV's per-super-block one (and from 8 tokens q5_K the tiled one); q6_K below 8 tokens:
-    // vec_dot against tiled. Over many rows the
+    // GEMV's per-super-block one (and from 8 tokens q5_K the tiled one); q6_K and q3_K below 8
+    // tokens: vec_dot against tiled. Over many rows the
     // two orders round differently somewhere (if the flag were ignored they would not), while
     // staying the same dot product.
     let mut rng = Rng(0xD1FF);
@@ -170,6 +175,8 @@ fn parity_still_differs_from_invariant_where_llama_cpp_changes_order() {
         (GgmlType::Q5_K, 8),
         (GgmlType::Q6_K, 1),
         (GgmlType::Q6_K, 4),
+        (GgmlType::Q3_K, 1),
+        (GgmlType::Q3_K, 4),
     ] {
         let (rows, cols) = (64, 1024);
         let w = random_weights(ty, rows * cols, &mut rng);
@@ -216,7 +223,10 @@ fn numerics_only_matter_for_batch_dependent_k_quant_orders() {
     // Invariant are the same bits (so serving Invariant costs them nothing).
     let mut rng = Rng(0x0DE5);
     for ty in MATMUL_TYPES {
-        if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K) {
+        if matches!(
+            ty,
+            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q3_K
+        ) {
             continue;
         }
         let cols = cols_for(ty)[1];

@@ -71,6 +71,7 @@ fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
         GgmlType::Q5_0 => mm_q5_0,
         GgmlType::Q4_1 => mm_q4_1,
         GgmlType::Q5_1 => mm_q5_1,
+        GgmlType::Q3_K => mm_q3_k,
         GgmlType::Q4_K => mm_q4_k,
         GgmlType::Q5_K => mm_q5_k,
         GgmlType::Q6_K => mm_q6_k,
@@ -101,6 +102,12 @@ entry!(mm_q5_0, run_legacy, Q5_0);
 entry!(mm_q4_1, run_legacy_min, Q4_1);
 entry!(mm_q5_1, run_legacy_min, Q5_1);
 entry!(mm_q4_k, run_k, Q4_K);
+
+fn mm_q3_k(g: &Gemm<'_>, out: &mut [f32]) {
+    // SAFETY: reachable only through this module's token-gated table (AVX2, FMA and F16C are
+    // among its features); `g` was validated by `Gemm::new`.
+    unsafe { super::q3k::run_q3k_avx512(g, out) }
+}
 entry!(mm_q5_k, run_k, Q5_K);
 entry!(mm_q6_k, run_k, Q6_K);
 entry!(mm_f32, run_float, F32);

@@ -1,4 +1,4 @@
-//! The prefill GEMM of the k-quants (q4_K, q5_K, q6_K) with tokens in the register lanes, as
+//! The prefill GEMM of the k-quants (q3_K, q4_K, q5_K, q6_K) with tokens in the register lanes, as
 //! llama.cpp's `ggml-cpu/tiled` VNNI kernel shapes it: one `vpdpbusd` per 64 multiply-adds,
 //! each weight super-block unpacked once per panel and token band, no horizontal reductions.
 //!
@@ -19,7 +19,7 @@
 
 #![allow(clippy::needless_range_loop)]
 
-use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod, Q6_K};
+use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod, Q3_K, Q6_K};
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
 use crate::scalar::KOrder;
@@ -43,7 +43,7 @@ struct ActBlock {
     /// Quad `q`: bytes `4t..4t+4` = token `t`'s values `4q..4q+4`.
     codes: [__m512i; 64],
     /// Pair `p`: lane `t` = token `t`'s sub-block sums `2p` and `2p + 1` as two i16 (q4_K /
-    /// q5_K: 4 pairs over 32-value sub-blocks; q6_K: 8 pairs over 16-value sub-blocks).
+    /// q5_K: 4 pairs over 32-value sub-blocks; q6_K, q3_K: 8 pairs over 16-value sub-blocks).
     pairs: [__m512i; 8],
     /// Lane `t` = token `t`'s q8_K scale.
     d: __m512,
@@ -57,10 +57,10 @@ unsafe impl Pod for ActBlock {}
 #[repr(C, align(64))]
 struct WRow {
     codes: [u8; QK_K],
-    /// Sub-block scales (q4_K/q5_K: 8, 6-bit; q6_K: 16, signed).
+    /// Sub-block scales (q4_K/q5_K: 8, 6-bit; q6_K, q3_K: 16, signed).
     sc: [i32; 16],
-    /// i16 pairs for `vpdpwssd`: q4_K/q5_K the mins `(m[2p], m[2p+1])`; q6_K the scales
-    /// `(sc[2p], sc[2p+1])`.
+    /// i16 pairs for `vpdpwssd`: q4_K/q5_K the mins `(m[2p], m[2p+1])`; q6_K, q3_K the
+    /// scales `(sc[2p], sc[2p+1])`.
     pairs: [i32; 8],
     d: f32,
     dmin: f32,
@@ -175,7 +175,11 @@ unsafe fn prep_band(
     acts: &mut [ActBlock],
 ) {
     let nsb = g.cols / QK_K;
-    let q6 = g.wty == crate::quant::GgmlType::Q6_K;
+    // 16-value sub-blocks (q6_K, q3_K) take their block sums as they are.
+    let q6 = matches!(
+        g.wty,
+        crate::quant::GgmlType::Q6_K | crate::quant::GgmlType::Q3_K
+    );
     for gi in b0..b1 {
         let ts = t0 + gi * LANES;
         let n = (t1 - ts).min(LANES);
@@ -239,10 +243,27 @@ unsafe fn unpack_panel<const KIND: u8>(
     wrows: &mut [WRow],
 ) {
     let wbs = k_block_bytes(KIND);
+    let pair = |a: i32, b: i32| (a as i16 as u16 as i32) | ((b as i16 as u16 as i32) << 16);
     for i in 0..np {
         // SAFETY: row r0 + i < nrows, super-block sb: `wbs` bytes.
         let p = unsafe { g.w.as_ptr().add((r0 + i) * g.w_stride + sb * wbs) };
         let wr = &mut wrows[i];
+        if KIND == Q3_K {
+            // SAFETY: as above (one q3_K super-block).
+            let (u, sc) = unsafe { super::q3k::unpack(p) };
+            for (c, v) in u.iter().enumerate() {
+                // SAFETY: 32 bytes of `codes` at 32c.
+                unsafe { _mm256_storeu_si256(wr.codes.as_mut_ptr().add(32 * c).cast(), *v) };
+            }
+            wr.sc = sc.map(i32::from);
+            for q in 0..8 {
+                wr.pairs[q] = pair(sc[2 * q] as i32, sc[2 * q + 1] as i32);
+            }
+            // SAFETY: the f16 scale at 108.
+            wr.d = unsafe { super::avx512q::f16_to_f32(p.add(108)) };
+            wr.dmin = 0.0;
+            continue;
+        }
         // SAFETY: as above.
         let kb = unsafe { super::avx512q::unpack_k::<KIND>(p) };
         for c in 0..4 {
@@ -251,7 +272,6 @@ unsafe fn unpack_panel<const KIND: u8>(
         }
         wr.d = kb.d;
         wr.dmin = kb.dmin;
-        let pair = |a: i32, b: i32| (a as i16 as u16 as i32) | ((b as i16 as u16 as i32) << 16);
         if KIND == Q6_K {
             // SAFETY: the 16 i8 scales at 192.
             let s = unsafe { p.add(192).cast::<[i8; 16]>().read() };
@@ -277,7 +297,8 @@ unsafe fn unpack_panel<const KIND: u8>(
 }
 
 /// `Σ_{p < n} pairs_w[p] · pairs_a[p]` per token lane (i16 pairs, exact): a row's mins
-/// against the tokens' block sums (q4_K/q5_K, `n = 4`), or q6_K's scales against them (`n = 8`).
+/// against the tokens' block sums (q4_K/q5_K, `n = 4`), or q6_K's / q3_K's scales against them
+/// (`n = 8`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 fn pair_dot(w: &WRow, a: &ActBlock, n: usize) -> __m512i {
@@ -305,7 +326,8 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
     band: usize,
     base: usize,
 ) {
-    let q6 = KIND == Q6_K;
+    // q6_K and q3_K: 16-value sub-blocks with signed scales, codes carrying an offset.
+    let q6 = KIND == Q6_K || KIND == Q3_K;
     // Sub-blocks, quads per sub-block, and sub-blocks per float step.
     let (nsub, nq) = if q6 { (16, 4) } else { (8, 8) };
     let per = if order == KOrder::Sb64 { 2 } else { nsub };
@@ -377,11 +399,16 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
                 }
             }
             KOrder::Tiled => {
-                // q6_K: codes carry +32; remove 32 · Σ_j sc_j · bsums_j.
+                // q6_K: codes carry +32, q3_K +4; remove offset · Σ_j sc_j · bsums_j.
                 for i in 0..R {
                     for k in 0..NG {
                         let corr = pair_dot(w[i], a[k], 8);
-                        let isum = _mm512_sub_epi32(s1[i][k], _mm512_slli_epi32::<5>(corr));
+                        let corr = if KIND == Q3_K {
+                            _mm512_slli_epi32::<2>(corr)
+                        } else {
+                            _mm512_slli_epi32::<5>(corr)
+                        };
+                        let isum = _mm512_sub_epi32(s1[i][k], corr);
                         let res = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w[i].d));
                         let x = accs.add(base + acc(i, k));
                         *x = _mm512_fmadd_ps(res, a[k].d, *x);

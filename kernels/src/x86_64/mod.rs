@@ -7,6 +7,7 @@ pub(crate) mod avx512;
 mod avx512q;
 mod kq_lanes;
 mod legacy_min;
+mod q3k;
 mod quant_avx2;
 mod tern_avx2;
 mod tern_avx512;
@@ -134,6 +135,7 @@ pub(crate) const TF2: u8 = 11;
 pub(crate) const TF1: u8 = 12;
 pub(crate) const Q4_1: u8 = 13;
 pub(crate) const Q5_1: u8 = 14;
+pub(crate) const Q3_K: u8 = 15;
 
 /// Bytes per block of a legacy (32-value) kind.
 pub(crate) const fn legacy_block_bytes(kind: u8) -> usize {
@@ -184,6 +186,7 @@ pub(crate) const fn legacy_nibbles(kind: u8) -> (usize, usize) {
 /// Bytes per super-block of a k-quant kind.
 pub(crate) const fn k_block_bytes(kind: u8) -> usize {
     match kind {
+        Q3_K => 110,
         Q4_K => 144,
         Q5_K => 176,
         _ => 210,

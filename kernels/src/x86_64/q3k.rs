@@ -1,0 +1,243 @@
+//! q3_K against q8_K with AVX2 (both x86 tables use it), bit-identical to
+//! `scalar::vec_dot_q3k` in either order a token takes (`scalar::token_order`): the eight i32
+//! lanes of a super-block are llama.cpp's `ggml_vec_dot_q3_K_q8_K` lanes (values `4l..4l+4` of
+//! each 32-value chunk times the chunk's sub-block scales, the signed values multiplied with
+//! `vpmaddubsw` on |v| and sign-adjusted activations, as ggml's sign trick); `Lanes8` takes one
+//! FMA per lane per super-block and [`hsum8`] at the end, `Tiled` sums the lanes exactly and
+//! takes one f32 step per super-block. On AVX-512, from 16 tokens in the tiled order, the
+//! k-quant GEMM with tokens in the register lanes (`kq_lanes`) takes q3_K like q6_K (unsigned
+//! codes `v + 4`, the offset removed through the activations' block sums).
+
+// Tile loops index several per-row / per-token arrays with the same counter.
+#![allow(clippy::needless_range_loop)]
+
+use super::avx2::{hsum as hsum8, hsum_i32};
+use super::drive;
+use crate::matmul::Gemm;
+use crate::quant::QK_K;
+use crate::scalar::{q3k_scales, token_order, KOrder};
+use core::arch::x86_64::*;
+
+/// Bytes of a q3_K super-block and of a q8_K one.
+const WB: usize = 110;
+const AB: usize = 292;
+
+/// `vpshufb` controls: in both 128-bit halves, i16 `2k` of the half in the low half's lanes
+/// and `2k + 1` in the high half's (ggml's `get_scale_shuffle_q3k`).
+const SHUF: [[u8; 32]; 4] = {
+    let mut t = [[0u8; 32]; 4];
+    let mut k = 0;
+    while k < 4 {
+        let mut i = 0;
+        while i < 16 {
+            t[k][i] = (4 * k + i % 2) as u8;
+            t[k][16 + i] = (4 * k + 2 + i % 2) as u8;
+            i += 1;
+        }
+        k += 1;
+    }
+    t
+};
+
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
+/// g.nrows` and q3_K weights.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn run_q3k(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        drive!(g, out, tile, 4, 1);
+    } else {
+        drive!(g, out, tile, 2, 4);
+    }
+}
+
+/// The AVX-512 table's entry: [`run_q3k`], but from 16 tokens in the tiled order (every
+/// token's, then: Parity from 8 tokens, Invariant always) the tokens-in-lanes GEMM.
+///
+/// # Safety
+/// As [`run_q3k`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn run_q3k_avx512(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok >= 16 && token_order(g, 0) == KOrder::Tiled {
+        debug_assert!((0..g.ntok).all(|t| token_order(g, t) == KOrder::Tiled));
+        // SAFETY: as this function's contract; every token sums in the tiled order.
+        unsafe { super::kq_lanes::gemm::<{ super::Q3_K }>(g, 0, g.ntok, KOrder::Tiled, out) };
+    } else {
+        if g.ntok == 1 {
+            drive!(g, out, tile512, 4, 1);
+        } else {
+            drive!(g, out, tile512, 2, 4);
+        }
+    }
+}
+
+/// One super-block's unsigned codes `v + 4` (0..7) as eight 32-value chunks in value order,
+/// and its 16 scales (-32..31): see [`codes`] and [`scales`].
+///
+/// # Safety
+/// AVX2 available; `p` readable for one super-block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn unpack(p: *const u8) -> ([__m256i; 8], [i8; 16]) {
+    // SAFETY: as the contract.
+    let u = unsafe { codes(p) };
+    // SAFETY: the 12 scale bytes at 96.
+    let raw = q3k_scales(unsafe { core::slice::from_raw_parts(p.add(96), 12) });
+    (u, raw.map(|s| s.wrapping_sub(32)))
+}
+
+/// The 16 scales of the super-block at `p` as i8 lanes (-32..31), built in registers from
+/// `dequantize_row_q3_K`'s four aux words (no byte stores to reload).
+///
+/// # Safety
+/// AVX2 available; `p` readable for one super-block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn scales(p: *const u8) -> __m128i {
+    const KMASK1: u32 = 0x0303_0303;
+    const KMASK2: u32 = 0x0f0f_0f0f;
+    // SAFETY: the 12 scale bytes at 96.
+    let w = |i: usize| unsafe { p.add(96 + 4 * i).cast::<u32>().read_unaligned() };
+    let (a0, a1, tmp) = (w(0), w(1), w(2));
+    let aux = _mm_setr_epi32(
+        ((a0 & KMASK2) | ((tmp & KMASK1) << 4)) as i32,
+        ((a1 & KMASK2) | (((tmp >> 2) & KMASK1) << 4)) as i32,
+        (((a0 >> 4) & KMASK2) | (((tmp >> 4) & KMASK1) << 4)) as i32,
+        (((a1 >> 4) & KMASK2) | (((tmp >> 6) & KMASK1) << 4)) as i32,
+    );
+    _mm_sub_epi8(aux, _mm_set1_epi8(32))
+}
+
+/// Chunk `c` of the codes is 2-bit field `c % 4` of the 32 bytes at `32 + 32·(c / 4)`, plus 4
+/// where bit `c` of the 32 hmask bytes is set.
+///
+/// # Safety
+/// AVX2 available; `p` readable for one super-block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn codes(p: *const u8) -> [__m256i; 8] {
+    // SAFETY (whole body): reads within the super-block.
+    unsafe {
+        let hm = _mm256_loadu_si256(p.cast());
+        let q = [
+            _mm256_loadu_si256(p.add(32).cast()),
+            _mm256_loadu_si256(p.add(64).cast()),
+        ];
+        let three = _mm256_set1_epi8(3);
+        let mut u = [_mm256_setzero_si256(); 8];
+        for c in 0..8 {
+            let sh = _mm_cvtsi32_si128(2 * (c as i32 % 4));
+            let low = _mm256_and_si256(_mm256_srl_epi16(q[c / 4], sh), three);
+            // Bit c of each byte moved to bit 2 (= +4): the only bit left in a byte cannot
+            // cross into its neighbour, whichever way the 16-bit shift goes.
+            let hb = _mm256_and_si256(hm, _mm256_set1_epi8(1 << c));
+            let h4 = if c <= 2 {
+                _mm256_sll_epi16(hb, _mm_cvtsi32_si128(2 - c as i32))
+            } else {
+                _mm256_srl_epi16(hb, _mm_cvtsi32_si128(c as i32 - 2))
+            };
+            u[c] = _mm256_or_si256(low, h4);
+        }
+        u
+    }
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T`: `tile` with AVX2's features, `tile512` the same code
+/// compiled for AVX-512 (32 registers, EVEX encodings), which the AVX-512 table runs.
+macro_rules! tile_fn {
+    ($name:ident, $features:literal) => {
+        /// # Safety
+        /// As [`run_q3k`] (and the features named); `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const R: usize, const T: usize>(
+            g: &Gemm<'_>,
+            r0: usize,
+            t0: usize,
+            out: &mut [f32],
+        ) {
+            let nb = g.cols / QK_K;
+            let order: [KOrder; T] = core::array::from_fn(|t| token_order(g, t0 + t));
+            let mut acc = [[_mm256_setzero_ps(); T]; R];
+            let mut acc_s = [[0f32; T]; R];
+            // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T.
+            unsafe {
+                for b in 0..nb {
+                    let mut ad = [0f32; T];
+                    for t in 0..T {
+                        ad[t] =
+                            g.a.as_ptr()
+                                .add((t0 + t) * g.a_stride + b * AB)
+                                .cast::<f32>()
+                                .read_unaligned();
+                    }
+                    // Per token and chunk: 4 · (a[2i] + a[2i+1]), the offset's share of each i16
+                    // pair (exact: |·| <= 1016), shared by the tile's rows.
+                    let mut corr = [[_mm256_setzero_si256(); 8]; T];
+                    for t in 0..T {
+                        let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
+                        for c in 0..8 {
+                            let a = _mm256_loadu_si256(q8.add(32 * c).cast());
+                            corr[t][c] = _mm256_maddubs_epi16(_mm256_set1_epi8(4), a);
+                        }
+                    }
+                    for r in 0..R {
+                        let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * WB);
+                        let u = codes(wp);
+                        // The 16 scales as i16, the low eight in both halves for chunks 0..4 and the
+                        // high eight for 4..8; chunk c's lanes pick theirs by SHUF[c % 4].
+                        let sc16 = _mm256_cvtepi8_epi16(scales(wp));
+                        let halves = [
+                            _mm256_permute2x128_si256::<0x00>(sc16, sc16),
+                            _mm256_permute2x128_si256::<0x11>(sc16, sc16),
+                        ];
+                        let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                            wp.add(108).cast::<u16>().read_unaligned() as i32,
+                        )));
+                        let s: [__m256i; 8] = core::array::from_fn(|c| {
+                            _mm256_shuffle_epi8(
+                                halves[c / 4],
+                                _mm256_loadu_si256(SHUF[c % 4].as_ptr().cast()),
+                            )
+                        });
+                        for t in 0..T {
+                            let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
+                            let mut lanes = _mm256_setzero_si256();
+                            for c in 0..8 {
+                                let a = _mm256_loadu_si256(q8.add(32 * c).cast());
+                                // i16 pairs of (u - 4)·a: ggml's (low - 4·!high)·a pairs, exactly.
+                                let p = _mm256_sub_epi16(_mm256_maddubs_epi16(u[c], a), corr[t][c]);
+                                lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(s[c], p));
+                            }
+                            if order[t] == KOrder::Tiled {
+                                acc_s[r][t] =
+                                    (hsum_i32(lanes) as f32 * dw).mul_add(ad[t], acc_s[r][t]);
+                            } else {
+                                acc[r][t] = _mm256_fmadd_ps(
+                                    _mm256_set1_ps(ad[t] * dw),
+                                    _mm256_cvtepi32_ps(lanes),
+                                    acc[r][t],
+                                );
+                            }
+                        }
+                    }
+                }
+                for r in 0..R {
+                    for t in 0..T {
+                        *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) =
+                            if order[t] == KOrder::Tiled {
+                                acc_s[r][t]
+                            } else {
+                                hsum8(acc[r][t])
+                            };
+                    }
+                }
+            }
+        }
+    };
+}
+
+tile_fn!(tile, "avx2,fma,f16c");
+tile_fn!(
+    tile512,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"
+);
