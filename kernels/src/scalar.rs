@@ -570,16 +570,21 @@ pub(crate) fn vec_dot_legacy(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 
     let mut acc = [0f32; 8];
     for (x, y) in w.chunks_exact(bs).zip(a.chunks_exact(34)).take(n / QK) {
         let (dw, v) = legacy_block(ty, x);
-        let d = dw * f16_at(y, 0);
-        for l in 0..8 {
-            let mut lane = 0i32;
-            for j in 4 * l..4 * l + 4 {
-                lane += v[j] as i32 * (y[2 + j] as i8) as i32;
-            }
-            acc[l] = d.mul_add(lane as f32, acc[l]);
-        }
+        legacy_lanes(&mut acc, dw * f16_at(y, 0), |j| v[j] as i32, &y[2..]);
     }
     hsum8(&acc)
+}
+
+/// One legacy block's step: eight i32 lanes of four consecutive products `w(j) · a[j]`, each
+/// `acc[l] = fma(d, lane, acc[l])`.
+fn legacy_lanes(acc: &mut [f32; 8], d: f32, w: impl Fn(usize) -> i32, a: &[u8]) {
+    for l in 0..8 {
+        let mut lane = 0i32;
+        for j in 4 * l..4 * l + 4 {
+            lane += w(j) * (a[j] as i8) as i32;
+        }
+        acc[l] = d.mul_add(lane as f32, acc[l]);
+    }
 }
 
 /// The 32 unsigned codes of a q4_1 / q5_1 block (value order), its scale and its min.
@@ -612,14 +617,7 @@ pub(crate) fn vec_dot_legacy1(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32
     for (x, y) in w.chunks_exact(bs).zip(a.chunks_exact(36)).take(n / QK) {
         let (dw, m, v) = legacy1_block(ty, x);
         summs = m.mul_add(f16_at(y, 2), summs);
-        let d = dw * f16_at(y, 0);
-        for l in 0..8 {
-            let mut lane = 0i32;
-            for j in 4 * l..4 * l + 4 {
-                lane += v[j] as i32 * (y[4 + j] as i8) as i32;
-            }
-            acc[l] = d.mul_add(lane as f32, acc[l]);
-        }
+        legacy_lanes(&mut acc, dw * f16_at(y, 0), |j| v[j] as i32, &y[4..]);
     }
     hsum8(&acc) + summs
 }
@@ -627,7 +625,8 @@ pub(crate) fn vec_dot_legacy1(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32
 /// Which ggml kernel, hence which float order, a k-quant dot follows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum KOrder {
-    /// `ggml_vec_dot_q6_K_q8_K` (AVX2): eight i32 lanes per super-block, one FMA each, [`hsum8`].
+    /// `ggml_vec_dot_q6_K_q8_K` / `ggml_vec_dot_q3_K_q8_K` (AVX2): eight i32 lanes per
+    /// super-block, one FMA each, [`hsum8`].
     Lanes8,
     /// Repacked `ggml_gemv_q4_K_8x8_q8_K`: one FMA per super-block for the scales and one for
     /// the mins, `acc - acc_min` at the end.
@@ -636,7 +635,7 @@ pub(crate) enum KOrder {
     Sb64,
     /// The tiled K-quant matmul (ggml-cpu/tiled): per super-block `acc = fma(res, da, acc)`
     /// (its `acc + result * d1` intrinsics, contracted to an FMA by GCC) with
-    /// `res = isum * dw` (q6_K) or `res = fnmadd(dmin, imin, isum * dw)` (q4_K / q5_K).
+    /// `res = isum * dw` (q6_K, q3_K) or `res = fnmadd(dmin, imin, isum * dw)` (q4_K / q5_K).
     Tiled,
 }
 
@@ -661,11 +660,11 @@ pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
 /// The order token `t` of the matmul `g` sums in. Parity: [`k_order`] of the whole batch.
 /// Invariant: one order per weight type whatever the batch holds and wherever the token sits,
 /// so a token's row equals its 1-token matmul bit for bit: q4_K/q5_K `Sb256` (the repacked
-/// GEMV's, one f32 step per super-block) and q6_K / q3_K `Tiled` (also one f32 step per super-block,
-/// which a GEMM with tokens in the register lanes does as cheaply as the GEMV; its `vec_dot`
-/// order `Lanes8` would need eight f32 chains per token there). Every other weight type sums
-/// in one order for any batch (`vec_dot_legacy`, the float dots, `crate::ternary`), on every
-/// ISA.
+/// GEMV's, one f32 step per super-block) and q6_K / q3_K `Tiled` (also one f32 step per
+/// super-block, which a GEMM with tokens in the register lanes does as cheaply as the GEMV; their
+/// `vec_dot` order `Lanes8` would need eight f32 chains per token there). Every other weight
+/// type sums in one order for any batch (`vec_dot_legacy`, `vec_dot_legacy1`, the float dots,
+/// `crate::ternary`), on every ISA.
 /// Routed (`MUL_MAT_ID`): repacked q4_K one token at a time, the rest as Parity.
 pub(crate) fn token_order(g: &crate::matmul::Gemm<'_>, t: usize) -> KOrder {
     match g.numerics {

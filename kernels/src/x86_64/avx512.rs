@@ -104,8 +104,8 @@ entry!(mm_q5_1, run_legacy_min, Q5_1);
 entry!(mm_q4_k, run_k, Q4_K);
 
 fn mm_q3_k(g: &Gemm<'_>, out: &mut [f32]) {
-    // SAFETY: reachable only through this module's token-gated table (AVX2, FMA and F16C are
-    // among its features); `g` was validated by `Gemm::new`.
+    // SAFETY: reachable only through a table built from an `Avx512` token (see above), which
+    // proves every feature `run_q3k_avx512` needs; `g` was validated by `Gemm::new`.
     unsafe { super::q3k::run_q3k_avx512(g, out) }
 }
 entry!(mm_q5_k, run_k, Q5_K);

@@ -5,17 +5,17 @@
 //! - Activations (q8_K) are rearranged once per token band: for each group of 16 tokens and
 //!   each super-block, quad `q` (values `4q..4q+4`) of the 16 tokens fills one 64-byte line,
 //!   so a register holds the same four values of 16 tokens. The per-sub-block sums the
-//!   k-quants need (q4_K/q5_K: `bsums[2j] + bsums[2j+1]`; q6_K: `bsums[j]`) sit beside them
-//!   as i16 pairs, and the 16 scales as f32.
+//!   k-quants need (q4_K/q5_K: `bsums[2j] + bsums[2j+1]`; q6_K, q3_K: `bsums[j]`) sit beside
+//!   them as i16 pairs, and the 16 scales as f32.
 //! - Weights: four codes of one row, broadcast to all lanes, are the unsigned operand. A
-//!   sub-block's 16 raw sums are scaled by one `vpmulld`; the mins (q4_K/q5_K) and q6_K's
-//!   offset of 32 come from the i16 pairs by `vpdpwssd`.
+//!   sub-block's 16 raw sums are scaled by one `vpmulld`; the mins (q4_K/q5_K) and the codes'
+//!   offset (q6_K 32, q3_K 4) come from the i16 pairs by `vpdpwssd`.
 //! - The float steps are the scalar reference's, per (row, token): [`KOrder::Sb256`],
 //!   [`KOrder::Sb64`] (one step per two sub-blocks) or [`KOrder::Tiled`]. All integer sums are
 //!   exact, so every output equals `scalar::matmul`'s bit for bit.
 //!
-//! Used from 16 tokens on, where every token's order is one of those three (q6_K's `vec_dot`
-//! order [`KOrder::Lanes8`] applies only below 8 tokens).
+//! Used from 16 tokens on, where every token's order is one of those three (q6_K's and q3_K's
+//! `vec_dot` order [`KOrder::Lanes8`] applies only below 8 tokens).
 
 #![allow(clippy::needless_range_loop)]
 

@@ -1,8 +1,8 @@
-//! q3_K against q8_K with AVX2 (both x86 tables use it), bit-identical to
+//! q3_K against q8_K (one tile, compiled for AVX2 and for AVX-512), bit-identical to
 //! `scalar::vec_dot_q3k` in either order a token takes (`scalar::token_order`): the eight i32
 //! lanes of a super-block are llama.cpp's `ggml_vec_dot_q3_K_q8_K` lanes (values `4l..4l+4` of
-//! each 32-value chunk times the chunk's sub-block scales, the signed values multiplied with
-//! `vpmaddubsw` on |v| and sign-adjusted activations, as ggml's sign trick); `Lanes8` takes one
+//! each 32-value chunk times the chunk's sub-block scales; the i16 pairs `v·a` computed as
+//! `vpmaddubsw(u, a) − vpmaddubsw(4, a)` with the unsigned codes `u = v + 4`); `Lanes8` takes one
 //! FMA per lane per super-block and [`hsum8`] at the end, `Tiled` sums the lanes exactly and
 //! takes one f32 step per super-block. On AVX-512, from 16 tokens in the tiled order, the
 //! k-quant GEMM with tokens in the register lanes (`kq_lanes`) takes q3_K like q6_K (unsigned
@@ -183,8 +183,8 @@ macro_rules! tile_fn {
                     for r in 0..R {
                         let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * WB);
                         let u = codes(wp);
-                        // The 16 scales as i16, the low eight in both halves for chunks 0..4 and the
-                        // high eight for 4..8; chunk c's lanes pick theirs by SHUF[c % 4].
+                        // The 16 scales as i16, the low eight in both halves for chunks 0..4 and
+                        // the high eight for 4..8; chunk c's lanes pick theirs by SHUF[c % 4].
                         let sc16 = _mm256_cvtepi8_epi16(scales(wp));
                         let halves = [
                             _mm256_permute2x128_si256::<0x00>(sc16, sc16),
@@ -204,7 +204,7 @@ macro_rules! tile_fn {
                             let mut lanes = _mm256_setzero_si256();
                             for c in 0..8 {
                                 let a = _mm256_loadu_si256(q8.add(32 * c).cast());
-                                // i16 pairs of (u - 4)·a: ggml's (low - 4·!high)·a pairs, exactly.
+                                // i16 pairs of (u - 4)·a: ggml's (low - 4·!high)·a pairs.
                                 let p = _mm256_sub_epi16(_mm256_maddubs_epi16(u[c], a), corr[t][c]);
                                 lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(s[c], p));
                             }

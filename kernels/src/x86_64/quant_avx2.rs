@@ -1,6 +1,7 @@
 //! Activation quantization (f32 → q8_0 / q8_1 / q8_K) with AVX2, bit-identical to
-//! `scalar::quantize_q8_0`, `scalar::quantize_q8_1` and `scalar::quantize_q8_k`. Both the AVX2 and the AVX-512 tables use it: it is bound by the
-//! loads and the per-block scalar scale, so wider registers buy nothing.
+//! `scalar::quantize_q8_0`, `scalar::quantize_q8_1` and `scalar::quantize_q8_k`. Both the AVX2
+//! and the AVX-512 tables use it: it is bound by the loads and the per-block scalar scale, so
+//! wider registers buy nothing.
 //!
 //! A block holding an infinity or a NaN, or whose scale factor overflows, takes the scalar reference (the SIMD max and
 //! round-to-int treat them differently from the reference's folds and saturating casts).
