@@ -74,19 +74,26 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
     }
 }
 
-/// ggml-quants.c `dequantize_row_q3_K`: unpack the 12 scale bytes into 16 signed 6-bit scales
-/// (still offset by 32).
-pub(crate) fn q3k_scales(s: &[u8]) -> [i8; 16] {
+/// ggml-quants.c `dequantize_row_q3_K`'s `aux` words: the 12 scale bytes of a q3_K block as
+/// four little-endian words of four 6-bit scales each (still offset by 32).
+#[inline(always)]
+pub(crate) fn q3k_scale_words(s: &[u8; 12]) -> [u32; 4] {
     const KMASK1: u32 = 0x0303_0303;
     const KMASK2: u32 = 0x0f0f_0f0f;
     let w = |i: usize| u32::from_le_bytes([s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]]);
     let (a0, a1, tmp) = (w(0), w(1), w(2));
-    let aux = [
+    [
         (a0 & KMASK2) | ((tmp & KMASK1) << 4),
         (a1 & KMASK2) | (((tmp >> 2) & KMASK1) << 4),
         ((a0 >> 4) & KMASK2) | (((tmp >> 4) & KMASK1) << 4),
         ((a1 >> 4) & KMASK2) | (((tmp >> 6) & KMASK1) << 4),
-    ];
+    ]
+}
+
+/// ggml-quants.c `dequantize_row_q3_K`: unpack the 12 scale bytes into 16 signed 6-bit scales
+/// (still offset by 32).
+fn q3k_scales(s: &[u8; 12]) -> [i8; 16] {
+    let aux = q3k_scale_words(s);
     let mut out = [0i8; 16];
     for (i, a) in aux.iter().enumerate() {
         for (k, b) in a.to_le_bytes().iter().enumerate() {
@@ -220,7 +227,7 @@ fn dequantize_block(ty: GgmlType, x: &[u8], y: &mut [f32]) -> bool {
         GgmlType::Q3_K => {
             let hm = &x[0..32];
             let qs = &x[32..96];
-            let scales = q3k_scales(&x[96..108]);
+            let scales = q3k_scales(x[96..108].try_into().expect("a q3_K block has 110 bytes"));
             let d_all = f16_at(x, 108);
             let mut o = 0;
             let mut is = 0;
@@ -760,7 +767,7 @@ fn q6k_codes(x: &[u8]) -> [u8; QK_K] {
 pub(crate) fn q3k_values(x: &[u8]) -> ([i8; QK_K], [i32; 16]) {
     let hm = &x[0..32];
     let qs = &x[32..96];
-    let raw = q3k_scales(&x[96..108]);
+    let raw = q3k_scales(x[96..108].try_into().expect("a q3_K block has 110 bytes"));
     let mut sc = [0i32; 16];
     for (s, r) in sc.iter_mut().zip(raw) {
         *s = r as i32 - 32;

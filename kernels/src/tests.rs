@@ -472,20 +472,28 @@ fn q8_0_x86(x: &[f32]) -> Vec<u8> {
     out
 }
 
-#[test]
-fn quantize_q8_0_is_bit_exact_on_ties_and_odd_inputs() {
-    // amax 127 makes the factor exactly 1: every k + 0.5 is a tie (even k up, odd k down);
-    // plus random blocks, zeros, a NaN and an infinity (the guarded slow path).
-    let mut rng = Rng(77);
+/// Activation rows that probe a q8 quantizer: ties (amax 127 makes the factor exactly 1, so
+/// every k + 0.5 is one: even k up, odd k down), random blocks and a zero block — then two
+/// blocks holding a NaN and an infinity (the guarded slow path). Returns the values and how
+/// many come before the NaN / infinity blocks.
+fn q8_probe_rows(seed: u64) -> (Vec<f32>, usize) {
+    let mut rng = Rng(seed);
     let mut x: Vec<f32> = (0..256).map(|i| (i % 255) as f32 - 127.0 + 0.5).collect();
     x[0] = 127.0;
     x[32] = -127.0;
     x.extend((0..32 * 40).map(|_| rng.normalish() * 3.0));
     x.extend([0.0f32; 32]);
+    let clean = x.len();
     let mut odd = vec![1.0f32; 64];
     odd[3] = f32::NAN;
     odd[40] = f32::INFINITY;
     x.extend(odd);
+    (x, clean)
+}
+
+#[test]
+fn quantize_q8_0_is_bit_exact_on_ties_and_odd_inputs() {
+    let (x, _) = q8_probe_rows(77);
     let mut got = vec![0u8; GgmlType::Q8_0.row_size(x.len() as u64).unwrap() as usize];
     quantize_row(GgmlType::Q8_0, &x, &mut got).unwrap();
     assert_eq!(got, q8_0_x86(&x));
@@ -511,19 +519,9 @@ fn q8_1_x86(x: &[f32]) -> Vec<u8> {
 
 #[test]
 fn quantize_q8_1_is_bit_exact_with_llama_cpp_x86_on_every_isa() {
-    // Ties, random blocks, zeros, and a NaN / infinity block (the guarded slow path, which
-    // only the reference's folds define: compared between implementations, not with q8_1_x86).
-    let mut rng = Rng(78);
-    let mut x: Vec<f32> = (0..256).map(|i| (i % 255) as f32 - 127.0 + 0.5).collect();
-    x[0] = 127.0;
-    x[32] = -127.0;
-    x.extend((0..32 * 40).map(|_| rng.normalish() * 3.0));
-    x.extend([0.0f32; 32]);
-    let clean = x.len();
-    let mut odd = vec![1.0f32; 64];
-    odd[3] = f32::NAN;
-    odd[40] = f32::INFINITY;
-    x.extend(odd);
+    // The NaN / infinity blocks (the guarded slow path, which only the reference's folds
+    // define) are compared between implementations, not with q8_1_x86.
+    let (x, clean) = q8_probe_rows(78);
     let bytes = GgmlType::Q8_1.row_size(x.len() as u64).unwrap() as usize;
     let mut want = vec![0u8; bytes];
     quantize_row(GgmlType::Q8_1, &x, &mut want).unwrap();

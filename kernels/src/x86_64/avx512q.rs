@@ -32,8 +32,9 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::avx2::{hsum as hsum8, hsum_i32};
-use super::{k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset, with_scratch, Pod};
-use super::{Q4_0, Q5_0, Q5_K, Q6_K, Q8_0};
+use super::{k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_nibbles, legacy_offset};
+use super::{with_scratch, Pod};
+use super::{Q5_K, Q6_K, Q8_0};
 use crate::matmul::Gemm;
 use crate::quant::{QK, QK_K};
 use crate::scalar::{token_order, KOrder};
@@ -52,24 +53,25 @@ pub(super) unsafe fn f16_to_f32(p: *const u8) -> f32 {
 // ---------------------------------------------------------------------------------------------
 // Legacy 32-value blocks: q8_0, q4_0, q5_0 against q8_0.
 
-/// The 32 codes of the legacy block at `p` in value order, unsigned (`value + offset`).
+/// The 32 codes of the legacy block at `p` in value order, unsigned (`value + offset`; q4_1 /
+/// q5_1: the codes themselves).
 ///
 /// # Safety
 /// Features as the module; `p` readable for one `KIND` block.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn unpack_u8<const KIND: u8>(p: *const u8) -> __m256i {
+pub(super) unsafe fn unpack_u8<const KIND: u8>(p: *const u8) -> __m256i {
     // SAFETY (whole body): reads within the block at `p`.
     unsafe {
         if KIND == Q8_0 {
             return _mm256_xor_si256(_mm256_loadu_si256(p.add(2).cast()), _mm256_set1_epi8(-128));
         }
-        let qoff = if KIND == Q4_0 { 2 } else { 6 };
+        let (qoff, hoff) = legacy_nibbles(KIND);
         let q = _mm_loadu_si128(p.add(qoff).cast());
         let both = _mm256_set_m128i(_mm_srli_epi16::<4>(q), q);
         let u = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-        if KIND == Q5_0 {
-            let qh = p.add(2).cast::<u32>().read_unaligned();
+        if hoff != 0 {
+            let qh = p.add(hoff).cast::<u32>().read_unaligned();
             _mm256_mask_add_epi8(u, qh, u, _mm256_set1_epi8(16))
         } else {
             u
@@ -195,7 +197,7 @@ const PF_GROUPS: usize = 2;
 /// Features as the module; `p0`, `p1` readable for one `KIND` block each.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn unpack_pair_u8<const KIND: u8>(p0: *const u8, p1: *const u8) -> __m512i {
+pub(super) unsafe fn unpack_pair_u8<const KIND: u8>(p0: *const u8, p1: *const u8) -> __m512i {
     // SAFETY (whole body): reads within the two blocks.
     unsafe {
         if KIND == Q8_0 {
@@ -206,7 +208,7 @@ unsafe fn unpack_pair_u8<const KIND: u8>(p0: *const u8, p1: *const u8) -> __m512
             );
             return _mm512_xor_si512(v, _mm512_set1_epi8(-128));
         }
-        let qoff = if KIND == Q4_0 { 2 } else { 6 };
+        let (qoff, hoff) = legacy_nibbles(KIND);
         let q = _mm256_inserti128_si256::<1>(
             _mm256_castsi128_si256(_mm_loadu_si128(p0.add(qoff).cast())),
             _mm_loadu_si128(p1.add(qoff).cast()),
@@ -218,9 +220,9 @@ unsafe fn unpack_pair_u8<const KIND: u8>(p0: *const u8, p1: *const u8) -> __m512
         );
         let sh = _mm512_mask_srli_epi16(qq, 0xFF00_FF00, qq, 4);
         let u = _mm512_and_si512(sh, _mm512_set1_epi8(0x0F));
-        if KIND == Q5_0 {
-            let h0 = p0.add(2).cast::<u32>().read_unaligned() as u64;
-            let h1 = p1.add(2).cast::<u32>().read_unaligned() as u64;
+        if hoff != 0 {
+            let h0 = p0.add(hoff).cast::<u32>().read_unaligned() as u64;
+            let h1 = p1.add(hoff).cast::<u32>().read_unaligned() as u64;
             _mm512_mask_add_epi8(u, h0 | (h1 << 32), u, _mm512_set1_epi8(16))
         } else {
             u

@@ -176,7 +176,7 @@ unsafe fn prep_band(
 ) {
     let nsb = g.cols / QK_K;
     // 16-value sub-blocks (q6_K, q3_K) take their block sums as they are.
-    let q6 = matches!(
+    let sub16 = matches!(
         g.wty,
         crate::quant::GgmlType::Q6_K | crate::quant::GgmlType::Q3_K
     );
@@ -204,7 +204,7 @@ unsafe fn prep_band(
                     c[t] = v;
                 }
                 let pair = |a: i16, b: i16| (a as u16 as u32) | ((b as u16 as u32) << 16);
-                if q6 {
+                if sub16 {
                     for p in 0..8 {
                         pairs[p][t] = pair(bs[2 * p], bs[2 * p + 1]);
                     }
@@ -248,6 +248,8 @@ unsafe fn unpack_panel<const KIND: u8>(
         // SAFETY: row r0 + i < nrows, super-block sb: `wbs` bytes.
         let p = unsafe { g.w.as_ptr().add((r0 + i) * g.w_stride + sb * wbs) };
         let wr = &mut wrows[i];
+        // q6_K and q3_K: 16 signed scales, whose i16 pairs remove the codes' offset.
+        let signed: [i8; 16];
         if KIND == Q3_K {
             // SAFETY: as above (one q3_K super-block).
             let (u, sc) = unsafe { super::q3k::unpack(p) };
@@ -255,43 +257,40 @@ unsafe fn unpack_panel<const KIND: u8>(
                 // SAFETY: 32 bytes of `codes` at 32c.
                 unsafe { _mm256_storeu_si256(wr.codes.as_mut_ptr().add(32 * c).cast(), *v) };
             }
-            wr.sc = sc.map(i32::from);
-            for q in 0..8 {
-                wr.pairs[q] = pair(sc[2 * q] as i32, sc[2 * q + 1] as i32);
-            }
             // SAFETY: the f16 scale at 108.
             wr.d = unsafe { super::avx512q::f16_to_f32(p.add(108)) };
             wr.dmin = 0.0;
-            continue;
-        }
-        // SAFETY: as above.
-        let kb = unsafe { super::avx512q::unpack_k::<KIND>(p) };
-        for c in 0..4 {
-            // SAFETY: 64 bytes of `codes` at 64c.
-            unsafe { _mm512_storeu_si512(wr.codes.as_mut_ptr().add(64 * c).cast(), kb.u[c]) };
-        }
-        wr.d = kb.d;
-        wr.dmin = kb.dmin;
-        if KIND == Q6_K {
-            // SAFETY: the 16 i8 scales at 192.
-            let s = unsafe { p.add(192).cast::<[i8; 16]>().read() };
-            for j in 0..16 {
-                wr.sc[j] = s[j] as i32;
-            }
-            for q in 0..8 {
-                wr.pairs[q] = pair(s[2 * q] as i32, s[2 * q + 1] as i32);
-            }
+            signed = sc;
         } else {
-            // SAFETY: the 12 packed scale bytes at 4.
-            let (sc, m) = k4_scales_mins(unsafe { &*p.add(4).cast::<[u8; 12]>() });
-            let sc = sc.to_le_bytes();
-            let m = m.to_le_bytes();
-            for j in 0..8 {
-                wr.sc[j] = sc[j] as i32;
+            // SAFETY: as above.
+            let kb = unsafe { super::avx512q::unpack_k::<KIND>(p) };
+            for c in 0..4 {
+                // SAFETY: 64 bytes of `codes` at 64c.
+                unsafe { _mm512_storeu_si512(wr.codes.as_mut_ptr().add(64 * c).cast(), kb.u[c]) };
             }
-            for q in 0..4 {
-                wr.pairs[q] = pair(m[2 * q] as i32, m[2 * q + 1] as i32);
+            wr.d = kb.d;
+            wr.dmin = kb.dmin;
+            if KIND != Q6_K {
+                // SAFETY: the 12 packed scale bytes at 4.
+                let (sc, m) = k4_scales_mins(unsafe { &*p.add(4).cast::<[u8; 12]>() });
+                let sc = sc.to_le_bytes();
+                let m = m.to_le_bytes();
+                for j in 0..8 {
+                    wr.sc[j] = sc[j] as i32;
+                }
+                for q in 0..4 {
+                    wr.pairs[q] = pair(m[2 * q] as i32, m[2 * q + 1] as i32);
+                }
+                continue;
             }
+            // SAFETY: the 16 i8 scales at 192.
+            signed = unsafe { p.add(192).cast::<[i8; 16]>().read() };
+        }
+        for j in 0..16 {
+            wr.sc[j] = signed[j] as i32;
+        }
+        for q in 0..8 {
+            wr.pairs[q] = pair(signed[2 * q] as i32, signed[2 * q + 1] as i32);
         }
     }
 }
@@ -327,9 +326,9 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
     base: usize,
 ) {
     // q6_K and q3_K: 16-value sub-blocks with signed scales, codes carrying an offset.
-    let q6 = KIND == Q6_K || KIND == Q3_K;
+    let sub16 = KIND == Q6_K || KIND == Q3_K;
     // Sub-blocks, quads per sub-block, and sub-blocks per float step.
-    let (nsub, nq) = if q6 { (16, 4) } else { (8, 8) };
+    let (nsub, nq) = if sub16 { (16, 4) } else { (8, 8) };
     let per = if order == KOrder::Sb64 { 2 } else { nsub };
     let acc = |i: usize, k: usize| 2 * (i * band + k);
     // SAFETY (whole body): the pointers come from the live `WRow`/`ActBlock` references;
@@ -381,7 +380,7 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
         }
         match order {
             KOrder::Sb64 => {}
-            KOrder::Tiled if !q6 => {
+            KOrder::Tiled if !sub16 => {
                 // q4_K / q5_K: fnmadd(dmin, imin, isum · d), then one FMA with da.
                 for i in 0..R {
                     for k in 0..NG {

@@ -14,8 +14,8 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::avx2::hsum as hsum8;
-use super::avx512q::f16_to_f32;
-use super::{drive, legacy_act, legacy_block_bytes, legacy_nibbles};
+use super::avx512q::{f16_to_f32, unpack_pair_u8, unpack_u8};
+use super::{drive, legacy_act, legacy_block_bytes};
 use crate::matmul::Gemm;
 use crate::quant::QK;
 use core::arch::x86_64::*;
@@ -33,22 +33,6 @@ pub(super) unsafe fn run_legacy_min<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32
         unsafe { gemv::<KIND>(g, out) };
     } else {
         drive!(g, out, tile, 4, 4, KIND);
-    }
-}
-
-/// The unsigned codes of the blocks at `p0` (low half) and `p1` (high half), value order.
-///
-/// # Safety
-/// Features as [`run_legacy_min`]; `p0`, `p1` readable for one `KIND` block each.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-#[inline]
-unsafe fn unpack_pair<const KIND: u8>(p0: *const u8, p1: *const u8) -> __m512i {
-    // SAFETY: each half reads within its own block.
-    unsafe {
-        _mm512_inserti64x4::<1>(
-            _mm512_castsi256_si512(unpack::<KIND>(p0)),
-            unpack::<KIND>(p1),
-        )
     }
 }
 
@@ -104,12 +88,12 @@ unsafe fn gemv<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                 ));
                 let ia = _mm512_dpbusd_epi32(
                     _mm512_setzero_si512(),
-                    unpack_pair::<KIND>(p, p.add(st)),
+                    unpack_pair_u8::<KIND>(p, p.add(st)),
                     a,
                 );
                 let ib = _mm512_dpbusd_epi32(
                     _mm512_setzero_si512(),
-                    unpack_pair::<KIND>(p.add(2 * st), p.add(3 * st)),
+                    unpack_pair_u8::<KIND>(p.add(2 * st), p.add(3 * st)),
                     a,
                 );
                 // The four rows' scales times the activation's (one rounding each, as
@@ -143,28 +127,6 @@ unsafe fn gemv<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         while r < g.nrows {
             tile::<1, 1, KIND>(g, r, 0, out);
             r += 1;
-        }
-    }
-}
-
-/// The 32 unsigned codes of the q4_1 / q5_1 block at `p`, value order.
-///
-/// # Safety
-/// Features as [`run_legacy_min`]; `p` readable for one `KIND` block.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-#[inline]
-unsafe fn unpack<const KIND: u8>(p: *const u8) -> __m256i {
-    let (qoff, hoff) = legacy_nibbles(KIND);
-    // SAFETY (whole body): reads within the block at `p`.
-    unsafe {
-        let q = _mm_loadu_si128(p.add(qoff).cast());
-        let both = _mm256_set_m128i(_mm_srli_epi16::<4>(q), q);
-        let u = _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
-        if hoff != 0 {
-            let qh = p.add(hoff).cast::<u32>().read_unaligned();
-            _mm256_mask_add_epi8(u, qh, u, _mm256_set1_epi8(16))
-        } else {
-            u
         }
     }
 }
@@ -207,7 +169,7 @@ unsafe fn tile<const R: usize, const T: usize, const KIND: u8>(
                 if b % 2 == 0 {
                     _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(PF_TILES * R * g.w_stride).cast());
                 }
-                let u = unpack::<KIND>(wp);
+                let u = unpack_u8::<KIND>(wp);
                 let dw = f16_to_f32(wp);
                 let m = f16_to_f32(wp.add(2));
                 for t in 0..T {

@@ -15,7 +15,7 @@ use super::avx2::{hsum as hsum8, hsum_i32};
 use super::drive;
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
-use crate::scalar::{q3k_scales, token_order, KOrder};
+use crate::scalar::{q3k_scale_words, token_order, KOrder};
 use core::arch::x86_64::*;
 
 /// Bytes of a q3_K super-block and of a q8_K one.
@@ -79,11 +79,12 @@ pub(super) unsafe fn run_q3k_avx512(g: &Gemm<'_>, out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(super) unsafe fn unpack(p: *const u8) -> ([__m256i; 8], [i8; 16]) {
-    // SAFETY: as the contract.
-    let u = unsafe { codes(p) };
-    // SAFETY: the 12 scale bytes at 96.
-    let raw = q3k_scales(unsafe { core::slice::from_raw_parts(p.add(96), 12) });
-    (u, raw.map(|s| s.wrapping_sub(32)))
+    let mut sc = [0i8; 16];
+    // SAFETY: as the contract; `sc` holds 16 bytes.
+    unsafe {
+        _mm_storeu_si128(sc.as_mut_ptr().cast(), scales(p));
+        (codes(p), sc)
+    }
 }
 
 /// The 16 scales of the super-block at `p` as i8 lanes (-32..31), built in registers from
@@ -94,17 +95,9 @@ pub(super) unsafe fn unpack(p: *const u8) -> ([__m256i; 8], [i8; 16]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 unsafe fn scales(p: *const u8) -> __m128i {
-    const KMASK1: u32 = 0x0303_0303;
-    const KMASK2: u32 = 0x0f0f_0f0f;
     // SAFETY: the 12 scale bytes at 96.
-    let w = |i: usize| unsafe { p.add(96 + 4 * i).cast::<u32>().read_unaligned() };
-    let (a0, a1, tmp) = (w(0), w(1), w(2));
-    let aux = _mm_setr_epi32(
-        ((a0 & KMASK2) | ((tmp & KMASK1) << 4)) as i32,
-        ((a1 & KMASK2) | (((tmp >> 2) & KMASK1) << 4)) as i32,
-        (((a0 >> 4) & KMASK2) | (((tmp >> 4) & KMASK1) << 4)) as i32,
-        (((a1 >> 4) & KMASK2) | (((tmp >> 6) & KMASK1) << 4)) as i32,
-    );
+    let aux = q3k_scale_words(unsafe { &*p.add(96).cast::<[u8; 12]>() });
+    let aux = _mm_setr_epi32(aux[0] as i32, aux[1] as i32, aux[2] as i32, aux[3] as i32);
     _mm_sub_epi8(aux, _mm_set1_epi8(32))
 }
 
