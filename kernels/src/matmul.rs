@@ -262,20 +262,14 @@ impl Activations {
     fn fill_scales(&mut self) {
         self.scales.clear();
         self.sums.clear();
-        let n = self.n * self.row_bytes;
-        match self.ty {
-            Some(GgmlType::Q8_0) => {
-                for b in self.data[..n].chunks_exact(GgmlType::Q8_0.type_size()) {
-                    self.scales.push(scalar::f16_at(b, 0));
-                }
-            }
-            Some(GgmlType::Q8_1) => {
-                for b in self.data[..n].chunks_exact(GgmlType::Q8_1.type_size()) {
-                    self.scales.push(scalar::f16_at(b, 0));
+        if let Some(ty @ (GgmlType::Q8_0 | GgmlType::Q8_1)) = self.ty {
+            let n = self.n * self.row_bytes;
+            for b in self.data[..n].chunks_exact(ty.type_size()) {
+                self.scales.push(scalar::f16_at(b, 0));
+                if ty == GgmlType::Q8_1 {
                     self.sums.push(scalar::f16_at(b, 2));
                 }
             }
-            _ => {}
         }
     }
 
