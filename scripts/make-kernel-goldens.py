@@ -12,7 +12,8 @@ plus q8_0 quantization: `q8_0_quant_in.f32` (inputs) and `q8_0_quant.bin`
 (`gguf.quants.quantize(x, Q8_0)`, bit-exact with ggml's quantize_row_q8_0_ref), and ternary
 quantization: `tq_quant_in.f32` (three 256-value super-blocks: random, exact ties, zeros) with
 `tq1_0_quant.bin` / `tq2_0_quant.bin` (`gguf.quants.quantize(x, TQ1_0 / TQ2_0)`, byte-identical
-to ggml's quantize_row_tq{1,2}_0_ref) and their gguf-py dequantizations `tq{1,2}_0_quant.f32`.
+to ggml's quantize_row_tq{1,2}_0_ref) and their gguf-py dequantizations `tq{1,2}_0_quant.f32`,
+and the IQ types' dequantization goldens (from a second generator, appended last).
 
 Usage: python3 scripts/make-kernel-goldens.py   (needs `pip install gguf numpy`)
 """
@@ -82,6 +83,20 @@ def main():
         q.tofile(os.path.join(OUT, f"{t.name.lower()}_quant.bin"))
         dequantize(q, t).astype("<f4").reshape(-1).tofile(
             os.path.join(OUT, f"{t.name.lower()}_quant.f32"))
+
+    # The IQ types (issue 19), from their own generator so the files above keep their bytes.
+    rng = np.random.default_rng(20261126)
+    for t, fields in ((T.IQ4_NL, [0]), (T.IQ4_XS, [0])):
+        block, size = GGML_QUANT_SIZES[t]
+        nblocks = 8 if block == 32 else 4
+        raw = rng.integers(0, 256, size=(nblocks, size), dtype=np.uint8)
+        for off in fields:
+            raw[:, off:off + 2] = random_f16(rng, nblocks).view(np.uint8).reshape(nblocks, 2)
+        raw = raw.reshape(-1)
+        vals = dequantize(raw, t).astype("<f4").reshape(-1)
+        assert vals.size == nblocks * block and np.all(np.isfinite(vals)), t.name
+        raw.tofile(os.path.join(OUT, f"{t.name.lower()}.bin"))
+        vals.tofile(os.path.join(OUT, f"{t.name.lower()}.f32"))
 
 
 if __name__ == "__main__":

@@ -277,6 +277,8 @@ const EXACT_PPL: &[&str] = &[
     "tiny-llama-q4_1",
     "tiny-llama-q5_1",
     "tiny-llama-q3_k",
+    "tiny-llama-iq4_nl",
+    "tiny-llama-iq4_xs",
     "tiny-mixtral-q8_0",
     "tiny-qwen3moe-q8_0",
     "tiny-qwen2moe-q8_0",

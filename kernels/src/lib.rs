@@ -139,9 +139,10 @@ pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
         GgmlType::F32 => GgmlType::F32,
         GgmlType::F16 => GgmlType::F16,
         GgmlType::BF16 => GgmlType::BF16,
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => GgmlType::Q8_0,
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL => GgmlType::Q8_0,
         GgmlType::Q4_1 | GgmlType::Q5_1 => GgmlType::Q8_1,
         GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => GgmlType::Q8_K,
+        GgmlType::IQ4_XS => GgmlType::Q8_K,
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => GgmlType::Q8_K,
         GgmlType::TF2 | GgmlType::TF1 => GgmlType::Q8_TF,
         _ => return None,
@@ -152,7 +153,19 @@ pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
 pub fn can_dequantize(ty: GgmlType) -> bool {
     !matches!(
         ty,
-        GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64 | GgmlType::F64
+        GgmlType::I8
+            | GgmlType::I16
+            | GgmlType::I32
+            | GgmlType::I64
+            | GgmlType::F64
+            // The IQ grid types: no dequantizer (hence no kernels) yet (docs/quant-types.md).
+            | GgmlType::IQ2_XXS
+            | GgmlType::IQ2_XS
+            | GgmlType::IQ2_S
+            | GgmlType::IQ3_XXS
+            | GgmlType::IQ3_S
+            | GgmlType::IQ1_S
+            | GgmlType::IQ1_M
     )
 }
 

@@ -39,11 +39,20 @@ pub enum GgmlType {
     Q5_K = 13,
     Q6_K = 14,
     Q8_K = 15,
+    IQ2_XXS = 16,
+    IQ2_XS = 17,
+    IQ3_XXS = 18,
+    IQ1_S = 19,
+    IQ4_NL = 20,
+    IQ3_S = 21,
+    IQ2_S = 22,
+    IQ4_XS = 23,
     I8 = 24,
     I16 = 25,
     I32 = 26,
     I64 = 27,
     F64 = 28,
+    IQ1_M = 29,
     BF16 = 30,
     TQ1_0 = 34,
     TQ2_0 = 35,
@@ -68,7 +77,7 @@ pub const QK: usize = 32;
 
 impl GgmlType {
     /// Every type in the registry: ggml's, then ternfleet's.
-    pub const ALL: [GgmlType; 25] = [
+    pub const ALL: [GgmlType; 34] = [
         GgmlType::F32,
         GgmlType::F16,
         GgmlType::Q4_0,
@@ -83,11 +92,20 @@ impl GgmlType {
         GgmlType::Q5_K,
         GgmlType::Q6_K,
         GgmlType::Q8_K,
+        GgmlType::IQ2_XXS,
+        GgmlType::IQ2_XS,
+        GgmlType::IQ3_XXS,
+        GgmlType::IQ1_S,
+        GgmlType::IQ4_NL,
+        GgmlType::IQ3_S,
+        GgmlType::IQ2_S,
+        GgmlType::IQ4_XS,
         GgmlType::I8,
         GgmlType::I16,
         GgmlType::I32,
         GgmlType::I64,
         GgmlType::F64,
+        GgmlType::IQ1_M,
         GgmlType::BF16,
         GgmlType::TQ1_0,
         GgmlType::TQ2_0,
@@ -134,6 +152,15 @@ impl GgmlType {
             GgmlType::Q5_K => "q5_K",
             GgmlType::Q6_K => "q6_K",
             GgmlType::Q8_K => "q8_K",
+            GgmlType::IQ2_XXS => "iq2_xxs",
+            GgmlType::IQ2_XS => "iq2_xs",
+            GgmlType::IQ3_XXS => "iq3_xxs",
+            GgmlType::IQ1_S => "iq1_s",
+            GgmlType::IQ4_NL => "iq4_nl",
+            GgmlType::IQ3_S => "iq3_s",
+            GgmlType::IQ2_S => "iq2_s",
+            GgmlType::IQ4_XS => "iq4_xs",
+            GgmlType::IQ1_M => "iq1_m",
             GgmlType::I8 => "i8",
             GgmlType::I16 => "i16",
             GgmlType::I32 => "i32",
@@ -160,13 +187,21 @@ impl GgmlType {
             | GgmlType::I64
             | GgmlType::F64 => 1,
             GgmlType::Q4_0 | GgmlType::Q4_1 | GgmlType::Q5_0 | GgmlType::Q5_1 => QK,
-            GgmlType::Q8_0 | GgmlType::Q8_1 => QK,
+            GgmlType::Q8_0 | GgmlType::Q8_1 | GgmlType::IQ4_NL => QK,
             GgmlType::Q2_K
             | GgmlType::Q3_K
             | GgmlType::Q4_K
             | GgmlType::Q5_K
             | GgmlType::Q6_K
             | GgmlType::Q8_K
+            | GgmlType::IQ2_XXS
+            | GgmlType::IQ2_XS
+            | GgmlType::IQ3_XXS
+            | GgmlType::IQ1_S
+            | GgmlType::IQ3_S
+            | GgmlType::IQ2_S
+            | GgmlType::IQ4_XS
+            | GgmlType::IQ1_M
             | GgmlType::TQ1_0
             | GgmlType::TQ2_0 => QK_K,
             GgmlType::TF2 | GgmlType::TF1 | GgmlType::Q8_TF => QK_TF,
@@ -192,6 +227,15 @@ impl GgmlType {
             GgmlType::Q5_K => 2 * 2 + 12 + QK_K / 8 + QK_K / 2,
             GgmlType::Q6_K => 2 + QK_K / 16 + 3 * QK_K / 4,
             GgmlType::Q8_K => 4 + QK_K + QK_K / 16 * 2,
+            GgmlType::IQ2_XXS => 2 + QK_K / 8 * 2,
+            GgmlType::IQ2_XS => 2 + QK_K / 8 * 2 + QK_K / 32,
+            GgmlType::IQ3_XXS => 2 + 3 * (QK_K / 8),
+            GgmlType::IQ1_S => 2 + QK_K / 8 + QK_K / 16,
+            GgmlType::IQ4_NL => 2 + QK / 2,
+            GgmlType::IQ3_S => 2 + 13 * (QK_K / 32) + QK_K / 64,
+            GgmlType::IQ2_S => 2 + QK_K / 4 + QK_K / 16,
+            GgmlType::IQ4_XS => 2 + 2 + QK_K / 64 + QK_K / 2,
+            GgmlType::IQ1_M => QK_K / 8 + QK_K / 16 + QK_K / 32,
             GgmlType::TQ1_0 => 2 + 4 * 13,
             GgmlType::TQ2_0 => 2 + 64,
             GgmlType::TF2 => 2 + QK_TF / 4,
@@ -259,6 +303,16 @@ mod tests {
         assert_eq!(GgmlType::Q3_K.type_size(), 110);
         assert_eq!(GgmlType::TQ1_0.type_size(), 54);
         assert_eq!(GgmlType::TQ2_0.type_size(), 66);
+        // The IQ types (ggml-common.h block_iq*).
+        assert_eq!(GgmlType::IQ2_XXS.type_size(), 66);
+        assert_eq!(GgmlType::IQ2_XS.type_size(), 74);
+        assert_eq!(GgmlType::IQ2_S.type_size(), 82);
+        assert_eq!(GgmlType::IQ3_XXS.type_size(), 98);
+        assert_eq!(GgmlType::IQ3_S.type_size(), 110);
+        assert_eq!(GgmlType::IQ1_S.type_size(), 50);
+        assert_eq!(GgmlType::IQ1_M.type_size(), 56);
+        assert_eq!(GgmlType::IQ4_NL.type_size(), 18);
+        assert_eq!(GgmlType::IQ4_XS.type_size(), 136);
         assert_eq!(GgmlType::Q4_K.row_size(512), Some(288));
         assert_eq!(GgmlType::Q4_K.row_size(100), None);
     }

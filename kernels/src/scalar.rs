@@ -22,6 +22,8 @@
 //! - `block_q8_K`  { f32 d; i8 qs[256]; i16 bsums[16] }                      292 bytes
 //! - `block_tq1_0` { u8 qs[48]; u8 qh[4]; f16 d }                            54 bytes
 //! - `block_tq2_0` { u8 qs[64]; f16 d }                                      66 bytes
+//! - `block_iq4_nl` { f16 d; u8 qs[16] }                     18 bytes / 32 values
+//! - `block_iq4_xs` { f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128] }      136 bytes / 256
 //!
 //! The ternary formats' quantizers and dot products live in `crate::ternary`.
 
@@ -72,6 +74,19 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
             (q[j + 4] >> 4) | ((q[j] >> 6) << 4),
         )
     }
+}
+
+/// ggml-common.h `kvalues_iq4nl`: the 16 values an IQ4_NL / IQ4_XS code stands for.
+pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
+
+/// The 6-bit scale (still offset by 32) of 32-value sub-block `ib` of an IQ4_XS super-block
+/// (`dequantize_row_iq4_xs`): four bits from `scales_l`, two from `scales_h`.
+#[inline(always)]
+pub(crate) fn iq4xs_scale(x: &[u8], ib: usize) -> i32 {
+    let sh = u16::from_le_bytes([x[2], x[3]]);
+    (((x[4 + ib / 2] >> (4 * (ib % 2))) & 0xF) | ((((sh >> (2 * ib)) & 3) as u8) << 4)) as i32
 }
 
 /// ggml-quants.c `dequantize_row_q3_K`'s `aux` words: the 12 scale bytes of a q3_K block as
@@ -358,6 +373,27 @@ fn dequantize_block(ty: GgmlType, x: &[u8], y: &mut [f32]) -> bool {
                 }
             }
         }
+        // dequantize_row_iq4_nl
+        GgmlType::IQ4_NL => {
+            let d = f16_at(x, 0);
+            for j in 0..QK / 2 {
+                y[j] = d * KVALUES_IQ4NL[(x[2 + j] & 0xF) as usize] as f32;
+                y[j + QK / 2] = d * KVALUES_IQ4NL[(x[2 + j] >> 4) as usize] as f32;
+            }
+        }
+        // dequantize_row_iq4_xs
+        GgmlType::IQ4_XS => {
+            let d = f16_at(x, 0);
+            for ib in 0..QK_K / 32 {
+                let dl = d * (iq4xs_scale(x, ib) - 32) as f32;
+                let qs = &x[8 + 16 * ib..];
+                let y = &mut y[32 * ib..];
+                for j in 0..16 {
+                    y[j] = dl * KVALUES_IQ4NL[(qs[j] & 0xF) as usize] as f32;
+                    y[j + 16] = dl * KVALUES_IQ4NL[(qs[j] >> 4) as usize] as f32;
+                }
+            }
+        }
         GgmlType::TF2 | GgmlType::TF1 | GgmlType::Q8_TF => {
             crate::ternary::dequantize_tf_block(ty, x, y)
         }
@@ -629,6 +665,63 @@ pub(crate) fn vec_dot_legacy1(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32
     hsum8(&acc) + summs
 }
 
+/// IQ4_NL against q8_0 in the order of ggml's repacked `iq4_nl_8x8` GEMV and GEMM (x86
+/// `gemv/gemm_q4_b32_8x8_q8_0_lut_avx`, which llama.cpp uses on AVX2 machines for any number
+/// of tokens when the matrix has a multiple of 8 rows — every real model's): per block the
+/// exact integer sum of the 32 products, then one `acc = fma(isum, dw·da, acc)`. (Matrices with
+/// other row counts run `ggml_vec_dot_iq4_nl_q8_0` there, whose two 8-lane accumulators we do
+/// not follow: docs/quant-types.md.)
+pub(crate) fn vec_dot_iq4nl(n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let mut acc = 0f32;
+    for (x, y) in w.chunks_exact(18).zip(a.chunks_exact(34)).take(n / QK) {
+        let mut isum = 0i32;
+        for j in 0..QK / 2 {
+            isum += KVALUES_IQ4NL[(x[2 + j] & 0xF) as usize] as i32 * (y[2 + j] as i8) as i32;
+            isum +=
+                KVALUES_IQ4NL[(x[2 + j] >> 4) as usize] as i32 * (y[2 + j + QK / 2] as i8) as i32;
+        }
+        acc = (isum as f32).mul_add(f16_at(x, 0) * f16_at(y, 0), acc);
+    }
+    acc
+}
+
+/// IQ4_XS against q8_K. [`KOrder::Lanes8`] is `ggml_vec_dot_iq4_xs_q8_K` (AVX2 branch): lane
+/// `l` holds values `4l..4l+4` of every 32-value sub-block times the sub-block's scale
+/// (`ls - 32`), one `fma(dw·dy, lane, acc_l)` per super-block, [`hsum8`] at the end.
+/// [`KOrder::Tiled`] is the tiled matmul's one step per super-block.
+fn vec_dot_iq4xs(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
+    let mut lanes_acc = [0f32; 8];
+    let mut acc = 0f32;
+    for (x, y) in w.chunks_exact(136).zip(a.chunks_exact(292)).take(n / QK_K) {
+        let (yd, q8, _) = q8k_parts(y);
+        let dw = f16_at(x, 0);
+        let mut lanes = [0i32; 8];
+        for ib in 0..QK_K / 32 {
+            let ls = iq4xs_scale(x, ib) - 32;
+            let qs = &x[8 + 16 * ib..];
+            for e in 0..32 {
+                let code = if e < 16 { qs[e] & 0xF } else { qs[e - 16] >> 4 };
+                let p = KVALUES_IQ4NL[code as usize] as i32 * (q8[32 * ib + e] as i8) as i32;
+                lanes[e / 4] += ls * p;
+            }
+        }
+        if order == KOrder::Tiled {
+            let isum: i32 = lanes.iter().sum();
+            acc = (isum as f32 * dw).mul_add(yd, acc);
+        } else {
+            let d = dw * yd;
+            for l in 0..8 {
+                lanes_acc[l] = d.mul_add(lanes[l] as f32, lanes_acc[l]);
+            }
+        }
+    }
+    if order == KOrder::Tiled {
+        acc
+    } else {
+        hsum8(&lanes_acc)
+    }
+}
+
 /// Which ggml kernel, hence which float order, a k-quant dot follows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum KOrder {
@@ -646,19 +739,31 @@ pub(crate) enum KOrder {
     Tiled,
 }
 
+/// The types whose `vec_dot` keeps eight f32 lanes per super-block ([`KOrder::Lanes8`]) and
+/// which ggml's tiled matmul takes from 8 tokens ([`KOrder::Tiled`]): q6_K, q3_K, IQ4_XS.
+pub(crate) fn lanes8_then_tiled(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q6_K | GgmlType::Q3_K | GgmlType::IQ4_XS)
+}
+
 /// The order ggml uses for token `t` of an `ntok`-token matmul with weights `ty`.
 ///
 /// - q4_K is repacked to `q4_K_8x8` on AVX2 machines: tokens in whole groups of four from the
 ///   start go through the GEMM, the remaining `ntok % 4` through the GEMV. (ggml repacks only
 ///   matrices whose row count is a multiple of 8; we use these orders for every q4_K matrix.)
-/// - q6_K and q3_K run the tiled matmul from 8 tokens on and their `vec_dot` below.
+/// - q6_K, q3_K and IQ4_XS run the tiled matmul from 8 tokens on and their `vec_dot` below.
 /// - q5_K is not repacked on x86: ggml runs it through the tiled matmul from 8 tokens on, as
 ///   q6_K. Below 8 tokens (`ggml_vec_dot_q5_K_q8_K`) we keep the q4_K GEMV order: no model we
 ///   test against llama.cpp token for token has q5_K weights.
 pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
     match ty {
-        GgmlType::Q6_K | GgmlType::Q5_K | GgmlType::Q3_K if ntok >= 8 => KOrder::Tiled,
-        GgmlType::Q6_K | GgmlType::Q3_K => KOrder::Lanes8,
+        GgmlType::Q5_K if ntok >= 8 => KOrder::Tiled,
+        _ if lanes8_then_tiled(ty) => {
+            if ntok >= 8 {
+                KOrder::Tiled
+            } else {
+                KOrder::Lanes8
+            }
+        }
         _ if t < ntok - ntok % 4 => KOrder::Sb64,
         _ => KOrder::Sb256,
     }
@@ -676,7 +781,7 @@ pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
 pub(crate) fn token_order(g: &crate::matmul::Gemm<'_>, t: usize) -> KOrder {
     match g.numerics {
         crate::Numerics::Invariant => match g.wty {
-            GgmlType::Q6_K | GgmlType::Q3_K => KOrder::Tiled,
+            ty if lanes8_then_tiled(ty) => KOrder::Tiled,
             _ => KOrder::Sb256,
         },
         crate::Numerics::Routed if g.wty == GgmlType::Q4_K => k_order(g.wty, 0, 1),
@@ -880,6 +985,8 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
             | GgmlType::Q4_K
             | GgmlType::Q5_K
             | GgmlType::Q6_K
+            | GgmlType::IQ4_NL
+            | GgmlType::IQ4_XS
             | GgmlType::TQ1_0
             | GgmlType::TQ2_0
             | GgmlType::TF2
@@ -897,6 +1004,8 @@ pub(crate) fn dot(ty: GgmlType, order: KOrder, n: usize, w: &[u8], a: &[u8]) -> 
         GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, order),
         GgmlType::Q6_K => vec_dot_q6k(n, w, a, order),
         GgmlType::Q3_K => vec_dot_q3k(n, w, a, order),
+        GgmlType::IQ4_NL => vec_dot_iq4nl(n, w, a),
+        GgmlType::IQ4_XS => vec_dot_iq4xs(n, w, a, order),
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::vec_dot_tq(ty, n, w, a),
         GgmlType::TF2 | GgmlType::TF1 => crate::ternary::vec_dot_tf(ty, n, w, a),
         _ => float_dot_fn(ty).expect("Gemm is only built for weight types with a dot")(n, w, a),

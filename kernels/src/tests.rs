@@ -29,6 +29,7 @@ impl Rng {
 fn f16_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
@@ -69,7 +70,7 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     }
 }
 
-const MATMUL_TYPES: [GgmlType; 16] = [
+const MATMUL_TYPES: [GgmlType; 18] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -82,6 +83,8 @@ const MATMUL_TYPES: [GgmlType; 16] = [
     GgmlType::Q4_K,
     GgmlType::Q5_K,
     GgmlType::Q6_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
     GgmlType::TQ1_0,
     GgmlType::TQ2_0,
     GgmlType::TF2,
@@ -430,7 +433,7 @@ macro_rules! golden {
 #[test]
 fn dequantize_matches_gguf_py_goldens() {
     type Golden = (&'static [u8], &'static [u8]);
-    let cases: [(GgmlType, Golden); 14] = [
+    let cases: [(GgmlType, Golden); 16] = [
         (GgmlType::F16, golden!("f16")),
         (GgmlType::BF16, golden!("bf16")),
         (GgmlType::Q4_0, golden!("q4_0")),
@@ -445,6 +448,8 @@ fn dequantize_matches_gguf_py_goldens() {
         (GgmlType::Q6_K, golden!("q6_k")),
         (GgmlType::TQ1_0, golden!("tq1_0")),
         (GgmlType::TQ2_0, golden!("tq2_0")),
+        (GgmlType::IQ4_NL, golden!("iq4_nl")),
+        (GgmlType::IQ4_XS, golden!("iq4_xs")),
     ];
     for (ty, (raw, want)) in cases {
         let want = le_f32(want);

@@ -64,7 +64,7 @@ fn invariant_rows_equal_their_one_token_matmuls_on_every_isa() {
                     let mut scalar_inv = None;
                     for &isa in &isas {
                         // Each token alone. At n = 1 Parity and Invariant are the same call,
-                        // except q6_K and q3_K: Parity keeps llama.cpp's `vec_dot` order for
+                        // except q6_K, q3_K and IQ4_XS: Parity keeps llama.cpp's `vec_dot` order for
                         // decode, Invariant the tiled order of its GEMM.
                         let mut alone = Vec::with_capacity(n * nr);
                         let mut alone_parity = Vec::with_capacity(n * nr);
@@ -72,7 +72,7 @@ fn invariant_rows_equal_their_one_token_matmuls_on_every_isa() {
                             let xt = &x[t * cols..(t + 1) * cols];
                             let p = run(isa, &m, xt, 1, rows.clone(), Numerics::Parity);
                             let i = run(isa, &m, xt, 1, rows.clone(), Numerics::Invariant);
-                            if !matches!(ty, GgmlType::Q6_K | GgmlType::Q3_K) {
+                            if !crate::scalar::lanes8_then_tiled(ty) {
                                 assert_eq!(bits(&p), bits(&i), "{isa:?} {ty:?} cols={cols} n=1");
                             }
                             alone.extend(i);
@@ -136,6 +136,7 @@ fn invariant_rows_do_not_depend_on_the_batch_they_share() {
         GgmlType::Q6_K,
         GgmlType::Q5_K,
         GgmlType::Q3_K,
+        GgmlType::IQ4_XS,
     ] {
         let (rows, cols) = (12, 512);
         let w = random_weights(ty, rows * cols, &mut rng);
@@ -163,8 +164,8 @@ fn invariant_rows_do_not_depend_on_the_batch_they_share() {
 #[test]
 fn parity_still_differs_from_invariant_where_llama_cpp_changes_order() {
     // q4_K/q5_K at 4 tokens: Parity runs the repacked GEMM's per-64-value order, Invariant the
-    // GEMV's per-super-block one (and from 8 tokens q5_K the tiled one); q6_K and q3_K below 8
-    // tokens: vec_dot against tiled. Over many rows the
+    // GEMV's per-super-block one (and from 8 tokens q5_K the tiled one); q6_K, q3_K and IQ4_XS
+    // below 8 tokens: vec_dot against tiled. Over many rows the
     // two orders round differently somewhere (if the flag were ignored they would not), while
     // staying the same dot product.
     let mut rng = Rng(0xD1FF);
@@ -177,6 +178,8 @@ fn parity_still_differs_from_invariant_where_llama_cpp_changes_order() {
         (GgmlType::Q6_K, 4),
         (GgmlType::Q3_K, 1),
         (GgmlType::Q3_K, 4),
+        (GgmlType::IQ4_XS, 1),
+        (GgmlType::IQ4_XS, 4),
     ] {
         let (rows, cols) = (64, 1024);
         let w = random_weights(ty, rows * cols, &mut rng);
@@ -223,10 +226,7 @@ fn numerics_only_matter_for_batch_dependent_k_quant_orders() {
     // Invariant are the same bits (so serving Invariant costs them nothing).
     let mut rng = Rng(0x0DE5);
     for ty in MATMUL_TYPES {
-        if matches!(
-            ty,
-            GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K | GgmlType::Q3_K
-        ) {
+        if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K) || crate::scalar::lanes8_then_tiled(ty) {
             continue;
         }
         let cols = cols_for(ty)[1];

@@ -75,6 +75,8 @@ fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
         GgmlType::Q4_K => mm_q4_k,
         GgmlType::Q5_K => mm_q5_k,
         GgmlType::Q6_K => mm_q6_k,
+        GgmlType::IQ4_NL => mm_iq4_nl,
+        GgmlType::IQ4_XS => mm_iq4_xs,
         GgmlType::F32 => mm_f32,
         GgmlType::F16 => mm_f16,
         GgmlType::BF16 => mm_bf16,
@@ -109,6 +111,17 @@ fn mm_q3_k(g: &Gemm<'_>, out: &mut [f32]) {
     unsafe { super::q3k::run_q3k_avx512(g, out) }
 }
 entry!(mm_q5_k, run_k, Q5_K);
+
+fn mm_iq4_nl(g: &Gemm<'_>, out: &mut [f32]) {
+    // SAFETY: reachable only through a table built from an `Avx512` token (see above), which
+    // proves every feature the IQ4 kernels need; `g` was validated by `Gemm::new`.
+    unsafe { super::iq4::run_iq4nl_avx512(g, out) }
+}
+
+fn mm_iq4_xs(g: &Gemm<'_>, out: &mut [f32]) {
+    // SAFETY: as `mm_iq4_nl`.
+    unsafe { super::iq4::run_iq4xs_avx512(g, out) }
+}
 entry!(mm_q6_k, run_k, Q6_K);
 entry!(mm_f32, run_float, F32);
 entry!(mm_f16, run_float, F16);

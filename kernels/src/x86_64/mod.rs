@@ -5,6 +5,7 @@
 pub(crate) mod avx2;
 pub(crate) mod avx512;
 mod avx512q;
+mod iq4;
 mod kq_lanes;
 mod legacy_min;
 mod q3k;

@@ -1,0 +1,429 @@
+//! The non-linear 4-bit types, IQ4_NL (against q8_0) and IQ4_XS (against q8_K), bit-identical to
+//! `scalar::vec_dot_iq4nl` / `scalar::vec_dot_iq4xs`. A code is an index into ggml's
+//! `kvalues_iq4nl`, looked up with one `vpshufb`.
+//!
+//! - IQ4_NL sums in the order of ggml's repacked `iq4_nl_8x8` kernels: per (row, token) one f32
+//!   chain with one FMA per 32-value block of the exact integer sum. The exact sums of a tile's
+//!   rows are reduced horizontally together, so one vector holds a block's sums for every row
+//!   and one FMA takes the step for all of them (rows in lanes, as ggml's repacked layout has
+//!   them, without repacking the weights). AVX2: 8 rows per tile, the i8 products by ggml's
+//!   `abs`/`sign` trick. AVX-512: 16 rows, two per 512-bit register, the codes as unsigned
+//!   `value + 128` through `vpdpbusd` with the lanes started at `-128·Σa`.
+//! - IQ4_XS: llama.cpp's `ggml_vec_dot_iq4_xs_q8_K` lanes (values `4l..4l+4` of each 32-value
+//!   sub-block times the sub-block's scale) in `KOrder::Lanes8`, their exact sum in
+//!   `KOrder::Tiled`; one tile compiled for AVX2 and for AVX-512, as q3_K's.
+
+// Tile loops index several per-row / per-token arrays with the same counter.
+#![allow(clippy::needless_range_loop)]
+
+use super::avx2::{hsum as hsum8, hsum_i32};
+use super::drive;
+use crate::matmul::Gemm;
+use crate::quant::{QK, QK_K};
+use crate::scalar::{iq4xs_scale, token_order, KOrder, KVALUES_IQ4NL};
+use core::arch::x86_64::*;
+
+/// Bytes of an IQ4_NL block, a q8_0 block, an IQ4_XS super-block and a q8_K one.
+const NL_B: usize = 18;
+const Q8_0_B: usize = 34;
+const XS_B: usize = 136;
+const Q8_K_B: usize = 292;
+
+/// Tokens per IQ4_NL tile (the unpacked codes of a tile's rows serve this many tokens).
+const NL_T: usize = 4;
+
+/// `kvalues_iq4nl` in both 128-bit halves (signed values).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn lut_signed() -> __m256i {
+    // SAFETY: 16 readable bytes.
+    let v = unsafe { _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()) };
+    _mm256_set_m128i(v, v)
+}
+
+/// The 32 signed values of the 16 code bytes at `p` in value order: low nibbles (values
+/// 0..16) in the low half, high nibbles (16..32) in the high half.
+///
+/// # Safety
+/// AVX2 available; 16 bytes readable at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn values(p: *const u8, lut: __m256i) -> __m256i {
+    // SAFETY: as the contract.
+    let q = unsafe { _mm_loadu_si128(p.cast()) };
+    let both = _mm256_set_m128i(_mm_srli_epi16::<4>(q), q);
+    _mm256_shuffle_epi8(lut, _mm256_and_si256(both, _mm256_set1_epi8(0x0F)))
+}
+
+/// i16 pairs of `w·a` (ggml's `mul_add_epi8`: `|w|` unsigned times `a` with `w`'s sign; every
+/// pair at most 2·127·127, exact).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn mul_pairs(w: __m256i, a: __m256i) -> __m256i {
+    _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w))
+}
+
+/// Lane `r` = the sum of the eight i32 lanes of `v[r]` (exact).
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn reduce8(v: &[__m256i; 8]) -> __m256i {
+    let h0123 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    let h4567 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    _mm256_add_epi32(
+        _mm256_permute2x128_si256::<0x20>(h0123, h4567),
+        _mm256_permute2x128_si256::<0x31>(h0123, h4567),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// IQ4_NL
+
+/// Rows of the tile at `r0` (`n` of them valid) as byte offsets from row `r0`: the rows past
+/// `n` repeat the last valid one (computed, never stored).
+fn row_offsets<const R: usize>(g: &Gemm<'_>, n: usize) -> [usize; R] {
+    core::array::from_fn(|i| i.min(n - 1) * g.w_stride)
+}
+
+/// Cover the matrix with tiles of `R` rows × up to [`NL_T`] tokens, tokens blocked so one
+/// block's activations stay in L2 while the rows stream past.
+macro_rules! drive_nl {
+    ($g:expr, $out:expr, $tile:ident, $R:literal) => {{
+        let g: &Gemm<'_> = $g;
+        let out: &mut [f32] = $out;
+        let tb = ((256 * 1024) / g.a_stride.max(1)).max(NL_T) / NL_T * NL_T;
+        let mut t0 = 0;
+        while t0 < g.ntok {
+            let t1 = (t0 + tb).min(g.ntok);
+            let mut r = 0;
+            while r < g.nrows {
+                let n = (g.nrows - r).min($R);
+                let mut t = t0;
+                while t < t1 {
+                    // SAFETY: rows r..r+n and tokens t..t+T are in the problem; the caller
+                    // has the features.
+                    unsafe {
+                        match t1 - t {
+                            1 => $tile::<1>(g, r, n, t, out),
+                            2 => $tile::<2>(g, r, n, t, out),
+                            3 => $tile::<3>(g, r, n, t, out),
+                            _ => $tile::<NL_T>(g, r, n, t, out),
+                        }
+                    }
+                    t += (t1 - t).min(NL_T);
+                }
+                r += $R;
+            }
+            t0 = t1;
+        }
+    }};
+}
+
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
+/// g.nrows` and IQ4_NL weights.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn run_iq4nl(g: &Gemm<'_>, out: &mut [f32]) {
+    drive_nl!(g, out, nl_tile8, 8);
+}
+
+/// Rows `r0..r0+n` (n ≤ 8) × tokens `t0..t0+T`, AVX2.
+///
+/// # Safety
+/// As [`run_iq4nl`]; `1 <= n`, `r0 + n <= g.nrows`, `t0 + T <= g.ntok`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn nl_tile8<const T: usize>(g: &Gemm<'_>, r0: usize, n: usize, t0: usize, out: &mut [f32]) {
+    let nb = g.cols / QK;
+    let lut = lut_signed();
+    let ones = _mm256_set1_epi16(1);
+    let rows = row_offsets::<8>(g, n);
+    let mut acc = [_mm256_setzero_ps(); T];
+    // SAFETY (whole body): blocks below `nb` of rows r0..r0+n (the offsets repeat valid rows)
+    // and of tokens t0..t0+T; side-table indices below `g.ntok * nb`.
+    unsafe {
+        let w = g.w.as_ptr().add(r0 * g.w_stride);
+        for b in 0..nb {
+            let p = w.add(b * NL_B);
+            let v: [__m256i; 8] = core::array::from_fn(|r| values(p.add(rows[r] + 2), lut));
+            let dh = |r: usize| p.add(rows[r]).cast::<i16>().read_unaligned();
+            let dw = _mm256_cvtph_ps(_mm_setr_epi16(
+                dh(0),
+                dh(1),
+                dh(2),
+                dh(3),
+                dh(4),
+                dh(5),
+                dh(6),
+                dh(7),
+            ));
+            for t in 0..T {
+                let a = _mm256_loadu_si256(
+                    g.a.as_ptr()
+                        .add((t0 + t) * g.a_stride + b * Q8_0_B + 2)
+                        .cast(),
+                );
+                let m: [__m256i; 8] =
+                    core::array::from_fn(|r| _mm256_madd_epi16(mul_pairs(v[r], a), ones));
+                let isum = _mm256_cvtepi32_ps(reduce8(&m));
+                let da = _mm256_set1_ps(*g.a_scales.get_unchecked((t0 + t) * nb + b));
+                acc[t] = _mm256_fmadd_ps(isum, _mm256_mul_ps(dw, da), acc[t]);
+            }
+        }
+        for t in 0..T {
+            let mut s = [0f32; 8];
+            _mm256_storeu_ps(s.as_mut_ptr(), acc[t]);
+            let o = (t0 + t) * g.nrows + r0;
+            out.get_unchecked_mut(o..o + n).copy_from_slice(&s[..n]);
+        }
+    }
+}
+
+/// The AVX-512 table's entry.
+///
+/// # Safety
+/// As [`run_iq4nl`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn run_iq4nl_avx512(g: &Gemm<'_>, out: &mut [f32]) {
+    drive_nl!(g, out, nl_tile16, 16);
+}
+
+/// Which row each lane of [`reduce16_pairs`] holds.
+const ROW_OF_LANE: [usize; 16] = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15];
+
+/// Per 128-bit lane `L`: `[Σ_L v0, Σ_L v1, Σ_L v2, Σ_L v3]` (exact).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn reduce_lanes(v0: __m512i, v1: __m512i, v2: __m512i, v3: __m512i) -> __m512i {
+    let a01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
+    let a23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
+    _mm512_add_epi32(
+        _mm512_unpacklo_epi64(a01, a23),
+        _mm512_unpackhi_epi64(a01, a23),
+    )
+}
+
+/// `v[i]` holds row `2i` in its low 256 bits and row `2i + 1` in its high ones; the result's
+/// lane `j` is the sum of row [`ROW_OF_LANE`]`[j]`'s eight lanes (exact).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn reduce16_pairs(v: &[__m512i; 8]) -> __m512i {
+    // x: 128-bit lane L holds [Σ_L v0..Σ_L v3]; lanes 0, 1 are the even rows', 2, 3 the odd.
+    let x = reduce_lanes(v[0], v[1], v[2], v[3]);
+    let y = reduce_lanes(v[4], v[5], v[6], v[7]);
+    _mm512_add_epi32(
+        _mm512_shuffle_i64x2::<0b10_00_10_00>(x, y),
+        _mm512_shuffle_i64x2::<0b11_01_11_01>(x, y),
+    )
+}
+
+/// The unsigned codes `value + 128` of the blocks at `p0` (low half) and `p1` (high half).
+///
+/// # Safety
+/// Features as [`run_iq4nl_avx512`]; 16 code bytes readable at each pointer.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn codes_pair(p0: *const u8, p1: *const u8, lut: __m512i) -> __m512i {
+    // SAFETY: as the contract.
+    let (q0, q1) = unsafe { (_mm_loadu_si128(p0.cast()), _mm_loadu_si128(p1.cast())) };
+    let lo = _mm256_set_m128i(q1, q0);
+    let both = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(lo), _mm256_srli_epi16::<4>(lo));
+    // Lanes (128-bit): [q0 low nibbles, q1 low, q0 high, q1 high]; put each row's two halves
+    // together: [q0 low, q0 high, q1 low, q1 high].
+    let both = _mm512_shuffle_i64x2::<0b11_01_10_00>(both, both);
+    _mm512_shuffle_epi8(lut, _mm512_and_si512(both, _mm512_set1_epi8(0x0F)))
+}
+
+/// Rows `r0..r0+n` (n ≤ 16) × tokens `t0..t0+T`, AVX-512.
+///
+/// # Safety
+/// As [`run_iq4nl_avx512`]; `1 <= n`, `r0 + n <= g.nrows`, `t0 + T <= g.ntok`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn nl_tile16<const T: usize>(g: &Gemm<'_>, r0: usize, n: usize, t0: usize, out: &mut [f32]) {
+    let nb = g.cols / QK;
+    let lut = {
+        let mut u = [0u8; 16];
+        for (c, v) in u.iter_mut().zip(KVALUES_IQ4NL) {
+            *c = (v as i32 + 128) as u8;
+        }
+        // SAFETY: 16 readable bytes.
+        _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(u.as_ptr().cast()) })
+    };
+    let rows = row_offsets::<16>(g, n);
+    // Lane j's f16 scale is row ROW_OF_LANE[j]'s (gathered 4 bytes at a time).
+    let idx = _mm512_setr_epi32(
+        rows[ROW_OF_LANE[0]] as i32,
+        rows[ROW_OF_LANE[1]] as i32,
+        rows[ROW_OF_LANE[2]] as i32,
+        rows[ROW_OF_LANE[3]] as i32,
+        rows[ROW_OF_LANE[4]] as i32,
+        rows[ROW_OF_LANE[5]] as i32,
+        rows[ROW_OF_LANE[6]] as i32,
+        rows[ROW_OF_LANE[7]] as i32,
+        rows[ROW_OF_LANE[8]] as i32,
+        rows[ROW_OF_LANE[9]] as i32,
+        rows[ROW_OF_LANE[10]] as i32,
+        rows[ROW_OF_LANE[11]] as i32,
+        rows[ROW_OF_LANE[12]] as i32,
+        rows[ROW_OF_LANE[13]] as i32,
+        rows[ROW_OF_LANE[14]] as i32,
+        rows[ROW_OF_LANE[15]] as i32,
+    );
+    let c128 = _mm256_set1_epi8(-128);
+    let mut acc = [_mm512_setzero_ps(); T];
+    // SAFETY (whole body): blocks below `nb` of rows r0..r0+n (the offsets repeat valid rows,
+    // and 16 rows' offsets fit i32: `Gemm::new` bounds the matrix by the slice) and of tokens
+    // t0..t0+T; side-table indices below `g.ntok * nb`.
+    unsafe {
+        let w = g.w.as_ptr().add(r0 * g.w_stride);
+        for b in 0..nb {
+            let p = w.add(b * NL_B);
+            if b % 3 == 0 {
+                // The next tile's rows, about one cache line per three blocks (a hint).
+                for i in 0..16 {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add((16 + i) * g.w_stride).cast());
+                }
+            }
+            let u: [__m512i; 8] = core::array::from_fn(|i| {
+                codes_pair(p.add(rows[2 * i] + 2), p.add(rows[2 * i + 1] + 2), lut)
+            });
+            let dw = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_i32gather_epi32::<1>(
+                idx,
+                p.cast::<i32>(),
+            )));
+            for t in 0..T {
+                let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_0_B + 2);
+                let a256 = _mm256_loadu_si256(ap.cast());
+                // Each lane starts at -128 · (its four activations' sum).
+                let neg = _mm256_sub_epi32(
+                    _mm256_setzero_si256(),
+                    _mm256_dpbusd_epi32(_mm256_setzero_si256(), c128, a256),
+                );
+                let (a, neg) = (_mm512_broadcast_i64x4(a256), _mm512_broadcast_i64x4(neg));
+                let m: [__m512i; 8] = core::array::from_fn(|i| _mm512_dpbusd_epi32(neg, u[i], a));
+                let isum = _mm512_cvtepi32_ps(reduce16_pairs(&m));
+                let da = _mm512_set1_ps(*g.a_scales.get_unchecked((t0 + t) * nb + b));
+                acc[t] = _mm512_fmadd_ps(isum, _mm512_mul_ps(dw, da), acc[t]);
+            }
+        }
+        for t in 0..T {
+            let mut s = [0f32; 16];
+            _mm512_storeu_ps(s.as_mut_ptr(), acc[t]);
+            let o = (t0 + t) * g.nrows + r0;
+            for j in 0..16 {
+                if ROW_OF_LANE[j] < n {
+                    *out.get_unchecked_mut(o + ROW_OF_LANE[j]) = s[j];
+                }
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// IQ4_XS
+
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
+/// g.nrows` and IQ4_XS weights.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn run_iq4xs(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        drive!(g, out, xs_tile, 4, 1);
+    } else {
+        drive!(g, out, xs_tile, 2, 4);
+    }
+}
+
+/// The AVX-512 table's entry: [`run_iq4xs`]'s tiles compiled for AVX-512.
+///
+/// # Safety
+/// As [`run_iq4xs`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn run_iq4xs_avx512(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        drive!(g, out, xs_tile512, 4, 1);
+    } else {
+        drive!(g, out, xs_tile512, 2, 4);
+    }
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of IQ4_XS: `xs_tile` with AVX2's features,
+/// `xs_tile512` the same code compiled for AVX-512 (32 registers, EVEX encodings).
+macro_rules! xs_tile_fn {
+    ($name:ident, $features:literal) => {
+        /// # Safety
+        /// As [`run_iq4xs`] (and the features named); `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const R: usize, const T: usize>(
+            g: &Gemm<'_>,
+            r0: usize,
+            t0: usize,
+            out: &mut [f32],
+        ) {
+            let nb = g.cols / QK_K;
+            let order: [KOrder; T] = core::array::from_fn(|t| token_order(g, t0 + t));
+            let lut = lut_signed();
+            let mut acc = [[_mm256_setzero_ps(); T]; R];
+            let mut acc_s = [[0f32; T]; R];
+            // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens
+            // t0..t0+T.
+            unsafe {
+                for b in 0..nb {
+                    let mut ad = [0f32; T];
+                    for t in 0..T {
+                        ad[t] =
+                            g.a.as_ptr()
+                                .add((t0 + t) * g.a_stride + b * Q8_K_B)
+                                .cast::<f32>()
+                                .read_unaligned();
+                    }
+                    for r in 0..R {
+                        let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * XS_B);
+                        let x = &*wp.cast::<[u8; XS_B]>();
+                        let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                            wp.cast::<u16>().read_unaligned() as i32,
+                        )));
+                        let v: [__m256i; 8] =
+                            core::array::from_fn(|c| values(wp.add(8 + 16 * c), lut));
+                        let s: [__m256i; 8] = core::array::from_fn(|c| {
+                            _mm256_set1_epi16((iq4xs_scale(x, c) - 32) as i16)
+                        });
+                        for t in 0..T {
+                            let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_B + 4);
+                            let mut lanes = _mm256_setzero_si256();
+                            for c in 0..8 {
+                                let a = _mm256_loadu_si256(q8.add(32 * c).cast());
+                                let p = _mm256_madd_epi16(mul_pairs(v[c], a), s[c]);
+                                lanes = _mm256_add_epi32(lanes, p);
+                            }
+                            if order[t] == KOrder::Tiled {
+                                acc_s[r][t] =
+                                    (hsum_i32(lanes) as f32 * dw).mul_add(ad[t], acc_s[r][t]);
+                            } else {
+                                acc[r][t] = _mm256_fmadd_ps(
+                                    _mm256_set1_ps(dw * ad[t]),
+                                    _mm256_cvtepi32_ps(lanes),
+                                    acc[r][t],
+                                );
+                            }
+                        }
+                    }
+                }
+                for r in 0..R {
+                    for t in 0..T {
+                        *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) =
+                            if order[t] == KOrder::Tiled {
+                                acc_s[r][t]
+                            } else {
+                                hsum8(acc[r][t])
+                            };
+                    }
+                }
+            }
+        }
+    };
+}
+
+xs_tile_fn!(xs_tile, "avx2,fma,f16c");
+xs_tile_fn!(
+    xs_tile512,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"
+);
