@@ -41,6 +41,31 @@ fn lut_signed() -> __m256i {
     _mm256_set_m128i(v, v)
 }
 
+/// `kvalues_iq4nl + 128` (unsigned codes for `vpdpbusd`) in a 128-bit lane.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn lut_unsigned128() -> __m128i {
+    _mm_xor_si128(
+        // SAFETY: 16 readable bytes.
+        unsafe { _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()) },
+        _mm_set1_epi8(-128),
+    )
+}
+
+/// The IQ4_XS super-block at `p` as the tokens-in-lanes GEMM wants it: its 256 codes as
+/// unsigned `value + 128`, eight 32-value chunks in value order.
+///
+/// # Safety
+/// AVX2 available; `p` readable for one IQ4_XS super-block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn xs_codes_u8(p: *const u8) -> [__m256i; 8] {
+    let l = lut_unsigned128();
+    let lut = _mm256_set_m128i(l, l);
+    // SAFETY: chunk c's 16 code bytes at 8 + 16c.
+    core::array::from_fn(|c| unsafe { values(p.add(8 + 16 * c), lut) })
+}
+
 /// The 32 signed values of the 16 code bytes at `p` in value order: low nibbles (values
 /// 0..16) in the low half, high nibbles (16..32) in the high half.
 ///
@@ -239,14 +264,7 @@ unsafe fn codes_pair(p0: *const u8, p1: *const u8, lut: __m512i) -> __m512i {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn nl_tile16<const T: usize>(g: &Gemm<'_>, r0: usize, n: usize, t0: usize, out: &mut [f32]) {
     let nb = g.cols / QK;
-    let lut = {
-        let mut u = [0u8; 16];
-        for (c, v) in u.iter_mut().zip(KVALUES_IQ4NL) {
-            *c = (v as i32 + 128) as u8;
-        }
-        // SAFETY: 16 readable bytes.
-        _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(u.as_ptr().cast()) })
-    };
+    let lut = _mm512_broadcast_i32x4(lut_unsigned128());
     let rows = row_offsets::<16>(g, n);
     // Lane j's f16 scale is row ROW_OF_LANE[j]'s (gathered 4 bytes at a time).
     let idx = _mm512_setr_epi32(
@@ -332,13 +350,18 @@ pub(super) unsafe fn run_iq4xs(g: &Gemm<'_>, out: &mut [f32]) {
     }
 }
 
-/// The AVX-512 table's entry: [`run_iq4xs`]'s tiles compiled for AVX-512.
+/// The AVX-512 table's entry: [`run_iq4xs`]'s tiles compiled for AVX-512, and from 16 tokens
+/// in the tiled order the tokens-in-lanes k-quant GEMM (`kq_lanes`, codes as `value + 128`).
 ///
 /// # Safety
 /// As [`run_iq4xs`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_iq4xs_avx512(g: &Gemm<'_>, out: &mut [f32]) {
-    if g.ntok == 1 {
+    if g.ntok >= 16 && token_order(g, 0) == KOrder::Tiled {
+        debug_assert!((0..g.ntok).all(|t| token_order(g, t) == KOrder::Tiled));
+        // SAFETY: as this function's contract; every token sums in the tiled order.
+        unsafe { super::kq_lanes::gemm::<{ super::IQ4_XS }>(g, 0, g.ntok, KOrder::Tiled, out) };
+    } else if g.ntok == 1 {
         drive!(g, out, xs_tile512, 4, 1);
     } else {
         drive!(g, out, xs_tile512, 2, 4);

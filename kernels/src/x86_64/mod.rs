@@ -137,6 +137,7 @@ pub(crate) const TF1: u8 = 12;
 pub(crate) const Q4_1: u8 = 13;
 pub(crate) const Q5_1: u8 = 14;
 pub(crate) const Q3_K: u8 = 15;
+pub(crate) const IQ4_XS: u8 = 16;
 
 /// Bytes per block of a legacy (32-value) kind.
 pub(crate) const fn legacy_block_bytes(kind: u8) -> usize {
@@ -188,6 +189,7 @@ pub(crate) const fn legacy_nibbles(kind: u8) -> (usize, usize) {
 pub(crate) const fn k_block_bytes(kind: u8) -> usize {
     match kind {
         Q3_K => 110,
+        IQ4_XS => 136,
         Q4_K => 144,
         Q5_K => 176,
         _ => 210,
