@@ -273,6 +273,7 @@ fn perplexity_within_one_percent_of_llama_cpp() {
 const EXACT_PPL: &[&str] = &[
     "gemma-3-270m-q4_k_m",
     "tiny-llama-q8_0",
+    "tiny-llama-q4_0",
     "tiny-llama-q4_k",
     "tiny-llama-q4_1",
     "tiny-llama-q5_1",

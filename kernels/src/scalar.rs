@@ -604,7 +604,7 @@ fn legacy_block(ty: GgmlType, x: &[u8]) -> (f32, [i8; QK]) {
     (f16_at(x, 0), v)
 }
 
-/// Q8_0 / Q4_0 / Q5_0 against q8_0, as `ggml_vec_dot_{q8_0,q4_0,q5_0}_q8_0` (AVX2 branch,
+/// Q8_0 / Q5_0 against q8_0, as `ggml_vec_dot_{q8_0,q5_0}_q8_0` (AVX2 branch,
 /// one token) and tinyBLAS `tinyBLAS_Q0_AVX` (several tokens) both compute it: per block,
 /// eight i32 lanes of four consecutive products, converted to f32 and accumulated as
 /// `acc[l] = fma(dw * da, lane[l], acc[l])`; then [`hsum8`].
@@ -665,20 +665,30 @@ pub(crate) fn vec_dot_legacy1(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32
     hsum8(&acc) + summs
 }
 
-/// IQ4_NL against q8_0 in the order of ggml's repacked `iq4_nl_8x8` GEMV and GEMM (x86
-/// `gemv/gemm_q4_b32_8x8_q8_0_lut_avx`, which llama.cpp uses on AVX2 machines for any number
-/// of tokens when the matrix has a multiple of 8 rows — every real model's): per block the
-/// exact integer sum of the 32 products, then one `acc = fma(isum, dw·da, acc)`. (Matrices with
-/// other row counts run `ggml_vec_dot_iq4_nl_q8_0` there, whose two 8-lane accumulators we do
-/// not follow: docs/quant-types.md.)
-pub(crate) fn vec_dot_iq4nl(n: usize, w: &[u8], a: &[u8]) -> f32 {
+/// The 16 values a 4-bit code of a [`vec_dot_block_chain`] type stands for: q4_0's `code - 8`,
+/// IQ4_NL's `kvalues_iq4nl`.
+pub(crate) fn nibble_values(ty: GgmlType) -> [i8; 16] {
+    if ty == GgmlType::IQ4_NL {
+        KVALUES_IQ4NL
+    } else {
+        core::array::from_fn(|c| c as i8 - 8)
+    }
+}
+
+/// Q4_0 / IQ4_NL against q8_0 in the order of ggml's repacked `q4_0_8x8` / `iq4_nl_8x8` GEMV
+/// and GEMM (x86 `gemv/gemm_q4_b32_8x8_q8_0_lut_avx`, which llama.cpp uses on AVX2 machines for
+/// any number of tokens when the matrix has a multiple of 8 rows — every real model's): per
+/// block the exact integer sum of the 32 products, then one `acc = fma(isum, dw·da, acc)`.
+/// (Matrices with other row counts run `ggml_vec_dot_{q4_0,iq4_nl}_q8_0` / tinyBLAS there,
+/// whose eight-lane orders we do not follow: docs/quant-types.md.)
+pub(crate) fn vec_dot_block_chain(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
+    let val = nibble_values(ty);
     let mut acc = 0f32;
     for (x, y) in w.chunks_exact(18).zip(a.chunks_exact(34)).take(n / QK) {
         let mut isum = 0i32;
         for j in 0..QK / 2 {
-            isum += KVALUES_IQ4NL[(x[2 + j] & 0xF) as usize] as i32 * (y[2 + j] as i8) as i32;
-            isum +=
-                KVALUES_IQ4NL[(x[2 + j] >> 4) as usize] as i32 * (y[2 + j + QK / 2] as i8) as i32;
+            isum += val[(x[2 + j] & 0xF) as usize] as i32 * (y[2 + j] as i8) as i32;
+            isum += val[(x[2 + j] >> 4) as usize] as i32 * (y[2 + j + QK / 2] as i8) as i32;
         }
         acc = (isum as f32).mul_add(f16_at(x, 0) * f16_at(y, 0), acc);
     }
@@ -998,13 +1008,13 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
 /// `order` (see [`token_order`]), the other types ignore it.
 pub(crate) fn dot(ty: GgmlType, order: KOrder, n: usize, w: &[u8], a: &[u8]) -> f32 {
     match ty {
-        GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => vec_dot_legacy(ty, n, w, a),
+        GgmlType::Q8_0 | GgmlType::Q5_0 => vec_dot_legacy(ty, n, w, a),
+        GgmlType::Q4_0 | GgmlType::IQ4_NL => vec_dot_block_chain(ty, n, w, a),
         GgmlType::Q4_1 | GgmlType::Q5_1 => vec_dot_legacy1(ty, n, w, a),
         GgmlType::Q4_K => vec_dot_qk45(n, w, a, false, order),
         GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, order),
         GgmlType::Q6_K => vec_dot_q6k(n, w, a, order),
         GgmlType::Q3_K => vec_dot_q3k(n, w, a, order),
-        GgmlType::IQ4_NL => vec_dot_iq4nl(n, w, a),
         GgmlType::IQ4_XS => vec_dot_iq4xs(n, w, a, order),
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::vec_dot_tq(ty, n, w, a),
         GgmlType::TF2 | GgmlType::TF1 => crate::ternary::vec_dot_tf(ty, n, w, a),

@@ -13,7 +13,7 @@
 use super::tern_avx2::run_tern;
 use super::{drive, k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_offset};
 use super::{legacy_act, legacy_has_min, legacy_nibbles};
-use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
+use super::{BF16, F16, F32, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 use super::{TF1, TF2, TQ1_0, TQ2_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
 use crate::matmul::Gemm;
@@ -99,7 +99,6 @@ macro_rules! entry {
 }
 
 entry!(mm_q8_0, run_legacy, Q8_0);
-entry!(mm_q4_0, run_legacy, Q4_0);
 entry!(mm_q5_0, run_legacy, Q5_0);
 entry!(mm_q4_1, run_legacy, Q4_1);
 entry!(mm_q5_1, run_legacy, Q5_1);
@@ -112,10 +111,15 @@ fn mm_q3_k(g: &Gemm<'_>, out: &mut [f32]) {
 }
 entry!(mm_q5_k, run_k, Q5_K);
 
+fn mm_q4_0(g: &Gemm<'_>, out: &mut [f32]) {
+    // SAFETY: as `mm_iq4_nl`.
+    unsafe { super::iq4::run_nl::<{ super::Q4_0 }>(g, out) }
+}
+
 fn mm_iq4_nl(g: &Gemm<'_>, out: &mut [f32]) {
     // SAFETY: reachable only through a table built from an `Avx2` token (see above), which
     // proves AVX2, FMA and F16C; `g` was validated by `Gemm::new`.
-    unsafe { super::iq4::run_iq4nl(g, out) }
+    unsafe { super::iq4::run_nl::<{ super::IQ4_NL }>(g, out) }
 }
 
 fn mm_iq4_xs(g: &Gemm<'_>, out: &mut [f32]) {

@@ -10,7 +10,7 @@ use super::avx512q::{run_k, run_legacy};
 use super::drive;
 use super::legacy_min::run_legacy_min;
 use super::tern_avx512::run_tern;
-use super::{BF16, F16, F32, Q4_0, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
+use super::{BF16, F16, F32, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 use super::{TF1, TF2, TQ1_0, TQ2_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
 use crate::matmul::Gemm;
@@ -99,7 +99,6 @@ macro_rules! entry {
 }
 
 entry!(mm_q8_0, run_legacy, Q8_0);
-entry!(mm_q4_0, run_legacy, Q4_0);
 entry!(mm_q5_0, run_legacy, Q5_0);
 entry!(mm_q4_1, run_legacy_min, Q4_1);
 entry!(mm_q5_1, run_legacy_min, Q5_1);
@@ -112,10 +111,15 @@ fn mm_q3_k(g: &Gemm<'_>, out: &mut [f32]) {
 }
 entry!(mm_q5_k, run_k, Q5_K);
 
+fn mm_q4_0(g: &Gemm<'_>, out: &mut [f32]) {
+    // SAFETY: as `mm_iq4_nl`.
+    unsafe { super::iq4::run_nl_avx512::<{ super::Q4_0 }>(g, out) }
+}
+
 fn mm_iq4_nl(g: &Gemm<'_>, out: &mut [f32]) {
     // SAFETY: reachable only through a table built from an `Avx512` token (see above), which
     // proves every feature the IQ4 kernels need; `g` was validated by `Gemm::new`.
-    unsafe { super::iq4::run_iq4nl_avx512(g, out) }
+    unsafe { super::iq4::run_nl_avx512::<{ super::IQ4_NL }>(g, out) }
 }
 
 fn mm_iq4_xs(g: &Gemm<'_>, out: &mut [f32]) {

@@ -1,8 +1,10 @@
-//! The non-linear 4-bit types, IQ4_NL (against q8_0) and IQ4_XS (against q8_K), bit-identical to
-//! `scalar::vec_dot_iq4nl` / `scalar::vec_dot_iq4xs`. A code is an index into ggml's
-//! `kvalues_iq4nl`, looked up with one `vpshufb`.
+//! The 4-bit types whose code is an index into a table of 16 values, looked up with one
+//! `vpshufb`: q4_0 (`code - 8`) and IQ4_NL (ggml's `kvalues_iq4nl`) against q8_0, IQ4_XS
+//! (`kvalues_iq4nl`, 256-value super-blocks) against q8_K; bit-identical to
+//! `scalar::vec_dot_block_chain` / `scalar::vec_dot_iq4xs`.
 //!
-//! - IQ4_NL sums in the order of ggml's repacked `iq4_nl_8x8` kernels: per (row, token) one f32
+//! - q4_0 and IQ4_NL sum in the order of ggml's repacked `q4_0_8x8` / `iq4_nl_8x8` kernels
+//!   (one template, `gemv/gemm_q4_b32_8x8_q8_0_lut_avx`): per (row, token) one f32
 //!   chain with one FMA per 32-value block of the exact integer sum. The exact sums of a tile's
 //!   rows are reduced horizontally together, so one vector holds a block's sums for every row
 //!   and one FMA takes the step for all of them (rows in lanes, as ggml's repacked layout has
@@ -11,13 +13,14 @@
 //!   `value + 128` through `vpdpbusd` with the lanes started at `-128·Σa`.
 //! - IQ4_XS: llama.cpp's `ggml_vec_dot_iq4_xs_q8_K` lanes (values `4l..4l+4` of each 32-value
 //!   sub-block times the sub-block's scale) in `KOrder::Lanes8`, their exact sum in
-//!   `KOrder::Tiled`; one tile compiled for AVX2 and for AVX-512, as q3_K's.
+//!   `KOrder::Tiled`. AVX2 per 32-value sub-block as ggml; AVX-512 two sub-blocks per
+//!   register (`vpdpwssd` applies the scales), and from 16 tokens the tokens-in-lanes GEMM.
 
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
 
 use super::avx2::{hsum as hsum8, hsum_i32};
-use super::drive;
+use super::{drive, IQ4_NL, Q4_0};
 use crate::matmul::Gemm;
 use crate::quant::{QK, QK_K};
 use crate::scalar::{iq4xs_scale, token_order, KOrder, KVALUES_IQ4NL};
@@ -36,20 +39,27 @@ const NL_T: usize = 4;
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 fn lut_signed() -> __m256i {
-    // SAFETY: 16 readable bytes.
-    let v = unsafe { _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()) };
+    let v = lut128::<IQ4_NL>();
     _mm256_set_m128i(v, v)
 }
 
-/// `kvalues_iq4nl + 128` (unsigned codes for `vpdpbusd`) in a 128-bit lane.
+/// The 16 signed values of a `KIND` (q4_0 or IQ4_NL) code, as bytes of a 128-bit lane.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn lut_unsigned128() -> __m128i {
-    _mm_xor_si128(
+fn lut128<const KIND: u8>() -> __m128i {
+    if KIND == Q4_0 {
+        _mm_setr_epi8(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7)
+    } else {
         // SAFETY: 16 readable bytes.
-        unsafe { _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()) },
-        _mm_set1_epi8(-128),
-    )
+        unsafe { _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()) }
+    }
+}
+
+/// The values + 128 (unsigned codes for `vpdpbusd`) of a `KIND` code in a 128-bit lane.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn lut_unsigned128<const KIND: u8>() -> __m128i {
+    _mm_xor_si128(lut128::<KIND>(), _mm_set1_epi8(-128))
 }
 
 /// The IQ4_XS super-block at `p` as the tokens-in-lanes GEMM wants it: its 256 codes as
@@ -60,7 +70,7 @@ fn lut_unsigned128() -> __m128i {
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(super) unsafe fn xs_codes_u8(p: *const u8) -> [__m256i; 8] {
-    let l = lut_unsigned128();
+    let l = lut_unsigned128::<IQ4_NL>();
     let lut = _mm256_set_m128i(l, l);
     // SAFETY: chunk c's 16 code bytes at 8 + 16c.
     core::array::from_fn(|c| unsafe { values(p.add(8 + 16 * c), lut) })
@@ -112,7 +122,7 @@ fn row_offsets<const R: usize>(g: &Gemm<'_>, n: usize) -> [usize; R] {
 /// Cover the matrix with tiles of `R` rows × up to [`NL_T`] tokens, tokens blocked so one
 /// block's activations stay in L2 while the rows stream past.
 macro_rules! drive_nl {
-    ($g:expr, $out:expr, $tile:ident, $R:literal) => {{
+    ($g:expr, $out:expr, $tile:ident, $R:literal, $K:ident) => {{
         let g: &Gemm<'_> = $g;
         let out: &mut [f32] = $out;
         let tb = ((256 * 1024) / g.a_stride.max(1)).max(NL_T) / NL_T * NL_T;
@@ -128,10 +138,10 @@ macro_rules! drive_nl {
                     // has the features.
                     unsafe {
                         match t1 - t {
-                            1 => $tile::<1>(g, r, n, t, out),
-                            2 => $tile::<2>(g, r, n, t, out),
-                            3 => $tile::<3>(g, r, n, t, out),
-                            _ => $tile::<NL_T>(g, r, n, t, out),
+                            1 => $tile::<1, $K>(g, r, n, t, out),
+                            2 => $tile::<2, $K>(g, r, n, t, out),
+                            3 => $tile::<3, $K>(g, r, n, t, out),
+                            _ => $tile::<NL_T, $K>(g, r, n, t, out),
                         }
                     }
                     t += (t1 - t).min(NL_T);
@@ -145,20 +155,27 @@ macro_rules! drive_nl {
 
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
-/// g.nrows` and IQ4_NL weights.
+/// g.nrows` and weights of kind `KIND` (q4_0 or IQ4_NL).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn run_iq4nl(g: &Gemm<'_>, out: &mut [f32]) {
-    drive_nl!(g, out, nl_tile8, 8);
+pub(super) unsafe fn run_nl<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    drive_nl!(g, out, nl_tile8, 8, KIND);
 }
 
 /// Rows `r0..r0+n` (n ≤ 8) × tokens `t0..t0+T`, AVX2.
 ///
 /// # Safety
-/// As [`run_iq4nl`]; `1 <= n`, `r0 + n <= g.nrows`, `t0 + T <= g.ntok`.
+/// As [`run_nl`]; `1 <= n`, `r0 + n <= g.nrows`, `t0 + T <= g.ntok`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn nl_tile8<const T: usize>(g: &Gemm<'_>, r0: usize, n: usize, t0: usize, out: &mut [f32]) {
+unsafe fn nl_tile8<const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
     let nb = g.cols / QK;
-    let lut = lut_signed();
+    let l = lut128::<KIND>();
+    let lut = _mm256_set_m128i(l, l);
     let ones = _mm256_set1_epi16(1);
     let rows = row_offsets::<8>(g, n);
     let mut acc = [_mm256_setzero_ps(); T];
@@ -202,13 +219,19 @@ unsafe fn nl_tile8<const T: usize>(g: &Gemm<'_>, r0: usize, n: usize, t0: usize,
     }
 }
 
-/// The AVX-512 table's entry.
+/// The AVX-512 table's entry: 16-row tiles below 16 tokens, from 16 the tokens-in-lanes GEMM
+/// (`nl_lanes`).
 ///
 /// # Safety
-/// As [`run_iq4nl`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
+/// As [`run_nl`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn run_iq4nl_avx512(g: &Gemm<'_>, out: &mut [f32]) {
-    drive_nl!(g, out, nl_tile16, 16);
+pub(super) unsafe fn run_nl_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok >= 16 {
+        // SAFETY: as this function's contract.
+        unsafe { super::nl_lanes::gemm::<KIND>(g, 0, g.ntok, out) };
+    } else {
+        drive_nl!(g, out, nl_tile16, 16, KIND);
+    }
 }
 
 /// Which row each lane of [`reduce16_pairs`] holds.
@@ -243,7 +266,7 @@ fn reduce16_pairs(v: &[__m512i; 8]) -> __m512i {
 /// The unsigned codes `value + 128` of the blocks at `p0` (low half) and `p1` (high half).
 ///
 /// # Safety
-/// Features as [`run_iq4nl_avx512`]; 16 code bytes readable at each pointer.
+/// Features as [`run_nl_avx512`]; 16 code bytes readable at each pointer.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn codes_pair(p0: *const u8, p1: *const u8, lut: __m512i) -> __m512i {
@@ -260,11 +283,17 @@ unsafe fn codes_pair(p0: *const u8, p1: *const u8, lut: __m512i) -> __m512i {
 /// Rows `r0..r0+n` (n ≤ 16) × tokens `t0..t0+T`, AVX-512.
 ///
 /// # Safety
-/// As [`run_iq4nl_avx512`]; `1 <= n`, `r0 + n <= g.nrows`, `t0 + T <= g.ntok`.
+/// As [`run_nl_avx512`]; `1 <= n`, `r0 + n <= g.nrows`, `t0 + T <= g.ntok`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn nl_tile16<const T: usize>(g: &Gemm<'_>, r0: usize, n: usize, t0: usize, out: &mut [f32]) {
+unsafe fn nl_tile16<const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    n: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
     let nb = g.cols / QK;
-    let lut = _mm512_broadcast_i32x4(lut_unsigned128());
+    let lut = _mm512_broadcast_i32x4(lut_unsigned128::<KIND>());
     let rows = row_offsets::<16>(g, n);
     // Lane j's f16 scale is row ROW_OF_LANE[j]'s (gathered 4 bytes at a time).
     let idx = _mm512_setr_epi32(
@@ -364,12 +393,12 @@ pub(super) unsafe fn run_iq4xs_avx512(g: &Gemm<'_>, out: &mut [f32]) {
     } else if g.ntok == 1 {
         drive!(g, out, xs_tile512, 4, 1);
     } else {
-        drive!(g, out, xs_tile512, 2, 4);
+        drive!(g, out, xs_tile512, 4, 4);
     }
 }
 
-/// Rows `r0..r0+R` × tokens `t0..t0+T` of IQ4_XS: `xs_tile` with AVX2's features,
-/// `xs_tile512` the same code compiled for AVX-512 (32 registers, EVEX encodings).
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of IQ4_XS, AVX2: per 32-value chunk `vpmaddubsw` on
+/// ggml's `abs`/`sign` operands and `vpmaddwd` by the chunk's scale.
 macro_rules! xs_tile_fn {
     ($name:ident, $features:literal) => {
         /// # Safety
@@ -446,7 +475,141 @@ macro_rules! xs_tile_fn {
 }
 
 xs_tile_fn!(xs_tile, "avx2,fma,f16c");
-xs_tile_fn!(
-    xs_tile512,
-    "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"
-);
+
+/// The eight scales `ls - 32` of the IQ4_XS super-block at `p` as i16 lanes, from its
+/// `scales_l` nibbles and `scales_h` bit pairs in registers.
+///
+/// # Safety
+/// Features as [`run_iq4xs_avx512`]; `p` readable for one super-block.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn xs_scales16(p: *const u8) -> __m128i {
+    // SAFETY: scales_h at 2, scales_l at 4..8.
+    let (sh, sl) = unsafe {
+        (
+            p.add(2).cast::<u16>().read_unaligned(),
+            p.add(4).cast::<i32>().read_unaligned(),
+        )
+    };
+    // Sub-block j's low four bits: nibble j % 2 of scales_l[j / 2].
+    let l = _mm_cvtepu8_epi16(_mm_unpacklo_epi8(
+        _mm_cvtsi32_si128(sl),
+        _mm_cvtsi32_si128(sl),
+    ));
+    let l = _mm_and_si128(
+        _mm_srlv_epi16(l, _mm_setr_epi16(0, 4, 0, 4, 0, 4, 0, 4)),
+        _mm_set1_epi16(0xF),
+    );
+    // Its high two: bits 2j..2j+2 of scales_h.
+    let h = _mm_and_si128(
+        _mm_srlv_epi16(
+            _mm_set1_epi16(sh as i16),
+            _mm_setr_epi16(0, 2, 4, 6, 8, 10, 12, 14),
+        ),
+        _mm_set1_epi16(3),
+    );
+    _mm_sub_epi16(_mm_or_si128(l, _mm_slli_epi16::<4>(h)), _mm_set1_epi16(32))
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of IQ4_XS on AVX-512: two 32-value sub-blocks per
+/// register — values by one `vpshufb`, i16 pairs `|w|·(a with w's sign)` by `vpmaddubsw`,
+/// scaled and summed into the lanes by `vpdpwssd` — the two halves added at the end of the
+/// super-block into ggml's eight lanes (exact).
+///
+/// # Safety
+/// As [`run_iq4xs_avx512`]; `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn xs_tile512<const R: usize, const T: usize>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let nb = g.cols / QK_K;
+    let order: [KOrder; T] = core::array::from_fn(|t| token_order(g, t0 + t));
+    // SAFETY: 16 readable bytes.
+    let lut = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()) });
+    // Pair m's scales: sub-block 2m in the low 256 bits, 2m + 1 in the high.
+    let sel: [__m512i; 4] = core::array::from_fn(|m| {
+        _mm512_inserti64x4::<1>(
+            _mm512_set1_epi16(2 * m as i16),
+            _mm256_set1_epi16(2 * m as i16 + 1),
+        )
+    });
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    let mut acc_s = [[0f32; T]; R];
+    // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T.
+    unsafe {
+        for b in 0..nb {
+            let mut ad = [0f32; T];
+            for t in 0..T {
+                ad[t] =
+                    g.a.as_ptr()
+                        .add((t0 + t) * g.a_stride + b * Q8_K_B)
+                        .cast::<f32>()
+                        .read_unaligned();
+            }
+            for r in 0..R {
+                let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * XS_B);
+                if b % 2 == 0 {
+                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * R * g.w_stride).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * R * g.w_stride + 64).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * R * g.w_stride + 128).cast());
+                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * R * g.w_stride + 192).cast());
+                }
+                let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                    wp.cast::<u16>().read_unaligned() as i32,
+                )));
+                let sc8 = _mm512_castsi128_si512(xs_scales16(wp));
+                let mut aw = [_mm512_setzero_si512(); 4];
+                let mut neg = [0u64; 4];
+                let mut sc = [_mm512_setzero_si512(); 4];
+                for m in 0..4 {
+                    let q = _mm256_loadu_si256(wp.add(8 + 32 * m).cast());
+                    let both = _mm512_inserti64x4::<1>(
+                        _mm512_castsi256_si512(q),
+                        _mm256_srli_epi16::<4>(q),
+                    );
+                    // [chunk 2m low nibbles, its high ones, chunk 2m + 1 low, high].
+                    let both = _mm512_shuffle_i64x2::<0b11_01_10_00>(both, both);
+                    let v =
+                        _mm512_shuffle_epi8(lut, _mm512_and_si512(both, _mm512_set1_epi8(0x0F)));
+                    aw[m] = _mm512_abs_epi8(v);
+                    neg[m] = _mm512_movepi8_mask(v);
+                    sc[m] = _mm512_permutexvar_epi16(sel[m], sc8);
+                }
+                for t in 0..T {
+                    let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_B + 4);
+                    let mut lanes = _mm512_setzero_si512();
+                    for m in 0..4 {
+                        let a = _mm512_loadu_si512(q8.add(64 * m).cast());
+                        let sa = _mm512_mask_sub_epi8(a, neg[m], _mm512_setzero_si512(), a);
+                        lanes = _mm512_dpwssd_epi32(lanes, _mm512_maddubs_epi16(aw[m], sa), sc[m]);
+                    }
+                    let lanes = _mm256_add_epi32(
+                        _mm512_castsi512_si256(lanes),
+                        _mm512_extracti64x4_epi64::<1>(lanes),
+                    );
+                    if order[t] == KOrder::Tiled {
+                        acc_s[r][t] = (hsum_i32(lanes) as f32 * dw).mul_add(ad[t], acc_s[r][t]);
+                    } else {
+                        acc[r][t] = _mm256_fmadd_ps(
+                            _mm256_set1_ps(dw * ad[t]),
+                            _mm256_cvtepi32_ps(lanes),
+                            acc[r][t],
+                        );
+                    }
+                }
+            }
+        }
+        for r in 0..R {
+            for t in 0..T {
+                *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) = if order[t] == KOrder::Tiled {
+                    acc_s[r][t]
+                } else {
+                    hsum8(acc[r][t])
+                };
+            }
+        }
+    }
+}

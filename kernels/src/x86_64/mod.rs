@@ -8,6 +8,7 @@ mod avx512q;
 mod iq4;
 mod kq_lanes;
 mod legacy_min;
+mod nl_lanes;
 mod q3k;
 mod quant_avx2;
 mod tern_avx2;
@@ -138,6 +139,7 @@ pub(crate) const Q4_1: u8 = 13;
 pub(crate) const Q5_1: u8 = 14;
 pub(crate) const Q3_K: u8 = 15;
 pub(crate) const IQ4_XS: u8 = 16;
+pub(crate) const IQ4_NL: u8 = 17;
 
 /// Bytes per block of a legacy (32-value) kind.
 pub(crate) const fn legacy_block_bytes(kind: u8) -> usize {
