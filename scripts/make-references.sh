@@ -2,8 +2,8 @@
 # Make the reference outputs of llama.cpp (the reference engine) that ternfleet is tested against:
 #
 #   tests/data/models/tiny-*.gguf            random-weight test models (scripts/make-test-models.py;
-#                                            tiny-llama-q4_k, -q4_0, -q4_1, -q5_1, -q3_k, -iq4_nl,
-#                                            -iq4_xs by llama-quantize --pure)
+#                                            tiny-llama-q4_k, -q4_0, -q4_1, -q5_1, -q2_k, -q3_k,
+#                                            -iq4_nl, -iq4_xs by llama-quantize --pure)
 #   tests/data/refs/<model>.greedy.json      greedy continuations: token ids, text, top-5 logits
 #                                            per step (benches/ref/ref-greedy.cpp), checked against
 #                                            llama-simple's text and against 1 thread
@@ -60,9 +60,9 @@ if [ "$models" = 1 ]; then
   "$bin/llama-quantize" --pure "$root/tests/data/models/tiny-llama-f16.gguf" \
     "$root/tests/data/models/tiny-llama-q4_k.gguf" Q4_K 2 >/dev/null 2>&1
   # q4_0 (repacked by llama.cpp), the legacy types with a min (q4_1, q5_1: q8_1 activations),
-  # q3_K and the non-linear 4-bit types (iq4_nl, iq4_xs: no importance matrix needed), every
+  # q2_K (repacked on AVX-512 machines), q3_K and the non-linear 4-bit types (iq4_nl, iq4_xs: no importance matrix needed), every
   # matrix of that type.
-  for t in q4_0 q4_1 q5_1 q3_k iq4_nl iq4_xs; do
+  for t in q4_0 q4_1 q5_1 q2_k q3_k iq4_nl iq4_xs; do
     "$bin/llama-quantize" --pure "$root/tests/data/models/tiny-llama-f16.gguf" \
       "$root/tests/data/models/tiny-llama-$t.gguf" "${t^^}" 2 >/dev/null 2>&1
   done
@@ -277,6 +277,7 @@ tiny_prompts = ["The capital of France is", "This License applies to any program
 only = [n for n in os.environ.get("REF_ONLY", "").split(",") if n]
 for name in ["tiny-llama-f16", "tiny-llama-q8_0", "tiny-llama-q4_k", "tiny-llama-q4_1", "tiny-llama-q5_1",
              "tiny-llama-q3_k", "tiny-llama-iq4_nl", "tiny-llama-iq4_xs", "tiny-llama-q4_0",
+             "tiny-llama-q2_k",
              "tiny-qwen3-f16", "tiny-qwen2-f16",
              "tiny-mixtral-q8_0", "tiny-qwen3moe-q8_0", "tiny-qwen2moe-q8_0", "tiny-qwen3moe-tq2_0"]:
     if only and name not in only:

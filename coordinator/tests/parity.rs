@@ -277,6 +277,7 @@ const EXACT_PPL: &[&str] = &[
     "tiny-llama-q4_k",
     "tiny-llama-q4_1",
     "tiny-llama-q5_1",
+    "tiny-llama-q2_k",
     "tiny-llama-q3_k",
     "tiny-llama-iq4_nl",
     "tiny-llama-iq4_xs",

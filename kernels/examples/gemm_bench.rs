@@ -3,7 +3,7 @@
 //!
 //! usage: gemm_bench TYPES M K N THREADS RUNS
 //!   TYPES   comma-separated weight types by ggml name (f16,bf16,q8_0,q4_0,q5_0,q4_1,q5_1,q4_K,
-//!           q3_K,q5_K,q6_K,iq4_nl,iq4_xs,tq1_0,tq2_0) or ternfleet's (tf2,tf1)
+//!           q2_K,q3_K,q5_K,q6_K,iq4_nl,iq4_xs,tq1_0,tq2_0) or ternfleet's (tf2,tf1)
 //!   M, K    weight rows (output features) and columns (input features); N tokens
 //!
 //! One timed run is what the engine does for a prefill matmul: quantize the N f32 activation
@@ -59,6 +59,7 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
         GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => &[0, 2],
         GgmlType::Q6_K => &[208],
         GgmlType::Q3_K => &[108],
+        GgmlType::Q2_K => &[80, 82],
         GgmlType::TQ1_0 => &[52],
         GgmlType::TQ2_0 => &[64],
         GgmlType::TF2 | GgmlType::TF1 => &[0],

@@ -142,7 +142,7 @@ pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL => GgmlType::Q8_0,
         GgmlType::Q4_1 | GgmlType::Q5_1 => GgmlType::Q8_1,
         GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => GgmlType::Q8_K,
-        GgmlType::IQ4_XS => GgmlType::Q8_K,
+        GgmlType::Q2_K | GgmlType::IQ4_XS => GgmlType::Q8_K,
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => GgmlType::Q8_K,
         GgmlType::TF2 | GgmlType::TF1 => GgmlType::Q8_TF,
         _ => return None,

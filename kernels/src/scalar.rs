@@ -743,10 +743,18 @@ pub(crate) enum KOrder {
     Sb256,
     /// Repacked `ggml_gemm_q4_K_8x8_q8_K`: the same per 64 values (two sub-blocks).
     Sb64,
+    /// Repacked `ggml_gemm_q2_K_8x8_q8_K` (AVX-512 machines): the same per 128 values.
+    Sb128,
     /// The tiled K-quant matmul (ggml-cpu/tiled): per super-block `acc = fma(res, da, acc)`
     /// (its `acc + result * d1` intrinsics, contracted to an FMA by GCC) with
     /// `res = isum * dw` (q6_K, q3_K) or `res = fnmadd(dmin, imin, isum * dw)` (q4_K / q5_K).
     Tiled,
+}
+
+/// The k-quants llama.cpp repacks on x86 (q4_K, and q2_K on AVX-512 machines): a token sums in
+/// the repacked GEMM's order when it is in a whole group of four, else in the GEMV's.
+pub(crate) fn repacked_k(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q4_K | GgmlType::Q2_K)
 }
 
 /// The types whose `vec_dot` keeps eight f32 lanes per super-block ([`KOrder::Lanes8`]) and
@@ -760,6 +768,9 @@ pub(crate) fn lanes8_then_tiled(ty: GgmlType) -> bool {
 /// - q4_K is repacked to `q4_K_8x8` on AVX2 machines: tokens in whole groups of four from the
 ///   start go through the GEMM, the remaining `ntok % 4` through the GEMV. (ggml repacks only
 ///   matrices whose row count is a multiple of 8; we use these orders for every q4_K matrix.)
+///   q2_K likewise (`q2_K_8x8`), but only on AVX-512 machines, and its GEMM steps per 128
+///   values; we follow those machines everywhere (an AVX2-only llama.cpp runs q2_K's
+///   `vec_dot` and tiled orders instead: docs/quant-types.md).
 /// - q6_K, q3_K and IQ4_XS run the tiled matmul from 8 tokens on and their `vec_dot` below.
 /// - q5_K is not repacked on x86: ggml runs it through the tiled matmul from 8 tokens on, as
 ///   q6_K. Below 8 tokens (`ggml_vec_dot_q5_K_q8_K`) we keep the q4_K GEMV order: no model we
@@ -774,6 +785,7 @@ pub(crate) fn k_order(ty: GgmlType, t: usize, ntok: usize) -> KOrder {
                 KOrder::Lanes8
             }
         }
+        GgmlType::Q2_K if t < ntok - ntok % 4 => KOrder::Sb128,
         _ if t < ntok - ntok % 4 => KOrder::Sb64,
         _ => KOrder::Sb256,
     }
@@ -794,7 +806,7 @@ pub(crate) fn token_order(g: &crate::matmul::Gemm<'_>, t: usize) -> KOrder {
             ty if lanes8_then_tiled(ty) => KOrder::Tiled,
             _ => KOrder::Sb256,
         },
-        crate::Numerics::Routed if g.wty == GgmlType::Q4_K => k_order(g.wty, 0, 1),
+        crate::Numerics::Routed if repacked_k(g.wty) => k_order(g.wty, 0, 1),
         crate::Numerics::Routed | crate::Numerics::Parity => k_order(g.wty, t, g.ntok),
     }
 }
@@ -858,6 +870,41 @@ fn vec_dot_qk45(n: usize, w: &[u8], a: &[u8], q5: bool, order: KOrder) -> f32 {
     } else {
         acc - acc_min
     }
+}
+
+/// The 256 q2_K codes (0..3) of a super-block in value order: value `e` is bits `2s..2s+2`
+/// (s = (e % 128) / 32) of `qs[32·(e / 128) + e % 32]`, in sub-block `e / 16`.
+pub(crate) fn q2k_codes(x: &[u8]) -> [u8; QK_K] {
+    let qs = &x[16..80];
+    core::array::from_fn(|e| (qs[32 * (e / 128) + e % 32] >> (2 * ((e % 128) / 32))) & 3)
+}
+
+/// q2_K against q8_K in [`KOrder::Sb256`] (the repacked GEMV: one FMA per super-block for the
+/// scaled sums and one for the mins, `acc - acc_min` at the end) or [`KOrder::Sb128`] (the
+/// repacked GEMM: the same per 128 values).
+fn vec_dot_q2k(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
+    let per = if order == KOrder::Sb128 { 8 } else { 16 };
+    let (mut acc, mut acc_min) = (0f32, 0f32);
+    for (x, y) in w.chunks_exact(84).zip(a.chunks_exact(292)).take(n / QK_K) {
+        let (yd, q8, bsums) = q8k_parts(y);
+        let c = q2k_codes(x);
+        let dw = f16_at(x, 80) * yd;
+        let dm = f16_at(x, 82) * yd;
+        for j0 in (0..16).step_by(per) {
+            let (mut isum, mut imin) = (0i32, 0i32);
+            for j in j0..j0 + per {
+                let mut raw = 0i32;
+                for e in 16 * j..16 * j + 16 {
+                    raw += c[e] as i32 * (q8[e] as i8) as i32;
+                }
+                isum += (x[j] & 0xF) as i32 * raw;
+                imin += (x[j] >> 4) as i32 * bsums[j] as i32;
+            }
+            acc = (isum as f32).mul_add(dw, acc);
+            acc_min = (imin as f32).mul_add(dm, acc_min);
+        }
+    }
+    acc - acc_min
 }
 
 /// The 256 q6_K codes of a super-block, unsigned (value + 32), in value order.
@@ -991,6 +1038,7 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
             | GgmlType::Q5_0
             | GgmlType::Q4_1
             | GgmlType::Q5_1
+            | GgmlType::Q2_K
             | GgmlType::Q3_K
             | GgmlType::Q4_K
             | GgmlType::Q5_K
@@ -1014,6 +1062,7 @@ pub(crate) fn dot(ty: GgmlType, order: KOrder, n: usize, w: &[u8], a: &[u8]) -> 
         GgmlType::Q4_K => vec_dot_qk45(n, w, a, false, order),
         GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, order),
         GgmlType::Q6_K => vec_dot_q6k(n, w, a, order),
+        GgmlType::Q2_K => vec_dot_q2k(n, w, a, order),
         GgmlType::Q3_K => vec_dot_q3k(n, w, a, order),
         GgmlType::IQ4_XS => vec_dot_iq4xs(n, w, a, order),
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::vec_dot_tq(ty, n, w, a),

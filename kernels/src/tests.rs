@@ -70,7 +70,7 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     }
 }
 
-const MATMUL_TYPES: [GgmlType; 18] = [
+const MATMUL_TYPES: [GgmlType; 19] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -79,6 +79,7 @@ const MATMUL_TYPES: [GgmlType; 18] = [
     GgmlType::Q5_0,
     GgmlType::Q4_1,
     GgmlType::Q5_1,
+    GgmlType::Q2_K,
     GgmlType::Q3_K,
     GgmlType::Q4_K,
     GgmlType::Q5_K,
@@ -737,12 +738,12 @@ fn sizes_are_validated_with_clear_errors() {
     matmul(&m, &act, 0..2, &mut [0.0; 4], Numerics::Parity).unwrap();
     matmul(&m, &act, 1..1, &mut [], Numerics::Parity).unwrap();
     let e = act
-        .quantize_for(GgmlType::Q2_K, &[0.0; 256], 1, 256)
+        .quantize_for(GgmlType::IQ2_XXS, &[0.0; 256], 1, 256)
         .unwrap_err();
     assert!(matches!(
         e,
         KernelError::Unsupported {
-            ty: GgmlType::Q2_K,
+            ty: GgmlType::IQ2_XXS,
             ..
         }
     ));

@@ -78,10 +78,10 @@ fn invariant_rows_equal_their_one_token_matmuls_on_every_isa() {
                             alone.extend(i);
                             alone_parity.extend(p);
                         }
-                        // Routed (MUL_MAT_ID's order): q4_K rows equal their 1-token parity
-                        // matmuls; every other type is the batch's parity matmul.
+                        // Routed (MUL_MAT_ID's order): q4_K and q2_K rows equal their 1-token
+                        // parity matmuls; every other type is the batch's parity matmul.
                         let routed = run(isa, &m, &x, n, rows.clone(), Numerics::Routed);
-                        let want = if ty == GgmlType::Q4_K {
+                        let want = if crate::scalar::repacked_k(ty) {
                             alone_parity.clone()
                         } else {
                             run(isa, &m, &x, n, rows.clone(), Numerics::Parity)
@@ -133,6 +133,7 @@ fn invariant_rows_do_not_depend_on_the_batch_they_share() {
     let mut rng = Rng(0xBA7C);
     for ty in [
         GgmlType::Q4_K,
+        GgmlType::Q2_K,
         GgmlType::Q6_K,
         GgmlType::Q5_K,
         GgmlType::Q3_K,
@@ -171,6 +172,7 @@ fn parity_still_differs_from_invariant_where_llama_cpp_changes_order() {
     let mut rng = Rng(0xD1FF);
     for (ty, n) in [
         (GgmlType::Q4_K, 4),
+        (GgmlType::Q2_K, 4),
         (GgmlType::Q5_K, 4),
         // q5_K from 8 tokens: the tiled matmul's order (mins folded in per super-block).
         (GgmlType::Q5_K, 8),
@@ -226,7 +228,9 @@ fn numerics_only_matter_for_batch_dependent_k_quant_orders() {
     // Invariant are the same bits (so serving Invariant costs them nothing).
     let mut rng = Rng(0x0DE5);
     for ty in MATMUL_TYPES {
-        if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K) || crate::scalar::lanes8_then_tiled(ty) {
+        if matches!(ty, GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q2_K)
+            || crate::scalar::lanes8_then_tiled(ty)
+        {
             continue;
         }
         let cols = cols_for(ty)[1];

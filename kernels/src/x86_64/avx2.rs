@@ -71,6 +71,7 @@ fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
         GgmlType::Q5_0 => mm_q5_0,
         GgmlType::Q4_1 => mm_q4_1,
         GgmlType::Q5_1 => mm_q5_1,
+        GgmlType::Q2_K => mm_q2_k,
         GgmlType::Q3_K => mm_q3_k,
         GgmlType::Q4_K => mm_q4_k,
         GgmlType::Q5_K => mm_q5_k,
@@ -110,6 +111,11 @@ fn mm_q3_k(g: &Gemm<'_>, out: &mut [f32]) {
     unsafe { super::q3k::run_q3k(g, out) }
 }
 entry!(mm_q5_k, run_k, Q5_K);
+
+fn mm_q2_k(g: &Gemm<'_>, out: &mut [f32]) {
+    // SAFETY: as `mm_iq4_nl`.
+    unsafe { super::q2k::run_q2k(g, out) }
+}
 
 fn mm_q4_0(g: &Gemm<'_>, out: &mut [f32]) {
     // SAFETY: as `mm_iq4_nl`.
@@ -669,7 +675,7 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
                 *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) = match order[t] {
                     KOrder::Lanes8 => hsum(acc[r][t]),
                     KOrder::Tiled => acc_s[r][t],
-                    KOrder::Sb64 | KOrder::Sb256 => acc_s[r][t] - acc_m[r][t],
+                    KOrder::Sb64 | KOrder::Sb128 | KOrder::Sb256 => acc_s[r][t] - acc_m[r][t],
                 };
             }
         }

@@ -71,6 +71,7 @@ fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
         GgmlType::Q5_0 => mm_q5_0,
         GgmlType::Q4_1 => mm_q4_1,
         GgmlType::Q5_1 => mm_q5_1,
+        GgmlType::Q2_K => mm_q2_k,
         GgmlType::Q3_K => mm_q3_k,
         GgmlType::Q4_K => mm_q4_k,
         GgmlType::Q5_K => mm_q5_k,
@@ -110,6 +111,11 @@ fn mm_q3_k(g: &Gemm<'_>, out: &mut [f32]) {
     unsafe { super::q3k::run_q3k_avx512(g, out) }
 }
 entry!(mm_q5_k, run_k, Q5_K);
+
+fn mm_q2_k(g: &Gemm<'_>, out: &mut [f32]) {
+    // SAFETY: as `mm_iq4_nl`.
+    unsafe { super::q2k::run_q2k_avx512(g, out) }
+}
 
 fn mm_q4_0(g: &Gemm<'_>, out: &mut [f32]) {
     // SAFETY: as `mm_iq4_nl`.

@@ -745,7 +745,7 @@ unsafe fn block_dot(kb: &KBlock, a: &KAct) -> __m512i {
 /// Four vectors summed horizontally into the four lanes of one (exact integer sums).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
-fn reduce4(v: [__m512i; 4]) -> __m128i {
+pub(super) fn reduce4(v: [__m512i; 4]) -> __m128i {
     let a01 = _mm512_add_epi32(
         _mm512_unpacklo_epi32(v[0], v[1]),
         _mm512_unpackhi_epi32(v[0], v[1]),

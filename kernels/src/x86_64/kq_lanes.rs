@@ -1,12 +1,12 @@
-//! The prefill GEMM of the k-quants (q3_K, q4_K, q5_K, q6_K) and IQ4_XS with tokens in the
-//! register lanes, as
+//! The prefill GEMM of the k-quants (q2_K, q3_K, q4_K, q5_K, q6_K) and IQ4_XS with tokens in
+//! the register lanes, as
 //! llama.cpp's `ggml-cpu/tiled` VNNI kernel shapes it: one `vpdpbusd` per 64 multiply-adds,
 //! each weight super-block unpacked once per panel and token band, no horizontal reductions.
 //!
 //! - Activations (q8_K) are rearranged once per token band: for each group of 16 tokens and
 //!   each super-block, quad `q` (values `4q..4q+4`) of the 16 tokens fills one 64-byte line,
 //!   so a register holds the same four values of 16 tokens. The per-sub-block sums the
-//!   k-quants need (q4_K/q5_K: `bsums[2j] + bsums[2j+1]`; q6_K, q3_K: `bsums[j]`) sit beside
+//!   k-quants need (q4_K/q5_K: `bsums[2j] + bsums[2j+1]`; q6_K, q3_K, q2_K: `bsums[j]`) sit beside
 //!   them as i16 pairs, and the 16 scales as f32.
 //! - Weights: four codes of one row, broadcast to all lanes, are the unsigned operand. A
 //!   sub-block's 16 raw sums are scaled by one `vpmulld`; the mins (q4_K/q5_K) and the codes'
@@ -15,7 +15,7 @@
 //!   `vpdpbusd` and the activations biased instead, measured slower: a broadcast register
 //!   serves the G token groups, a memory operand is loaded again for each.)
 //! - The float steps are the scalar reference's, per (row, token): [`KOrder::Sb256`],
-//!   [`KOrder::Sb64`] (one step per two sub-blocks) or [`KOrder::Tiled`]. All integer sums are
+//!   [`KOrder::Sb64`] / [`KOrder::Sb128`] (one step per 64 / 128 values) or [`KOrder::Tiled`]. All integer sums are
 //!   exact, so every output equals `scalar::matmul`'s bit for bit.
 //!
 //! Used from 16 tokens on, where every token's order is one of those three (q6_K's and q3_K's
@@ -23,7 +23,7 @@
 
 #![allow(clippy::needless_range_loop)]
 
-use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod, IQ4_XS, Q3_K, Q6_K};
+use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod, IQ4_XS, Q2_K, Q3_K, Q6_K};
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
 use crate::scalar::KOrder;
@@ -76,7 +76,10 @@ unsafe impl Pod for WRow {}
 
 /// Whether [`gemm`] computes this order.
 pub(super) fn handles(order: KOrder) -> bool {
-    matches!(order, KOrder::Sb256 | KOrder::Sb64 | KOrder::Tiled)
+    matches!(
+        order,
+        KOrder::Sb256 | KOrder::Sb128 | KOrder::Sb64 | KOrder::Tiled
+    )
 }
 
 /// Tokens `t0..t1` of `g`, which all sum in `order` (one [`handles`] accepts), for every row.
@@ -184,7 +187,7 @@ unsafe fn prep_band(
     // 16-value sub-blocks (q6_K, q3_K) take their block sums as they are.
     let sub16 = matches!(
         g.wty,
-        crate::quant::GgmlType::Q6_K | crate::quant::GgmlType::Q3_K
+        crate::quant::GgmlType::Q6_K | crate::quant::GgmlType::Q3_K | crate::quant::GgmlType::Q2_K
     );
     for gi in b0..b1 {
         let ts = t0 + gi * LANES;
@@ -256,7 +259,28 @@ unsafe fn unpack_panel<const KIND: u8>(
         let wr = &mut wrows[i];
         // q6_K and q3_K: 16 signed scales, whose i16 pairs remove the codes' offset.
         let signed: [i8; 16];
-        if KIND == IQ4_XS {
+        if KIND == Q2_K {
+            // SAFETY: as above (one q2_K super-block).
+            let u = unsafe { super::q2k::codes(p) };
+            for (c, v) in u.iter().enumerate() {
+                // SAFETY: 32 bytes of `codes` at 32c.
+                unsafe { _mm256_storeu_si256(wr.codes.as_mut_ptr().add(32 * c).cast(), *v) };
+            }
+            // SAFETY: the 16 scale bytes at 0.
+            let sb = unsafe { p.cast::<[u8; 16]>().read() };
+            for j in 0..16 {
+                wr.sc[j] = (sb[j] & 0xF) as i32;
+            }
+            for q in 0..8 {
+                wr.pairs[q] = pair((sb[2 * q] >> 4) as i32, (sb[2 * q + 1] >> 4) as i32);
+            }
+            // SAFETY: the f16 scale and min at 80, 82.
+            unsafe {
+                wr.d = super::avx512q::f16_to_f32(p.add(80));
+                wr.dmin = super::avx512q::f16_to_f32(p.add(82));
+            }
+            continue;
+        } else if KIND == IQ4_XS {
             // SAFETY: as above (one IQ4_XS super-block).
             let u = unsafe { super::iq4::xs_codes_u8(p) };
             for (c, v) in u.iter().enumerate() {
@@ -350,11 +374,18 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
     band: usize,
     base: usize,
 ) {
-    // q6_K and q3_K: 16-value sub-blocks with signed scales, codes carrying an offset.
-    let sub16 = KIND == Q6_K || KIND == Q3_K;
+    // q6_K, q3_K, q2_K: 16-value sub-blocks (q6_K's and q3_K's with signed scales and codes
+    // carrying an offset, q2_K's with mins).
+    let sub16 = KIND == Q6_K || KIND == Q3_K || KIND == Q2_K;
     // Sub-blocks, quads per sub-block, and sub-blocks per float step.
     let (nsub, nq) = if sub16 { (16, 4) } else { (8, 8) };
-    let per = if order == KOrder::Sb64 { 2 } else { nsub };
+    let per = match order {
+        KOrder::Sb64 => 2,
+        KOrder::Sb128 => nsub / 2,
+        _ => nsub,
+    };
+    // Whether the float steps come inside the sub-block loop (per 64 or 128 values).
+    let stepped = matches!(order, KOrder::Sb64 | KOrder::Sb128);
     let acc = |i: usize, k: usize| 2 * (i * band + k);
     // SAFETY (whole body): the pointers come from the live `WRow`/`ActBlock` references;
     // accumulator indices as this function's contract.
@@ -385,15 +416,18 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
                     }
                 }
             }
-            if order == KOrder::Sb64 {
-                // One step per 64 values: this pair of sub-blocks' sums and mins.
-                let p = j0 / 2;
+            if stepped {
+                // One step per 64 (q4_K) or 128 (q2_K) values: these sub-blocks' sums and mins
+                // (their pairs of mins against the pairs of block sums).
                 for i in 0..R {
-                    let m = _mm512_set1_epi32(w[i].pairs[p]);
                     for k in 0..NG {
                         let sv = _mm512_mul_ps(_mm512_set1_ps(w[i].d), a[k].d);
                         let mv = _mm512_mul_ps(_mm512_set1_ps(w[i].dmin), a[k].d);
-                        let imin = _mm512_dpwssd_epi32(_mm512_setzero_si512(), m, a[k].pairs[p]);
+                        let mut imin = _mm512_setzero_si512();
+                        for p in j0 / 2..(j0 + per) / 2 {
+                            let m = _mm512_set1_epi32(w[i].pairs[p]);
+                            imin = _mm512_dpwssd_epi32(imin, m, a[k].pairs[p]);
+                        }
                         let x = accs.add(base + acc(i, k));
                         *x = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1[i][k]), sv, *x);
                         let y = x.add(1);
@@ -404,7 +438,7 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
             }
         }
         match order {
-            KOrder::Sb64 => {}
+            KOrder::Sb64 | KOrder::Sb128 => {}
             KOrder::Tiled if KIND == IQ4_XS => {
                 // Codes carry +128: remove 128 · Σ_j sc_j · (the 32-value block sums).
                 for i in 0..R {
@@ -455,7 +489,7 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
                 // Sb256: the super-block's sums and mins, one FMA each.
                 for i in 0..R {
                     for k in 0..NG {
-                        let imin = pair_dot(w[i], a[k], 4);
+                        let imin = pair_dot(w[i], a[k], if sub16 { 8 } else { 4 });
                         let sv = _mm512_mul_ps(_mm512_set1_ps(w[i].d), a[k].d);
                         let mv = _mm512_mul_ps(_mm512_set1_ps(w[i].dmin), a[k].d);
                         let x = accs.add(base + acc(i, k));

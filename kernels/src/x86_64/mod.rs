@@ -9,6 +9,7 @@ mod iq4;
 mod kq_lanes;
 mod legacy_min;
 mod nl_lanes;
+mod q2k;
 mod q3k;
 mod quant_avx2;
 mod tern_avx2;
@@ -140,6 +141,7 @@ pub(crate) const Q5_1: u8 = 14;
 pub(crate) const Q3_K: u8 = 15;
 pub(crate) const IQ4_XS: u8 = 16;
 pub(crate) const IQ4_NL: u8 = 17;
+pub(crate) const Q2_K: u8 = 18;
 
 /// Bytes per block of a legacy (32-value) kind.
 pub(crate) const fn legacy_block_bytes(kind: u8) -> usize {
@@ -190,6 +192,7 @@ pub(crate) const fn legacy_nibbles(kind: u8) -> (usize, usize) {
 /// Bytes per super-block of a k-quant kind.
 pub(crate) const fn k_block_bytes(kind: u8) -> usize {
     match kind {
+        Q2_K => 84,
         Q3_K => 110,
         IQ4_XS => 136,
         Q4_K => 144,
