@@ -99,7 +99,7 @@ pub enum KernelError {
         rows: usize,
         cols: usize,
     },
-    #[error("{ty:?} is not supported by {op} (matmul supports F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_K, Q5_K, Q6_K, TQ1_0, TQ2_0, TF2, TF1)")]
+    #[error("{ty:?} is not supported by {op} (matmul supports F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, TQ1_0, TQ2_0, TF2, TF1)")]
     Unsupported { ty: GgmlType, op: &'static str },
     #[error("{what}: expected {want} elements, got {got}")]
     InputLen {
