@@ -3,7 +3,8 @@
 #
 #   tests/data/models/tiny-*.gguf            random-weight test models (scripts/make-test-models.py;
 #                                            tiny-llama-q4_k, -q4_0, -q4_1, -q5_1, -q2_k, -q3_k,
-#                                            -iq4_nl, -iq4_xs by llama-quantize --pure)
+#                                            -iq4_nl, -iq4_xs by llama-quantize --pure; -iq2_xxs
+#                                            with an importance matrix from llama-imatrix)
 #   tests/data/refs/<model>.greedy.json      greedy continuations: token ids, text, top-5 logits
 #                                            per step (benches/ref/ref-greedy.cpp), checked against
 #                                            llama-simple's text and against 1 thread
@@ -65,6 +66,16 @@ if [ "$models" = 1 ]; then
   for t in q4_0 q4_1 q5_1 q2_k q3_k iq4_nl iq4_xs; do
     "$bin/llama-quantize" --pure "$root/tests/data/models/tiny-llama-f16.gguf" \
       "$root/tests/data/models/tiny-llama-$t.gguf" "${t^^}" 2 >/dev/null 2>&1
+  done
+  # The IQ grid types need an importance matrix (llama-imatrix over the test text, the output
+  # matrix included); the token embeddings stay q8_0 (a lookup table: no imatrix entry).
+  [ -x "$bin/llama-imatrix" ] || cmake --build "$B" --target llama-imatrix -j"$(nproc)" 2>&1 | tail -n 1 >&2
+  imat="$L/tiny-llama.imatrix.gguf"
+  "$bin/llama-imatrix" -m "$root/tests/data/models/tiny-llama-f16.gguf" -f "$root/tests/data/text/gpl-3.txt" \
+    -o "$imat" -c 128 --chunks 32 -t 2 --process-output >/dev/null 2>&1
+  for t in iq2_xxs; do
+    "$bin/llama-quantize" --pure --imatrix "$imat" --token-embedding-type q8_0 \
+      "$root/tests/data/models/tiny-llama-f16.gguf" "$root/tests/data/models/tiny-llama-$t.gguf" "${t^^}" 2 >/dev/null 2>&1
   done
   # A ternary model made by llama.cpp: every matrix TQ2_0 but the experts' 64-wide ffn_down
   # (TQ2_0 rows need multiples of 256; kept q8_0), to show llama.cpp's ternary tensors run
@@ -277,7 +288,7 @@ tiny_prompts = ["The capital of France is", "This License applies to any program
 only = [n for n in os.environ.get("REF_ONLY", "").split(",") if n]
 for name in ["tiny-llama-f16", "tiny-llama-q8_0", "tiny-llama-q4_k", "tiny-llama-q4_1", "tiny-llama-q5_1",
              "tiny-llama-q3_k", "tiny-llama-iq4_nl", "tiny-llama-iq4_xs", "tiny-llama-q4_0",
-             "tiny-llama-q2_k",
+             "tiny-llama-q2_k", "tiny-llama-iq2_xxs",
              "tiny-qwen3-f16", "tiny-qwen2-f16",
              "tiny-mixtral-q8_0", "tiny-qwen3moe-q8_0", "tiny-qwen2moe-q8_0", "tiny-qwen3moe-tq2_0"]:
     if only and name not in only:

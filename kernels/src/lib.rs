@@ -20,6 +20,8 @@
 //! reference that every SIMD kernel is tested against. `unsafe` lives only in `x86_64/`.
 
 mod dispatch;
+/// ggml's IQ lookup tables, as data (MIT, the ggml authors): see the module's header.
+pub mod iq_grids;
 mod matmul;
 pub mod quant;
 mod scalar;
@@ -142,7 +144,7 @@ pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL => GgmlType::Q8_0,
         GgmlType::Q4_1 | GgmlType::Q5_1 => GgmlType::Q8_1,
         GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => GgmlType::Q8_K,
-        GgmlType::Q2_K | GgmlType::IQ4_XS => GgmlType::Q8_K,
+        GgmlType::Q2_K | GgmlType::IQ4_XS | GgmlType::IQ2_XXS => GgmlType::Q8_K,
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => GgmlType::Q8_K,
         GgmlType::TF2 | GgmlType::TF1 => GgmlType::Q8_TF,
         _ => return None,
@@ -159,7 +161,6 @@ pub fn can_dequantize(ty: GgmlType) -> bool {
             | GgmlType::I64
             | GgmlType::F64
             // The IQ grid types: no dequantizer (hence no kernels) yet (docs/quant-types.md).
-            | GgmlType::IQ2_XXS
             | GgmlType::IQ2_XS
             | GgmlType::IQ2_S
             | GgmlType::IQ3_XXS

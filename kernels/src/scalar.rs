@@ -24,6 +24,7 @@
 //! - `block_tq2_0` { u8 qs[64]; f16 d }                                      66 bytes
 //! - `block_iq4_nl` { f16 d; u8 qs[16] }                     18 bytes / 32 values
 //! - `block_iq4_xs` { f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128] }      136 bytes / 256
+//! - `block_iq2_xxs` { f16 d; u16 qs[32] }                                     66 bytes / 256
 //!
 //! The ternary formats' quantizers and dot products live in `crate::ternary`.
 
@@ -394,6 +395,18 @@ fn dequantize_block(ty: GgmlType, x: &[u8], y: &mut [f32]) -> bool {
                 }
             }
         }
+        // dequantize_row_iq2_xxs: d · (0.5 + ls) · 0.25 · grid · sign
+        GgmlType::IQ2_XXS => {
+            let d = f16_at(x, 0);
+            let (v, sc) = iq2xxs_values(x);
+            for ib in 0..QK_K / 32 {
+                let db = d * (0.5 + ((sc[ib] - 1) / 2) as f32) * 0.25;
+                for j in 32 * ib..32 * ib + 32 {
+                    let g = v[j].unsigned_abs() as f32;
+                    y[j] = if v[j] < 0 { -(db * g) } else { db * g };
+                }
+            }
+        }
         GgmlType::TF2 | GgmlType::TF1 | GgmlType::Q8_TF => {
             crate::ternary::dequantize_tf_block(ty, x, y)
         }
@@ -695,29 +708,68 @@ pub(crate) fn vec_dot_block_chain(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) ->
     acc
 }
 
-/// IQ4_XS against q8_K. [`KOrder::Lanes8`] is `ggml_vec_dot_iq4_xs_q8_K` (AVX2 branch): lane
-/// `l` holds values `4l..4l+4` of every 32-value sub-block times the sub-block's scale
-/// (`ls - 32`), one `fma(dw·dy, lane, acc_l)` per super-block, [`hsum8`] at the end.
-/// [`KOrder::Tiled`] is the tiled matmul's one step per super-block.
-fn vec_dot_iq4xs(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
+/// The 256 signed values and eight 32-value sub-block scales of an IQ4_XS super-block
+/// (`dequantize_row_iq4_xs`: value `kvalues_iq4nl[code]`, scale `ls - 32`).
+pub(crate) fn iq4xs_values(x: &[u8]) -> ([i8; QK_K], [i32; 8]) {
+    let v = core::array::from_fn(|e| {
+        let (ib, j) = (e / 32, e % 32);
+        let q = x[8 + 16 * ib + j % 16];
+        KVALUES_IQ4NL[(if j < 16 { q & 0xF } else { q >> 4 }) as usize]
+    });
+    (v, core::array::from_fn(|ib| iq4xs_scale(x, ib) - 32))
+}
+
+/// The 256 signed values (grid byte times its sign) and eight sub-block scales `2·ls + 1` of
+/// an IQ2_XXS super-block (`dequantize_row_iq2_xxs`: sub-block `ib` is two words at
+/// `2 + 8·ib`; the first holds four grid indices, the second four 7-bit sign indices and `ls`).
+pub(crate) fn iq2xxs_values(x: &[u8]) -> ([i8; QK_K], [i32; 8]) {
+    use crate::iq_grids::{IQ2XXS_GRID, KSIGNS_IQ2XS};
+    let word = |o: usize| u32::from_le_bytes([x[o], x[o + 1], x[o + 2], x[o + 3]]);
+    let v = core::array::from_fn(|e| {
+        let (ib, l, j) = (e / 32, (e % 32) / 8, e % 8);
+        let (idx, sg) = (word(2 + 8 * ib).to_le_bytes()[l], word(6 + 8 * ib));
+        let g = (IQ2XXS_GRID[idx as usize] >> (8 * j)) as u8 as i8;
+        let signs = KSIGNS_IQ2XS[((sg >> (7 * l)) & 127) as usize];
+        if signs & (1 << j) != 0 {
+            -g
+        } else {
+            g
+        }
+    });
+    (
+        v,
+        core::array::from_fn(|ib| 2 * (word(6 + 8 * ib) >> 28) as i32 + 1),
+    )
+}
+
+/// A super-block type with eight 32-value sub-blocks and one f16 scale at byte 0 against q8_K
+/// (IQ4_XS, IQ2_XXS). [`KOrder::Lanes8`] is its `ggml_vec_dot_*_q8_K` (AVX2 branch): lane `l`
+/// holds values `4l..4l+4` of every sub-block times the sub-block's scale, one
+/// `fma(dw·dy, lane, acc_l)` per super-block, `post · hsum8` at the end (IQ2_XXS: 0.125).
+/// [`KOrder::Tiled`] is the tiled matmul's one step per super-block, `res = isum · (dw·post)`,
+/// `acc = fma(res, dy, acc)` (ggml folds `post` into the tile's scale).
+fn vec_dot_sub32(
+    n: usize,
+    w: &[u8],
+    a: &[u8],
+    order: KOrder,
+    bs: usize,
+    post: f32,
+    values: fn(&[u8]) -> ([i8; QK_K], [i32; 8]),
+) -> f32 {
     let mut lanes_acc = [0f32; 8];
     let mut acc = 0f32;
-    for (x, y) in w.chunks_exact(136).zip(a.chunks_exact(292)).take(n / QK_K) {
+    for (x, y) in w.chunks_exact(bs).zip(a.chunks_exact(292)).take(n / QK_K) {
         let (yd, q8, _) = q8k_parts(y);
         let dw = f16_at(x, 0);
+        let (v, sc) = values(x);
         let mut lanes = [0i32; 8];
-        for ib in 0..QK_K / 32 {
-            let ls = iq4xs_scale(x, ib) - 32;
-            let qs = &x[8 + 16 * ib..];
-            for e in 0..32 {
-                let code = if e < 16 { qs[e] & 0xF } else { qs[e - 16] >> 4 };
-                let p = KVALUES_IQ4NL[code as usize] as i32 * (q8[32 * ib + e] as i8) as i32;
-                lanes[e / 4] += ls * p;
-            }
+        for e in 0..QK_K {
+            lanes[(e % 32) / 4] += sc[e / 32] * v[e] as i32 * (q8[e] as i8) as i32;
         }
         if order == KOrder::Tiled {
             let isum: i32 = lanes.iter().sum();
-            acc = (isum as f32 * dw).mul_add(yd, acc);
+            acc = (isum as f32 * (dw * post)).mul_add(yd, acc);
         } else {
             let d = dw * yd;
             for l in 0..8 {
@@ -728,7 +780,7 @@ fn vec_dot_iq4xs(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
     if order == KOrder::Tiled {
         acc
     } else {
-        hsum8(&lanes_acc)
+        post * hsum8(&lanes_acc)
     }
 }
 
@@ -758,9 +810,13 @@ pub(crate) fn repacked_k(ty: GgmlType) -> bool {
 }
 
 /// The types whose `vec_dot` keeps eight f32 lanes per super-block ([`KOrder::Lanes8`]) and
-/// which ggml's tiled matmul takes from 8 tokens ([`KOrder::Tiled`]): q6_K, q3_K, IQ4_XS.
+/// which ggml's tiled matmul takes from 8 tokens ([`KOrder::Tiled`]): q6_K, q3_K, IQ4_XS,
+/// IQ2_XXS.
 pub(crate) fn lanes8_then_tiled(ty: GgmlType) -> bool {
-    matches!(ty, GgmlType::Q6_K | GgmlType::Q3_K | GgmlType::IQ4_XS)
+    matches!(
+        ty,
+        GgmlType::Q6_K | GgmlType::Q3_K | GgmlType::IQ4_XS | GgmlType::IQ2_XXS
+    )
 }
 
 /// The order ggml uses for token `t` of an `ntok`-token matmul with weights `ty`.
@@ -771,7 +827,8 @@ pub(crate) fn lanes8_then_tiled(ty: GgmlType) -> bool {
 ///   q2_K likewise (`q2_K_8x8`), but only on AVX-512 machines, and its GEMM steps per 128
 ///   values; we follow those machines everywhere (an AVX2-only llama.cpp runs q2_K's
 ///   `vec_dot` and tiled orders instead: docs/quant-types.md).
-/// - q6_K, q3_K and IQ4_XS run the tiled matmul from 8 tokens on and their `vec_dot` below.
+/// - q6_K, q3_K, IQ4_XS and IQ2_XXS run the tiled matmul from 8 tokens on and their `vec_dot`
+///   below.
 /// - q5_K is not repacked on x86: ggml runs it through the tiled matmul from 8 tokens on, as
 ///   q6_K. Below 8 tokens (`ggml_vec_dot_q5_K_q8_K`) we keep the q4_K GEMV order: no model we
 ///   test against llama.cpp token for token has q5_K weights.
@@ -1045,6 +1102,7 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
             | GgmlType::Q6_K
             | GgmlType::IQ4_NL
             | GgmlType::IQ4_XS
+            | GgmlType::IQ2_XXS
             | GgmlType::TQ1_0
             | GgmlType::TQ2_0
             | GgmlType::TF2
@@ -1064,7 +1122,8 @@ pub(crate) fn dot(ty: GgmlType, order: KOrder, n: usize, w: &[u8], a: &[u8]) -> 
         GgmlType::Q6_K => vec_dot_q6k(n, w, a, order),
         GgmlType::Q2_K => vec_dot_q2k(n, w, a, order),
         GgmlType::Q3_K => vec_dot_q3k(n, w, a, order),
-        GgmlType::IQ4_XS => vec_dot_iq4xs(n, w, a, order),
+        GgmlType::IQ4_XS => vec_dot_sub32(n, w, a, order, 136, 1.0, iq4xs_values),
+        GgmlType::IQ2_XXS => vec_dot_sub32(n, w, a, order, 66, 0.125, iq2xxs_values),
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::vec_dot_tq(ty, n, w, a),
         GgmlType::TF2 | GgmlType::TF1 => crate::ternary::vec_dot_tf(ty, n, w, a),
         _ => float_dot_fn(ty).expect("Gemm is only built for weight types with a dot")(n, w, a),

@@ -5,6 +5,7 @@
 pub(crate) mod avx2;
 pub(crate) mod avx512;
 mod avx512q;
+mod iq2;
 mod iq4;
 mod kq_lanes;
 mod legacy_min;
@@ -142,6 +143,7 @@ pub(crate) const Q3_K: u8 = 15;
 pub(crate) const IQ4_XS: u8 = 16;
 pub(crate) const IQ4_NL: u8 = 17;
 pub(crate) const Q2_K: u8 = 18;
+pub(crate) const IQ2_XXS: u8 = 19;
 
 /// Bytes per block of a legacy (32-value) kind.
 pub(crate) const fn legacy_block_bytes(kind: u8) -> usize {
@@ -193,6 +195,7 @@ pub(crate) const fn legacy_nibbles(kind: u8) -> (usize, usize) {
 pub(crate) const fn k_block_bytes(kind: u8) -> usize {
     match kind {
         Q2_K => 84,
+        IQ2_XXS => 66,
         Q3_K => 110,
         IQ4_XS => 136,
         Q4_K => 144,

@@ -1,0 +1,194 @@
+//! IQ2_XXS against q8_K (one tile, compiled for AVX2 and for AVX-512), bit-identical to
+//! `scalar::vec_dot_sub32` in either order a token takes: llama.cpp's
+//! `ggml_vec_dot_iq2_xxs_q8_K` lanes (eight 8-value grid rows per sub-block from
+//! `iq2xxs_grid`, the signs applied to the activations by `vpsignb`, `vpmaddubsw`, then
+//! `vpmaddwd` by the sub-block's `2·ls + 1`) in `KOrder::Lanes8` with `0.125 · hsum8` at the
+//! end, their exact sum in `KOrder::Tiled` with `d · 0.125`. On AVX-512, from 16 tokens, the
+//! tokens-in-lanes k-quant GEMM (`kq_lanes`, values looked up as `value + 128`).
+
+// Tile loops index several per-row / per-token arrays with the same counter.
+#![allow(clippy::needless_range_loop)]
+
+use super::avx2::{hsum as hsum8, hsum_i32};
+use super::drive;
+use crate::iq_grids::{IQ2XXS_GRID, KSIGNS_IQ2XS};
+use crate::matmul::Gemm;
+use crate::quant::QK_K;
+use crate::scalar::{token_order, KOrder};
+use core::arch::x86_64::*;
+
+/// Bytes of an IQ2_XXS super-block and of a q8_K one.
+const WB: usize = 66;
+const AB: usize = 292;
+
+/// ggml's `keven_signs_q2xs`: byte `j` of entry `i` is -1 where bit `j` of
+/// `ksigns_iq2xs[i]` is set, else 1 (what `vpsignb` applies to the activations).
+static SIGNS64: [u64; 128] = {
+    let mut t = [0u64; 128];
+    let mut i = 0;
+    while i < 128 {
+        let mut j = 0;
+        while j < 8 {
+            let b: u64 = if KSIGNS_IQ2XS[i] & (1 << j) != 0 {
+                0xFF
+            } else {
+                0x01
+            };
+            t[i] |= b << (8 * j);
+            j += 1;
+        }
+        i += 1;
+    }
+    t
+};
+
+/// Sub-block `ib` of the super-block at `p`: its 32 grid values (unsigned, value order), the
+/// 32 signs as ±1 bytes, and its scale `2·ls + 1`.
+///
+/// # Safety
+/// AVX2 available; `p` readable for one super-block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn sub_block(p: *const u8, ib: usize) -> (__m256i, __m256i, i16) {
+    // SAFETY: the two words of sub-block ib at 2 + 8·ib.
+    let (w0, w1) = unsafe {
+        (
+            p.add(2 + 8 * ib).cast::<u32>().read_unaligned(),
+            p.add(6 + 8 * ib).cast::<u32>().read_unaligned(),
+        )
+    };
+    let g = |l: u32| IQ2XXS_GRID[((w0 >> (8 * l)) & 0xFF) as usize] as i64;
+    let s = |l: u32| SIGNS64[((w1 >> (7 * l)) & 127) as usize] as i64;
+    (
+        _mm256_setr_epi64x(g(0), g(1), g(2), g(3)),
+        _mm256_setr_epi64x(s(0), s(1), s(2), s(3)),
+        (2 * (w1 >> 28) + 1) as i16,
+    )
+}
+
+/// The super-block at `p` as the tokens-in-lanes GEMM wants it: its 256 signed values as
+/// unsigned `value + 128`, eight 32-value chunks in value order.
+///
+/// # Safety
+/// AVX2 available; `p` readable for one super-block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn codes_u8(p: *const u8) -> [__m256i; 8] {
+    core::array::from_fn(|ib| {
+        // SAFETY: as the contract.
+        let (g, s, _) = unsafe { sub_block(p, ib) };
+        _mm256_xor_si256(_mm256_sign_epi8(g, s), _mm256_set1_epi8(-128))
+    })
+}
+
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
+/// g.nrows` and IQ2_XXS weights.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn run_iq2xxs(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok == 1 {
+        drive!(g, out, tile, 4, 1);
+    } else {
+        drive!(g, out, tile, 2, 4);
+    }
+}
+
+/// The AVX-512 table's entry: [`run_iq2xxs`]'s tiles compiled for AVX-512, and from 16 tokens
+/// in the tiled order the tokens-in-lanes GEMM.
+///
+/// # Safety
+/// As [`run_iq2xxs`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn run_iq2xxs_avx512(g: &Gemm<'_>, out: &mut [f32]) {
+    if g.ntok >= 16 && token_order(g, 0) == KOrder::Tiled {
+        debug_assert!((0..g.ntok).all(|t| token_order(g, t) == KOrder::Tiled));
+        // SAFETY: as this function's contract; every token sums in the tiled order.
+        unsafe { super::kq_lanes::gemm::<{ super::IQ2_XXS }>(g, 0, g.ntok, KOrder::Tiled, out) };
+    } else if g.ntok == 1 {
+        drive!(g, out, tile512, 4, 1);
+    } else {
+        drive!(g, out, tile512, 2, 4);
+    }
+}
+
+/// Rows `r0..r0+R` × tokens `t0..t0+T`: `tile` with AVX2's features, `tile512` the same code
+/// compiled for AVX-512 (32 registers, EVEX encodings), which the AVX-512 table runs.
+macro_rules! tile_fn {
+    ($name:ident, $features:literal) => {
+        /// # Safety
+        /// As [`run_iq2xxs`] (and the features named); `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
+        #[target_feature(enable = $features)]
+        unsafe fn $name<const R: usize, const T: usize>(
+            g: &Gemm<'_>,
+            r0: usize,
+            t0: usize,
+            out: &mut [f32],
+        ) {
+            let nb = g.cols / QK_K;
+            let order: [KOrder; T] = core::array::from_fn(|t| token_order(g, t0 + t));
+            let mut acc = [[_mm256_setzero_ps(); T]; R];
+            let mut acc_s = [[0f32; T]; R];
+            // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens
+            // t0..t0+T.
+            unsafe {
+                for b in 0..nb {
+                    let mut ad = [0f32; T];
+                    for t in 0..T {
+                        ad[t] =
+                            g.a.as_ptr()
+                                .add((t0 + t) * g.a_stride + b * AB)
+                                .cast::<f32>()
+                                .read_unaligned();
+                    }
+                    for r in 0..R {
+                        let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * WB);
+                        let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                            wp.cast::<u16>().read_unaligned() as i32,
+                        )));
+                        let sb: [(__m256i, __m256i, i16); 8] =
+                            core::array::from_fn(|ib| sub_block(wp, ib));
+                        for t in 0..T {
+                            let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
+                            let mut lanes = _mm256_setzero_si256();
+                            for ib in 0..8 {
+                                let (gv, sv, ls) = sb[ib];
+                                let a = _mm256_loadu_si256(q8.add(32 * ib).cast());
+                                let p = _mm256_maddubs_epi16(gv, _mm256_sign_epi8(a, sv));
+                                lanes = _mm256_add_epi32(
+                                    lanes,
+                                    _mm256_madd_epi16(p, _mm256_set1_epi16(ls)),
+                                );
+                            }
+                            if order[t] == KOrder::Tiled {
+                                acc_s[r][t] = (hsum_i32(lanes) as f32 * (dw * 0.125))
+                                    .mul_add(ad[t], acc_s[r][t]);
+                            } else {
+                                acc[r][t] = _mm256_fmadd_ps(
+                                    _mm256_set1_ps(dw * ad[t]),
+                                    _mm256_cvtepi32_ps(lanes),
+                                    acc[r][t],
+                                );
+                            }
+                        }
+                    }
+                }
+                for r in 0..R {
+                    for t in 0..T {
+                        *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) =
+                            if order[t] == KOrder::Tiled {
+                                acc_s[r][t]
+                            } else {
+                                0.125 * hsum8(acc[r][t])
+                            };
+                    }
+                }
+            }
+        }
+    };
+}
+
+tile_fn!(tile, "avx2,fma,f16c");
+tile_fn!(
+    tile512,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c"
+);
