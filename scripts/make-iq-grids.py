@@ -72,8 +72,9 @@ def main():
         "pub fn all() -> [(&'static str, Vec<u64>); %d] {" % len(TABLES),
         "    [",
     ]
-    for cname, _, rname, _ in TABLES:
-        out.append(f'        ("{cname}", {rname}.iter().map(|&v| v as u64).collect()),')
+    for cname, _, rname, rtype in TABLES:
+        vals = f"{rname}.to_vec()" if rtype == "u64" else f"{rname}.iter().map(|&v| u64::from(v)).collect()"
+        out.append(f'        ("{cname}", {vals}),')
     out += ["    ]", "}", ""]
     for cname, ctype, rname, rtype in TABLES:
         vals = parse(text, cname, ctype)

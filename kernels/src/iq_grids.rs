@@ -26,13 +26,13 @@
 /// (ggml name, values as u64) of every table, for the test against ggml's source.
 pub fn all() -> [(&'static str, Vec<u64>); 7] {
     [
-        ("ksigns_iq2xs", KSIGNS_IQ2XS.iter().map(|&v| v as u64).collect()),
-        ("iq2xxs_grid", IQ2XXS_GRID.iter().map(|&v| v as u64).collect()),
-        ("iq2xs_grid", IQ2XS_GRID.iter().map(|&v| v as u64).collect()),
-        ("iq2s_grid", IQ2S_GRID.iter().map(|&v| v as u64).collect()),
-        ("iq3xxs_grid", IQ3XXS_GRID.iter().map(|&v| v as u64).collect()),
-        ("iq3s_grid", IQ3S_GRID.iter().map(|&v| v as u64).collect()),
-        ("iq1s_grid", IQ1S_GRID.iter().map(|&v| v as u64).collect()),
+        ("ksigns_iq2xs", KSIGNS_IQ2XS.iter().map(|&v| u64::from(v)).collect()),
+        ("iq2xxs_grid", IQ2XXS_GRID.to_vec()),
+        ("iq2xs_grid", IQ2XS_GRID.to_vec()),
+        ("iq2s_grid", IQ2S_GRID.to_vec()),
+        ("iq3xxs_grid", IQ3XXS_GRID.iter().map(|&v| u64::from(v)).collect()),
+        ("iq3s_grid", IQ3S_GRID.iter().map(|&v| u64::from(v)).collect()),
+        ("iq1s_grid", IQ1S_GRID.to_vec()),
     ]
 }
 

@@ -21,6 +21,7 @@
 
 mod dispatch;
 /// ggml's IQ lookup tables, as data (MIT, the ggml authors): see the module's header.
+#[rustfmt::skip]
 pub mod iq_grids;
 mod matmul;
 pub mod quant;

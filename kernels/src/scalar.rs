@@ -742,6 +742,9 @@ pub(crate) fn iq2xxs_values(x: &[u8]) -> ([i8; QK_K], [i32; 8]) {
     )
 }
 
+/// A super-block's 256 signed values and its eight 32-value sub-block scales.
+type SubValues = fn(&[u8]) -> ([i8; QK_K], [i32; 8]);
+
 /// A super-block type with eight 32-value sub-blocks and one f16 scale at byte 0 against q8_K
 /// (IQ4_XS, IQ2_XXS). [`KOrder::Lanes8`] is its `ggml_vec_dot_*_q8_K` (AVX2 branch): lane `l`
 /// holds values `4l..4l+4` of every sub-block times the sub-block's scale, one
@@ -755,7 +758,7 @@ fn vec_dot_sub32(
     order: KOrder,
     bs: usize,
     post: f32,
-    values: fn(&[u8]) -> ([i8; QK_K], [i32; 8]),
+    values: SubValues,
 ) -> f32 {
     let mut lanes_acc = [0f32; 8];
     let mut acc = 0f32;
