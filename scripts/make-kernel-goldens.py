@@ -86,7 +86,7 @@ def main():
 
     # The IQ types (issue 19), from their own generator so the files above keep their bytes.
     rng = np.random.default_rng(20261126)
-    for t, fields in ((T.IQ4_NL, [0]), (T.IQ4_XS, [0]), (T.IQ2_XXS, [0])):
+    for t, fields in ((T.IQ4_NL, [0]), (T.IQ4_XS, [0]), (T.IQ2_XXS, [0]), (T.IQ3_XXS, [0])):
         block, size = GGML_QUANT_SIZES[t]
         nblocks = 8 if block == 32 else 4
         raw = rng.integers(0, 256, size=(nblocks, size), dtype=np.uint8)

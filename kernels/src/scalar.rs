@@ -25,6 +25,7 @@
 //! - `block_iq4_nl` { f16 d; u8 qs[16] }                     18 bytes / 32 values
 //! - `block_iq4_xs` { f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128] }      136 bytes / 256
 //! - `block_iq2_xxs` { f16 d; u16 qs[32] }                                     66 bytes / 256
+//! - `block_iq3_xxs` { f16 d; u8 qs[96] }                                      98 bytes / 256
 //!
 //! The ternary formats' quantizers and dot products live in `crate::ternary`.
 
@@ -395,12 +396,19 @@ fn dequantize_block(ty: GgmlType, x: &[u8], y: &mut [f32]) -> bool {
                 }
             }
         }
-        // dequantize_row_iq2_xxs: d · (0.5 + ls) · 0.25 · grid · sign
-        GgmlType::IQ2_XXS => {
+        // dequantize_row_iq2_xxs: d · (0.5 + ls) · 0.25 · grid · sign; iq3_xxs the same with
+        // 0.5
+        GgmlType::IQ2_XXS | GgmlType::IQ3_XXS => {
             let d = f16_at(x, 0);
-            let (v, sc) = iq2xxs_values(x);
+            let (v, sc, f) = if ty == GgmlType::IQ2_XXS {
+                let (v, sc) = iq2xxs_values(x);
+                (v, sc, 0.25)
+            } else {
+                let (v, sc) = iq3xxs_values(x);
+                (v, sc, 0.5)
+            };
             for ib in 0..QK_K / 32 {
-                let db = d * (0.5 + ((sc[ib] - 1) / 2) as f32) * 0.25;
+                let db = d * (0.5 + ((sc[ib] - 1) / 2) as f32) * f;
                 for j in 32 * ib..32 * ib + 32 {
                     let g = v[j].unsigned_abs() as f32;
                     y[j] = if v[j] < 0 { -(db * g) } else { db * g };
@@ -742,13 +750,37 @@ pub(crate) fn iq2xxs_values(x: &[u8]) -> ([i8; QK_K], [i32; 8]) {
     )
 }
 
+/// The 256 signed values and eight sub-block scales `2·ls + 1` of an IQ3_XXS super-block
+/// (`dequantize_row_iq3_xxs`: 64 grid indices of four values each at 2, then per sub-block a
+/// word at `66 + 4·ib` with four 7-bit sign indices and `ls`).
+pub(crate) fn iq3xxs_values(x: &[u8]) -> ([i8; QK_K], [i32; 8]) {
+    use crate::iq_grids::{IQ3XXS_GRID, KSIGNS_IQ2XS};
+    let word = |o: usize| u32::from_le_bytes([x[o], x[o + 1], x[o + 2], x[o + 3]]);
+    let v = core::array::from_fn(|e| {
+        let (ib, l, j) = (e / 32, (e % 32) / 8, e % 8);
+        let idx = x[2 + 8 * ib + 2 * l + j / 4];
+        let g = (IQ3XXS_GRID[idx as usize] >> (8 * (j % 4))) as u8 as i8;
+        let signs = KSIGNS_IQ2XS[((word(66 + 4 * ib) >> (7 * l)) & 127) as usize];
+        if signs & (1 << j) != 0 {
+            -g
+        } else {
+            g
+        }
+    });
+    (
+        v,
+        core::array::from_fn(|ib| 2 * (word(66 + 4 * ib) >> 28) as i32 + 1),
+    )
+}
+
 /// A super-block's 256 signed values and its eight 32-value sub-block scales.
 type SubValues = fn(&[u8]) -> ([i8; QK_K], [i32; 8]);
 
 /// A super-block type with eight 32-value sub-blocks and one f16 scale at byte 0 against q8_K
-/// (IQ4_XS, IQ2_XXS). [`KOrder::Lanes8`] is its `ggml_vec_dot_*_q8_K` (AVX2 branch): lane `l`
-/// holds values `4l..4l+4` of every sub-block times the sub-block's scale, one
-/// `fma(dw·dy, lane, acc_l)` per super-block, `post · hsum8` at the end (IQ2_XXS: 0.125).
+/// (IQ4_XS, IQ2_XXS, IQ3_XXS). [`KOrder::Lanes8`] is its `ggml_vec_dot_*_q8_K` (AVX2 branch):
+/// lane `l` holds values `4l..4l+4` of every sub-block times the sub-block's scale, one
+/// `fma(dw·dy, lane, acc_l)` per super-block, `post · hsum8` at the end (IQ2_XXS 0.125,
+/// IQ3_XXS 0.25).
 /// [`KOrder::Tiled`] is the tiled matmul's one step per super-block, `res = isum · (dw·post)`,
 /// `acc = fma(res, dy, acc)` (ggml folds `post` into the tile's scale).
 fn vec_dot_sub32(
@@ -814,11 +846,11 @@ pub(crate) fn repacked_k(ty: GgmlType) -> bool {
 
 /// The types whose `vec_dot` keeps eight f32 lanes per super-block ([`KOrder::Lanes8`]) and
 /// which ggml's tiled matmul takes from 8 tokens ([`KOrder::Tiled`]): q6_K, q3_K, IQ4_XS,
-/// IQ2_XXS.
+/// IQ2_XXS, IQ3_XXS.
 pub(crate) fn lanes8_then_tiled(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q6_K | GgmlType::Q3_K | GgmlType::IQ4_XS | GgmlType::IQ2_XXS
+        GgmlType::Q6_K | GgmlType::Q3_K | GgmlType::IQ4_XS | GgmlType::IQ2_XXS | GgmlType::IQ3_XXS
     )
 }
 
@@ -830,8 +862,8 @@ pub(crate) fn lanes8_then_tiled(ty: GgmlType) -> bool {
 ///   q2_K likewise (`q2_K_8x8`), but only on AVX-512 machines, and its GEMM steps per 128
 ///   values; we follow those machines everywhere (an AVX2-only llama.cpp runs q2_K's
 ///   `vec_dot` and tiled orders instead: docs/quant-types.md).
-/// - q6_K, q3_K, IQ4_XS and IQ2_XXS run the tiled matmul from 8 tokens on and their `vec_dot`
-///   below.
+/// - q6_K, q3_K, IQ4_XS, IQ2_XXS and IQ3_XXS run the tiled matmul from 8 tokens on and their
+///   `vec_dot` below.
 /// - q5_K is not repacked on x86: ggml runs it through the tiled matmul from 8 tokens on, as
 ///   q6_K. Below 8 tokens (`ggml_vec_dot_q5_K_q8_K`) we keep the q4_K GEMV order: no model we
 ///   test against llama.cpp token for token has q5_K weights.
@@ -1106,6 +1138,7 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
             | GgmlType::IQ4_NL
             | GgmlType::IQ4_XS
             | GgmlType::IQ2_XXS
+            | GgmlType::IQ3_XXS
             | GgmlType::TQ1_0
             | GgmlType::TQ2_0
             | GgmlType::TF2
@@ -1127,6 +1160,7 @@ pub(crate) fn dot(ty: GgmlType, order: KOrder, n: usize, w: &[u8], a: &[u8]) -> 
         GgmlType::Q3_K => vec_dot_q3k(n, w, a, order),
         GgmlType::IQ4_XS => vec_dot_sub32(n, w, a, order, 136, 1.0, iq4xs_values),
         GgmlType::IQ2_XXS => vec_dot_sub32(n, w, a, order, 66, 0.125, iq2xxs_values),
+        GgmlType::IQ3_XXS => vec_dot_sub32(n, w, a, order, 98, 0.25, iq3xxs_values),
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::vec_dot_tq(ty, n, w, a),
         GgmlType::TF2 | GgmlType::TF1 => crate::ternary::vec_dot_tf(ty, n, w, a),
         _ => float_dot_fn(ty).expect("Gemm is only built for weight types with a dot")(n, w, a),

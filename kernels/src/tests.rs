@@ -29,7 +29,7 @@ impl Rng {
 fn f16_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
-        GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::IQ2_XXS => &[0],
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::IQ2_XXS | GgmlType::IQ3_XXS => &[0],
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
@@ -70,7 +70,7 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     }
 }
 
-const MATMUL_TYPES: [GgmlType; 20] = [
+const MATMUL_TYPES: [GgmlType; 21] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -87,6 +87,7 @@ const MATMUL_TYPES: [GgmlType; 20] = [
     GgmlType::IQ4_NL,
     GgmlType::IQ4_XS,
     GgmlType::IQ2_XXS,
+    GgmlType::IQ3_XXS,
     GgmlType::TQ1_0,
     GgmlType::TQ2_0,
     GgmlType::TF2,
@@ -435,7 +436,7 @@ macro_rules! golden {
 #[test]
 fn dequantize_matches_gguf_py_goldens() {
     type Golden = (&'static [u8], &'static [u8]);
-    let cases: [(GgmlType, Golden); 17] = [
+    let cases: [(GgmlType, Golden); 18] = [
         (GgmlType::F16, golden!("f16")),
         (GgmlType::BF16, golden!("bf16")),
         (GgmlType::Q4_0, golden!("q4_0")),
@@ -453,6 +454,7 @@ fn dequantize_matches_gguf_py_goldens() {
         (GgmlType::IQ4_NL, golden!("iq4_nl")),
         (GgmlType::IQ4_XS, golden!("iq4_xs")),
         (GgmlType::IQ2_XXS, golden!("iq2_xxs")),
+        (GgmlType::IQ3_XXS, golden!("iq3_xxs")),
     ];
     for (ty, (raw, want)) in cases {
         let want = le_f32(want);
@@ -740,12 +742,12 @@ fn sizes_are_validated_with_clear_errors() {
     matmul(&m, &act, 0..2, &mut [0.0; 4], Numerics::Parity).unwrap();
     matmul(&m, &act, 1..1, &mut [], Numerics::Parity).unwrap();
     let e = act
-        .quantize_for(GgmlType::IQ3_XXS, &[0.0; 256], 1, 256)
+        .quantize_for(GgmlType::IQ1_S, &[0.0; 256], 1, 256)
         .unwrap_err();
     assert!(matches!(
         e,
         KernelError::Unsupported {
-            ty: GgmlType::IQ3_XXS,
+            ty: GgmlType::IQ1_S,
             ..
         }
     ));

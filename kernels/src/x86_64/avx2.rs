@@ -79,6 +79,7 @@ fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
         GgmlType::IQ4_NL => mm_iq4_nl,
         GgmlType::IQ4_XS => mm_iq4_xs,
         GgmlType::IQ2_XXS => mm_iq2_xxs,
+        GgmlType::IQ3_XXS => mm_iq3_xxs,
         GgmlType::F32 => mm_f32,
         GgmlType::F16 => mm_f16,
         GgmlType::BF16 => mm_bf16,
@@ -115,7 +116,12 @@ entry!(mm_q5_k, run_k, Q5_K);
 
 fn mm_iq2_xxs(g: &Gemm<'_>, out: &mut [f32]) {
     // SAFETY: as `mm_iq4_nl`.
-    unsafe { super::iq2::run_iq2xxs(g, out) }
+    unsafe { super::iq2::run_grid::<{ super::IQ2_XXS }>(g, out) }
+}
+
+fn mm_iq3_xxs(g: &Gemm<'_>, out: &mut [f32]) {
+    // SAFETY: as `mm_iq4_nl`.
+    unsafe { super::iq2::run_grid::<{ super::IQ3_XXS }>(g, out) }
 }
 
 fn mm_q2_k(g: &Gemm<'_>, out: &mut [f32]) {

@@ -1,25 +1,35 @@
-//! IQ2_XXS against q8_K (one tile, compiled for AVX2 and for AVX-512), bit-identical to
-//! `scalar::vec_dot_sub32` in either order a token takes: llama.cpp's
-//! `ggml_vec_dot_iq2_xxs_q8_K` lanes (eight 8-value grid rows per sub-block from
-//! `iq2xxs_grid`, the signs applied to the activations by `vpsignb`, `vpmaddubsw`, then
-//! `vpmaddwd` by the sub-block's `2·ls + 1`) in `KOrder::Lanes8` with `0.125 · hsum8` at the
-//! end, their exact sum in `KOrder::Tiled` with `d · 0.125`. On AVX-512, from 16 tokens, the
-//! tokens-in-lanes k-quant GEMM (`kq_lanes`, values looked up as `value + 128`).
+//! IQ2_XXS and IQ3_XXS against q8_K (one tile, compiled for AVX2 and for AVX-512),
+//! bit-identical to `scalar::vec_dot_sub32` in either order a token takes: llama.cpp's
+//! `ggml_vec_dot_iq{2,3}_xxs_q8_K` lanes (each sub-block's 32 grid values from `iq2xxs_grid`
+//! — four rows of 8 — or `iq3xxs_grid` — eight rows of 4 —, the signs applied to the
+//! activations by `vpsignb`, `vpmaddubsw`, then `vpmaddwd` by the sub-block's `2·ls + 1`) in
+//! `KOrder::Lanes8` with `post · hsum8` at the end (0.125, 0.25), their exact sum in
+//! `KOrder::Tiled` with `d · post`. On AVX-512, from 16 tokens, the tokens-in-lanes k-quant
+//! GEMM (`kq_lanes`, values looked up as `value + 128`).
 
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
 
 use super::avx2::{hsum as hsum8, hsum_i32};
 use super::drive;
-use crate::iq_grids::{IQ2XXS_GRID, KSIGNS_IQ2XS};
+use super::IQ2_XXS;
+use crate::iq_grids::{IQ2XXS_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
 use crate::scalar::{token_order, KOrder};
 use core::arch::x86_64::*;
 
-/// Bytes of an IQ2_XXS super-block and of a q8_K one.
-const WB: usize = 66;
+/// Bytes of a q8_K super-block.
 const AB: usize = 292;
+
+/// (bytes per super-block, the factor ggml applies after the lanes / folds into `d`).
+pub(super) const fn geometry(kind: u8) -> (usize, f32) {
+    if kind == IQ2_XXS {
+        (66, 0.125)
+    } else {
+        (98, 0.25)
+    }
+}
 
 /// ggml's `keven_signs_q2xs`: byte `j` of entry `i` is -1 where bit `j` of
 /// `ksigns_iq2xs[i]` is set, else 1 (what `vpsignb` applies to the activations).
@@ -42,28 +52,38 @@ static SIGNS64: [u64; 128] = {
     t
 };
 
-/// Sub-block `ib` of the super-block at `p`: its 32 grid values (unsigned, value order), the
-/// 32 signs as ±1 bytes, and its scale `2·ls + 1`.
+/// Sub-block `ib` of the `KIND` super-block at `p`: its 32 grid values (unsigned, value
+/// order), the 32 signs as ±1 bytes, and its scale `2·ls + 1`.
 ///
 /// # Safety
 /// AVX2 available; `p` readable for one super-block.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn sub_block(p: *const u8, ib: usize) -> (__m256i, __m256i, i16) {
-    // SAFETY: the two words of sub-block ib at 2 + 8·ib.
-    let (w0, w1) = unsafe {
+pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> (__m256i, __m256i, i16) {
+    // SAFETY (whole body): the sub-block's grid indices and its sign/scale word.
+    unsafe {
+        let (grid, w1) = if KIND == IQ2_XXS {
+            let w0 = p.add(2 + 8 * ib).cast::<u32>().read_unaligned();
+            let g = |l: u32| IQ2XXS_GRID[((w0 >> (8 * l)) & 0xFF) as usize] as i64;
+            (
+                _mm256_setr_epi64x(g(0), g(1), g(2), g(3)),
+                p.add(6 + 8 * ib).cast::<u32>().read_unaligned(),
+            )
+        } else {
+            let q = p.add(2 + 8 * ib);
+            let g = |i: usize| IQ3XXS_GRID[*q.add(i) as usize] as i32;
+            (
+                _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)),
+                p.add(66 + 4 * ib).cast::<u32>().read_unaligned(),
+            )
+        };
+        let s = |l: u32| SIGNS64[((w1 >> (7 * l)) & 127) as usize] as i64;
         (
-            p.add(2 + 8 * ib).cast::<u32>().read_unaligned(),
-            p.add(6 + 8 * ib).cast::<u32>().read_unaligned(),
+            grid,
+            _mm256_setr_epi64x(s(0), s(1), s(2), s(3)),
+            (2 * (w1 >> 28) + 1) as i16,
         )
-    };
-    let g = |l: u32| IQ2XXS_GRID[((w0 >> (8 * l)) & 0xFF) as usize] as i64;
-    let s = |l: u32| SIGNS64[((w1 >> (7 * l)) & 127) as usize] as i64;
-    (
-        _mm256_setr_epi64x(g(0), g(1), g(2), g(3)),
-        _mm256_setr_epi64x(s(0), s(1), s(2), s(3)),
-        (2 * (w1 >> 28) + 1) as i16,
-    )
+    }
 }
 
 /// The super-block at `p` as the tokens-in-lanes GEMM wants it: its 256 signed values as
@@ -73,41 +93,41 @@ pub(super) unsafe fn sub_block(p: *const u8, ib: usize) -> (__m256i, __m256i, i1
 /// AVX2 available; `p` readable for one super-block.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn codes_u8(p: *const u8) -> [__m256i; 8] {
+pub(super) unsafe fn codes_u8<const KIND: u8>(p: *const u8) -> [__m256i; 8] {
     core::array::from_fn(|ib| {
         // SAFETY: as the contract.
-        let (g, s, _) = unsafe { sub_block(p, ib) };
+        let (g, s, _) = unsafe { sub_block::<KIND>(p, ib) };
         _mm256_xor_si256(_mm256_sign_epi8(g, s), _mm256_set1_epi8(-128))
     })
 }
 
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
-/// g.nrows` and IQ2_XXS weights.
+/// g.nrows` and weights of kind `KIND` (IQ2_XXS or IQ3_XXS).
 #[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn run_iq2xxs(g: &Gemm<'_>, out: &mut [f32]) {
+pub(super) unsafe fn run_grid<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok == 1 {
-        drive!(g, out, tile, 4, 1);
+        drive!(g, out, tile, 4, 1, KIND);
     } else {
-        drive!(g, out, tile, 2, 4);
+        drive!(g, out, tile, 2, 4, KIND);
     }
 }
 
-/// The AVX-512 table's entry: [`run_iq2xxs`]'s tiles compiled for AVX-512, and from 16 tokens
+/// The AVX-512 table's entry: [`run_grid`]'s tiles compiled for AVX-512, and from 16 tokens
 /// in the tiled order the tokens-in-lanes GEMM.
 ///
 /// # Safety
-/// As [`run_iq2xxs`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
+/// As [`run_grid`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-pub(super) unsafe fn run_iq2xxs_avx512(g: &Gemm<'_>, out: &mut [f32]) {
+pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok >= 16 && token_order(g, 0) == KOrder::Tiled {
         debug_assert!((0..g.ntok).all(|t| token_order(g, t) == KOrder::Tiled));
         // SAFETY: as this function's contract; every token sums in the tiled order.
-        unsafe { super::kq_lanes::gemm::<{ super::IQ2_XXS }>(g, 0, g.ntok, KOrder::Tiled, out) };
+        unsafe { super::kq_lanes::gemm::<KIND>(g, 0, g.ntok, KOrder::Tiled, out) };
     } else if g.ntok == 1 {
-        drive!(g, out, tile512, 4, 1);
+        drive!(g, out, tile512, 4, 1, KIND);
     } else {
-        drive!(g, out, tile512, 2, 4);
+        drive!(g, out, tile512, 2, 4, KIND);
     }
 }
 
@@ -116,15 +136,16 @@ pub(super) unsafe fn run_iq2xxs_avx512(g: &Gemm<'_>, out: &mut [f32]) {
 macro_rules! tile_fn {
     ($name:ident, $features:literal) => {
         /// # Safety
-        /// As [`run_iq2xxs`] (and the features named); `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
+        /// As [`run_grid`] (and the features named); `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
         #[target_feature(enable = $features)]
-        unsafe fn $name<const R: usize, const T: usize>(
+        unsafe fn $name<const R: usize, const T: usize, const KIND: u8>(
             g: &Gemm<'_>,
             r0: usize,
             t0: usize,
             out: &mut [f32],
         ) {
             let nb = g.cols / QK_K;
+            let (wb, post) = geometry(KIND);
             let order: [KOrder; T] = core::array::from_fn(|t| token_order(g, t0 + t));
             let mut acc = [[_mm256_setzero_ps(); T]; R];
             let mut acc_s = [[0f32; T]; R];
@@ -141,12 +162,12 @@ macro_rules! tile_fn {
                                 .read_unaligned();
                     }
                     for r in 0..R {
-                        let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * WB);
+                        let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * wb);
                         let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
                             wp.cast::<u16>().read_unaligned() as i32,
                         )));
                         let sb: [(__m256i, __m256i, i16); 8] =
-                            core::array::from_fn(|ib| sub_block(wp, ib));
+                            core::array::from_fn(|ib| sub_block::<KIND>(wp, ib));
                         for t in 0..T {
                             let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
                             let mut lanes = _mm256_setzero_si256();
@@ -160,7 +181,7 @@ macro_rules! tile_fn {
                                 );
                             }
                             if order[t] == KOrder::Tiled {
-                                acc_s[r][t] = (hsum_i32(lanes) as f32 * (dw * 0.125))
+                                acc_s[r][t] = (hsum_i32(lanes) as f32 * (dw * post))
                                     .mul_add(ad[t], acc_s[r][t]);
                             } else {
                                 acc[r][t] = _mm256_fmadd_ps(
@@ -178,7 +199,7 @@ macro_rules! tile_fn {
                             if order[t] == KOrder::Tiled {
                                 acc_s[r][t]
                             } else {
-                                0.125 * hsum8(acc[r][t])
+                                post * hsum8(acc[r][t])
                             };
                     }
                 }

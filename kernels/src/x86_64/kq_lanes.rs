@@ -1,5 +1,5 @@
-//! The prefill GEMM of the k-quants (q2_K, q3_K, q4_K, q5_K, q6_K), IQ4_XS and IQ2_XXS with
-//! tokens in the register lanes, as
+//! The prefill GEMM of the k-quants (q2_K, q3_K, q4_K, q5_K, q6_K), IQ4_XS, IQ2_XXS and IQ3_XXS
+//! with tokens in the register lanes, as
 //! llama.cpp's `ggml-cpu/tiled` VNNI kernel shapes it: one `vpdpbusd` per 64 multiply-adds,
 //! each weight super-block unpacked once per panel and token band, no horizontal reductions.
 //!
@@ -10,7 +10,7 @@
 //!   them as i16 pairs, and the 16 scales as f32.
 //! - Weights: four codes of one row, broadcast to all lanes, are the unsigned operand. A
 //!   sub-block's 16 raw sums are scaled by one `vpmulld`; the mins (q4_K/q5_K) and the codes'
-//!   offset (q6_K 32, q3_K 4, IQ4_XS and IQ2_XXS 128: their values looked up as `value + 128`) come from the
+//!   offset (q6_K 32, q3_K 4, the IQ types 128: their values looked up as `value + 128`) come from the
 //!   i16 pairs by `vpdpwssd`. (Weights as the signed operand, broadcast from memory into each
 //!   `vpdpbusd` and the activations biased instead, measured slower: a broadcast register
 //!   serves the G token groups, a memory operand is loaded again for each.)
@@ -23,7 +23,8 @@
 
 #![allow(clippy::needless_range_loop)]
 
-use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod, IQ2_XXS, IQ4_XS, Q2_K, Q3_K, Q6_K};
+use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod, IQ2_XXS, IQ3_XXS, IQ4_XS};
+use super::{Q2_K, Q3_K, Q6_K};
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
 use crate::scalar::KOrder;
@@ -280,23 +281,30 @@ unsafe fn unpack_panel<const KIND: u8>(
                 wr.dmin = super::avx512q::f16_to_f32(p.add(82));
             }
             continue;
-        } else if KIND == IQ2_XXS {
-            // SAFETY: as above (one IQ2_XXS super-block).
-            let u = unsafe { super::iq2::codes_u8(p) };
+        } else if KIND == IQ2_XXS || KIND == IQ3_XXS {
+            // SAFETY: as above (one super-block of KIND).
+            let u = unsafe { super::iq2::codes_u8::<KIND>(p) };
             for (c, v) in u.iter().enumerate() {
                 // SAFETY: 32 bytes of `codes` at 32c.
                 unsafe { _mm256_storeu_si256(wr.codes.as_mut_ptr().add(32 * c).cast(), *v) };
             }
             for j in 0..8 {
-                // SAFETY: sub-block j's second word at 6 + 8j.
-                let w1 = unsafe { p.add(6 + 8 * j).cast::<u32>().read_unaligned() };
+                // SAFETY: sub-block j's sign/scale word (IQ2_XXS at 6 + 8j, IQ3_XXS 66 + 4j).
+                let w1 = unsafe {
+                    let o = if KIND == IQ2_XXS {
+                        6 + 8 * j
+                    } else {
+                        66 + 4 * j
+                    };
+                    p.add(o).cast::<u32>().read_unaligned()
+                };
                 wr.sc[j] = 2 * (w1 >> 28) as i32 + 1;
             }
             for q in 0..4 {
                 wr.pairs[q] = pair(wr.sc[2 * q], wr.sc[2 * q + 1]);
             }
-            // SAFETY: the f16 scale at 0; ggml's tiled matmul folds the 1/8 into it.
-            wr.d = unsafe { super::avx512q::f16_to_f32(p) } * 0.125;
+            // SAFETY: the f16 scale at 0; ggml's tiled matmul folds 1/8 (1/4) into it.
+            wr.d = unsafe { super::avx512q::f16_to_f32(p) } * super::iq2::geometry(KIND).1;
             wr.dmin = 0.0;
             continue;
         } else if KIND == IQ4_XS {
@@ -458,7 +466,7 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
         }
         match order {
             KOrder::Sb64 | KOrder::Sb128 => {}
-            KOrder::Tiled if KIND == IQ4_XS || KIND == IQ2_XXS => {
+            KOrder::Tiled if KIND == IQ4_XS || KIND == IQ2_XXS || KIND == IQ3_XXS => {
                 // Codes carry +128: remove 128 · Σ_j sc_j · (the 32-value block sums).
                 for i in 0..R {
                     for k in 0..NG {

@@ -144,6 +144,7 @@ pub(crate) const IQ4_XS: u8 = 16;
 pub(crate) const IQ4_NL: u8 = 17;
 pub(crate) const Q2_K: u8 = 18;
 pub(crate) const IQ2_XXS: u8 = 19;
+pub(crate) const IQ3_XXS: u8 = 20;
 
 /// Bytes per block of a legacy (32-value) kind.
 pub(crate) const fn legacy_block_bytes(kind: u8) -> usize {
@@ -196,6 +197,7 @@ pub(crate) const fn k_block_bytes(kind: u8) -> usize {
     match kind {
         Q2_K => 84,
         IQ2_XXS => 66,
+        IQ3_XXS => 98,
         Q3_K => 110,
         IQ4_XS => 136,
         Q4_K => 144,
