@@ -973,7 +973,7 @@ unsafe fn k_rows<const KIND: u8>(p: [*const u8; 4]) -> KRows {
 /// of that lane (exact).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
-fn reduce_lanes(v0: __m512i, v1: __m512i, v2: __m512i, v3: __m512i) -> __m512i {
+pub(super) fn reduce_lanes(v0: __m512i, v1: __m512i, v2: __m512i, v3: __m512i) -> __m512i {
     let a01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
     let a23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
     _mm512_add_epi32(

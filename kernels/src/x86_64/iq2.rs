@@ -10,8 +10,8 @@
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
 
-use super::avx2::{hsum as hsum8, hsum_i32};
 use super::drive;
+use super::lanes8::{f16_at, Chains};
 use super::IQ2_XXS;
 use crate::iq_grids::{IQ2XXS_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 use crate::matmul::Gemm;
@@ -146,26 +146,15 @@ macro_rules! tile_fn {
         ) {
             let nb = g.cols / QK_K;
             let (wb, post) = geometry(KIND);
-            let order: [KOrder; T] = core::array::from_fn(|t| token_order(g, t0 + t));
-            let mut acc = [[_mm256_setzero_ps(); T]; R];
-            let mut acc_s = [[0f32; T]; R];
+            let mut ch = Chains::<R, T>::new(g, t0, post);
             // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens
             // t0..t0+T.
             unsafe {
                 for b in 0..nb {
-                    let mut ad = [0f32; T];
-                    for t in 0..T {
-                        ad[t] =
-                            g.a.as_ptr()
-                                .add((t0 + t) * g.a_stride + b * AB)
-                                .cast::<f32>()
-                                .read_unaligned();
-                    }
+                    let ad = Chains::<R, T>::dy(g, t0, b);
                     for r in 0..R {
                         let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * wb);
-                        let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                            wp.cast::<u16>().read_unaligned() as i32,
-                        )));
+                        let dw = f16_at(wp);
                         let sb: [(__m256i, __m256i, i16); 8] =
                             core::array::from_fn(|ib| sub_block::<KIND>(wp, ib));
                         for t in 0..T {
@@ -180,29 +169,11 @@ macro_rules! tile_fn {
                                     _mm256_madd_epi16(p, _mm256_set1_epi16(ls)),
                                 );
                             }
-                            if order[t] == KOrder::Tiled {
-                                acc_s[r][t] = (hsum_i32(lanes) as f32 * (dw * post))
-                                    .mul_add(ad[t], acc_s[r][t]);
-                            } else {
-                                acc[r][t] = _mm256_fmadd_ps(
-                                    _mm256_set1_ps(dw * ad[t]),
-                                    _mm256_cvtepi32_ps(lanes),
-                                    acc[r][t],
-                                );
-                            }
+                            ch.step(r, t, lanes, dw, ad[t]);
                         }
                     }
                 }
-                for r in 0..R {
-                    for t in 0..T {
-                        *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) =
-                            if order[t] == KOrder::Tiled {
-                                acc_s[r][t]
-                            } else {
-                                post * hsum8(acc[r][t])
-                            };
-                    }
-                }
+                ch.finish(g, r0, t0, out);
             }
         }
     };

@@ -19,7 +19,8 @@
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
 
-use super::avx2::{hsum as hsum8, hsum_i32};
+use super::avx512q::reduce_lanes;
+use super::lanes8::{f16_at, Chains};
 use super::{drive, IQ4_NL, Q4_0};
 use crate::matmul::Gemm;
 use crate::quant::{QK, QK_K};
@@ -237,18 +238,6 @@ pub(super) unsafe fn run_nl_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]
 /// Which row each lane of [`reduce16_pairs`] holds.
 const ROW_OF_LANE: [usize; 16] = [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15];
 
-/// Per 128-bit lane `L`: `[Σ_L v0, Σ_L v1, Σ_L v2, Σ_L v3]` (exact).
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-#[inline]
-fn reduce_lanes(v0: __m512i, v1: __m512i, v2: __m512i, v3: __m512i) -> __m512i {
-    let a01 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
-    let a23 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
-    _mm512_add_epi32(
-        _mm512_unpacklo_epi64(a01, a23),
-        _mm512_unpackhi_epi64(a01, a23),
-    )
-}
-
 /// `v[i]` holds row `2i` in its low 256 bits and row `2i + 1` in its high ones; the result's
 /// lane `j` is the sum of row [`ROW_OF_LANE`]`[j]`'s eight lanes (exact).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
@@ -411,28 +400,17 @@ macro_rules! xs_tile_fn {
             out: &mut [f32],
         ) {
             let nb = g.cols / QK_K;
-            let order: [KOrder; T] = core::array::from_fn(|t| token_order(g, t0 + t));
             let lut = lut_signed();
-            let mut acc = [[_mm256_setzero_ps(); T]; R];
-            let mut acc_s = [[0f32; T]; R];
+            let mut ch = Chains::<R, T>::new(g, t0, 1.0);
             // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens
             // t0..t0+T.
             unsafe {
                 for b in 0..nb {
-                    let mut ad = [0f32; T];
-                    for t in 0..T {
-                        ad[t] =
-                            g.a.as_ptr()
-                                .add((t0 + t) * g.a_stride + b * Q8_K_B)
-                                .cast::<f32>()
-                                .read_unaligned();
-                    }
+                    let ad = Chains::<R, T>::dy(g, t0, b);
                     for r in 0..R {
                         let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * XS_B);
                         let x = &*wp.cast::<[u8; XS_B]>();
-                        let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                            wp.cast::<u16>().read_unaligned() as i32,
-                        )));
+                        let dw = f16_at(wp);
                         let v: [__m256i; 8] =
                             core::array::from_fn(|c| values(wp.add(8 + 16 * c), lut));
                         let s: [__m256i; 8] = core::array::from_fn(|c| {
@@ -446,29 +424,11 @@ macro_rules! xs_tile_fn {
                                 let p = _mm256_madd_epi16(mul_pairs(v[c], a), s[c]);
                                 lanes = _mm256_add_epi32(lanes, p);
                             }
-                            if order[t] == KOrder::Tiled {
-                                acc_s[r][t] =
-                                    (hsum_i32(lanes) as f32 * dw).mul_add(ad[t], acc_s[r][t]);
-                            } else {
-                                acc[r][t] = _mm256_fmadd_ps(
-                                    _mm256_set1_ps(dw * ad[t]),
-                                    _mm256_cvtepi32_ps(lanes),
-                                    acc[r][t],
-                                );
-                            }
+                            ch.step(r, t, lanes, dw, ad[t]);
                         }
                     }
                 }
-                for r in 0..R {
-                    for t in 0..T {
-                        *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) =
-                            if order[t] == KOrder::Tiled {
-                                acc_s[r][t]
-                            } else {
-                                hsum8(acc[r][t])
-                            };
-                    }
-                }
+                ch.finish(g, r0, t0, out);
             }
         }
     };
@@ -526,7 +486,6 @@ unsafe fn xs_tile512<const R: usize, const T: usize>(
     out: &mut [f32],
 ) {
     let nb = g.cols / QK_K;
-    let order: [KOrder; T] = core::array::from_fn(|t| token_order(g, t0 + t));
     // SAFETY: 16 readable bytes.
     let lut = _mm512_broadcast_i32x4(unsafe { _mm_loadu_si128(KVALUES_IQ4NL.as_ptr().cast()) });
     // Pair m's scales: sub-block 2m in the low 256 bits, 2m + 1 in the high.
@@ -536,30 +495,21 @@ unsafe fn xs_tile512<const R: usize, const T: usize>(
             _mm256_set1_epi16(2 * m as i16 + 1),
         )
     });
-    let mut acc = [[_mm256_setzero_ps(); T]; R];
-    let mut acc_s = [[0f32; T]; R];
+    let mut ch = Chains::<R, T>::new(g, t0, 1.0);
     // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T.
     unsafe {
         for b in 0..nb {
-            let mut ad = [0f32; T];
-            for t in 0..T {
-                ad[t] =
-                    g.a.as_ptr()
-                        .add((t0 + t) * g.a_stride + b * Q8_K_B)
-                        .cast::<f32>()
-                        .read_unaligned();
-            }
+            let ad = Chains::<R, T>::dy(g, t0, b);
             for r in 0..R {
                 let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * XS_B);
                 if b % 2 == 0 {
-                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * R * g.w_stride).cast());
-                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * R * g.w_stride + 64).cast());
-                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * R * g.w_stride + 128).cast());
-                    _mm_prefetch::<_MM_HINT_T0>(wp.wrapping_add(2 * R * g.w_stride + 192).cast());
+                    for line in 0..4 {
+                        _mm_prefetch::<_MM_HINT_T0>(
+                            wp.wrapping_add(2 * R * g.w_stride + 64 * line).cast(),
+                        );
+                    }
                 }
-                let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                    wp.cast::<u16>().read_unaligned() as i32,
-                )));
+                let dw = f16_at(wp);
                 let sc8 = _mm512_castsi128_si512(xs_scales16(wp));
                 let mut aw = [_mm512_setzero_si512(); 4];
                 let mut neg = [0u64; 4];
@@ -590,26 +540,10 @@ unsafe fn xs_tile512<const R: usize, const T: usize>(
                         _mm512_castsi512_si256(lanes),
                         _mm512_extracti64x4_epi64::<1>(lanes),
                     );
-                    if order[t] == KOrder::Tiled {
-                        acc_s[r][t] = (hsum_i32(lanes) as f32 * dw).mul_add(ad[t], acc_s[r][t]);
-                    } else {
-                        acc[r][t] = _mm256_fmadd_ps(
-                            _mm256_set1_ps(dw * ad[t]),
-                            _mm256_cvtepi32_ps(lanes),
-                            acc[r][t],
-                        );
-                    }
+                    ch.step(r, t, lanes, dw, ad[t]);
                 }
             }
         }
-        for r in 0..R {
-            for t in 0..T {
-                *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) = if order[t] == KOrder::Tiled {
-                    acc_s[r][t]
-                } else {
-                    hsum8(acc[r][t])
-                };
-            }
-        }
+        ch.finish(g, r0, t0, out);
     }
 }

@@ -11,8 +11,8 @@
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
 
-use super::avx2::{hsum as hsum8, hsum_i32};
 use super::drive;
+use super::lanes8::{f16_at, Chains};
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
 use crate::scalar::{q3k_scale_words, token_order, KOrder};
@@ -149,20 +149,11 @@ macro_rules! tile_fn {
             out: &mut [f32],
         ) {
             let nb = g.cols / QK_K;
-            let order: [KOrder; T] = core::array::from_fn(|t| token_order(g, t0 + t));
-            let mut acc = [[_mm256_setzero_ps(); T]; R];
-            let mut acc_s = [[0f32; T]; R];
+            let mut ch = Chains::<R, T>::new(g, t0, 1.0);
             // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T.
             unsafe {
                 for b in 0..nb {
-                    let mut ad = [0f32; T];
-                    for t in 0..T {
-                        ad[t] =
-                            g.a.as_ptr()
-                                .add((t0 + t) * g.a_stride + b * AB)
-                                .cast::<f32>()
-                                .read_unaligned();
-                    }
+                    let ad = Chains::<R, T>::dy(g, t0, b);
                     // Per token and chunk: 4 · (a[2i] + a[2i+1]), the offset's share of each i16
                     // pair (exact: |·| <= 1016), shared by the tile's rows.
                     let mut corr = [[_mm256_setzero_si256(); 8]; T];
@@ -183,9 +174,7 @@ macro_rules! tile_fn {
                             _mm256_permute2x128_si256::<0x00>(sc16, sc16),
                             _mm256_permute2x128_si256::<0x11>(sc16, sc16),
                         ];
-                        let dw = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-                            wp.add(108).cast::<u16>().read_unaligned() as i32,
-                        )));
+                        let dw = f16_at(wp.add(108));
                         let s: [__m256i; 8] = core::array::from_fn(|c| {
                             _mm256_shuffle_epi8(
                                 halves[c / 4],
@@ -201,29 +190,11 @@ macro_rules! tile_fn {
                                 let p = _mm256_sub_epi16(_mm256_maddubs_epi16(u[c], a), corr[t][c]);
                                 lanes = _mm256_add_epi32(lanes, _mm256_madd_epi16(s[c], p));
                             }
-                            if order[t] == KOrder::Tiled {
-                                acc_s[r][t] =
-                                    (hsum_i32(lanes) as f32 * dw).mul_add(ad[t], acc_s[r][t]);
-                            } else {
-                                acc[r][t] = _mm256_fmadd_ps(
-                                    _mm256_set1_ps(ad[t] * dw),
-                                    _mm256_cvtepi32_ps(lanes),
-                                    acc[r][t],
-                                );
-                            }
+                            ch.step(r, t, lanes, dw, ad[t]);
                         }
                     }
                 }
-                for r in 0..R {
-                    for t in 0..T {
-                        *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) =
-                            if order[t] == KOrder::Tiled {
-                                acc_s[r][t]
-                            } else {
-                                hsum8(acc[r][t])
-                            };
-                    }
-                }
+                ch.finish(g, r0, t0, out);
             }
         }
     };

@@ -1,0 +1,103 @@
+//! The float side shared by the tiles of the types whose `vec_dot` keeps eight f32 lanes per
+//! super-block and whose tiled matmul takes one f32 step (`scalar::lanes8_then_tiled`: q3_K,
+//! IQ4_XS, IQ2_XXS, IQ3_XXS): each (row, token) of a tile keeps the chain of the order its token
+//! takes, [`KOrder::Lanes8`] (eight lanes, `post · hsum8` at the end) or [`KOrder::Tiled`] (one
+//! scalar, `dw · post` per step), exactly as `scalar::vec_dot_sub32` / `vec_dot_q3k` do.
+
+use super::avx2::{hsum as hsum8, hsum_i32};
+use crate::matmul::Gemm;
+use crate::scalar::{token_order, KOrder};
+use core::arch::x86_64::*;
+
+/// Bytes of a q8_K super-block.
+const AB: usize = 292;
+
+/// The chains of an `R`-row × `T`-token tile.
+pub(super) struct Chains<const R: usize, const T: usize> {
+    order: [KOrder; T],
+    post: f32,
+    acc: [[__m256; T]; R],
+    acc_s: [[f32; T]; R],
+}
+
+impl<const R: usize, const T: usize> Chains<R, T> {
+    /// Empty chains for tokens `t0..t0+T` of `g`; `post` is the type's factor after the lanes
+    /// (and inside the tiled step's scale): 1, or 0.125 / 0.25 for IQ2_XXS / IQ3_XXS.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) fn new(g: &Gemm<'_>, t0: usize, post: f32) -> Self {
+        Chains {
+            order: core::array::from_fn(|t| token_order(g, t0 + t)),
+            post,
+            acc: [[_mm256_setzero_ps(); T]; R],
+            acc_s: [[0f32; T]; R],
+        }
+    }
+
+    /// The q8_K scales of tokens `t0..t0+T` at super-block `b`.
+    ///
+    /// # Safety
+    /// Super-block `b` and the tokens lie in `g`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) unsafe fn dy(g: &Gemm<'_>, t0: usize, b: usize) -> [f32; T] {
+        core::array::from_fn(|t| {
+            // SAFETY: as the contract: the f32 at the start of the token's super-block.
+            unsafe {
+                g.a.as_ptr()
+                    .add((t0 + t) * g.a_stride + b * AB)
+                    .cast::<f32>()
+                    .read_unaligned()
+            }
+        })
+    }
+
+    /// One super-block of (row `r`, token `t`): its eight exact lanes, the row's f16 scale `dw`
+    /// and the token's `dy`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) fn step(&mut self, r: usize, t: usize, lanes: __m256i, dw: f32, dy: f32) {
+        if self.order[t] == KOrder::Tiled {
+            self.acc_s[r][t] =
+                (hsum_i32(lanes) as f32 * (dw * self.post)).mul_add(dy, self.acc_s[r][t]);
+        } else {
+            self.acc[r][t] = _mm256_fmadd_ps(
+                _mm256_set1_ps(dw * dy),
+                _mm256_cvtepi32_ps(lanes),
+                self.acc[r][t],
+            );
+        }
+    }
+
+    /// Writes the tile's results to `out` (token-major).
+    ///
+    /// # Safety
+    /// Rows `r0..r0+R` and tokens `t0..t0+T` lie in `g`; `out.len() == g.ntok * g.nrows`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) unsafe fn finish(&self, g: &Gemm<'_>, r0: usize, t0: usize, out: &mut [f32]) {
+        for r in 0..R {
+            for t in 0..T {
+                let v = if self.order[t] == KOrder::Tiled {
+                    self.acc_s[r][t]
+                } else {
+                    self.post * hsum8(self.acc[r][t])
+                };
+                // SAFETY: as the contract.
+                unsafe { *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) = v };
+            }
+        }
+    }
+}
+
+/// The f16 at `p` as f32.
+///
+/// # Safety
+/// F16C available; 2 bytes readable at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
+    // SAFETY: as the contract.
+    let bits = unsafe { p.cast::<u16>().read_unaligned() };
+    _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
+}
