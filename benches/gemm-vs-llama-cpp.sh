@@ -9,7 +9,7 @@
 #     ggml_backend_cpu_set_n_threads(THREADS). It times two paths where they differ:
 #       plain   weights in the default CPU buffer (what test-backend-ops measures): llamafile's
 #               tinyBLAS for f16/bf16/q8_0/q4_0/q5_0, the tiled K-quant matmul (ggml-cpu/tiled,
-#               from 8 tokens) for q2_K/q3_K/q4_K/q5_K/q6_K/iq4_xs, the vec_dot loop for q4_1/q5_1 (no GEMM
+#               from 8 tokens) for q2_K/q3_K/q4_K/q5_K/q6_K and the IQ types, the vec_dot loop for q4_1/q5_1 (no GEMM
 #               for them on x86) and tq1_0/tq2_0
 #       repack  weights in the CPU_REPACK extra buffer type, which llama.cpp loads a model's
 #               weights into by default (on x86: q4_0 -> q4_0_8x8, q4_K -> q4_K_8x8,
@@ -103,7 +103,7 @@ static std::vector<uint8_t> fill_weights(ggml_type type, size_t len) {
     std::vector<size_t> offs;
     switch (type) {
         case GGML_TYPE_Q8_0: case GGML_TYPE_Q4_0: case GGML_TYPE_Q5_0: offs = {0}; break;
-        case GGML_TYPE_IQ4_NL: case GGML_TYPE_IQ4_XS: offs = {0}; break;
+        case GGML_TYPE_IQ4_NL: case GGML_TYPE_IQ4_XS: case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ3_XXS: offs = {0}; break;
         case GGML_TYPE_Q4_K: case GGML_TYPE_Q5_K: case GGML_TYPE_Q4_1: case GGML_TYPE_Q5_1: offs = {0, 2}; break;
         case GGML_TYPE_Q6_K: offs = {208}; break;
         case GGML_TYPE_Q3_K: offs = {108}; break;

@@ -3,7 +3,7 @@
 //!
 //! usage: gemm_bench TYPES M K N THREADS RUNS
 //!   TYPES   comma-separated weight types by ggml name (f16,bf16,q8_0,q4_0,q5_0,q4_1,q5_1,q4_K,
-//!           q2_K,q3_K,q5_K,q6_K,iq4_nl,iq4_xs,tq1_0,tq2_0) or ternfleet's (tf2,tf1)
+//!           q2_K,q3_K,q5_K,q6_K,iq4_nl,iq4_xs,iq2_xxs,iq3_xxs,tq1_0,tq2_0) or ternfleet's (tf2,tf1)
 //!   M, K    weight rows (output features) and columns (input features); N tokens
 //!
 //! One timed run is what the engine does for a prefill matmul: quantize the N f32 activation
@@ -55,7 +55,7 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     }
     let f16_offsets: &[usize] = match ty {
         GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
-        GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
+        GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::IQ2_XXS | GgmlType::IQ3_XXS => &[0],
         GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => &[0, 2],
         GgmlType::Q6_K => &[208],
         GgmlType::Q3_K => &[108],
