@@ -155,21 +155,20 @@ macro_rules! tile_fn {
                     for r in 0..R {
                         let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * wb);
                         let dw = f16_at(wp);
-                        let sb: [(__m256i, __m256i, i16); 8] =
-                            core::array::from_fn(|ib| sub_block::<KIND>(wp, ib));
-                        for t in 0..T {
-                            let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
-                            let mut lanes = _mm256_setzero_si256();
-                            for ib in 0..8 {
-                                let (gv, sv, ls) = sb[ib];
+                        // Sub-block by sub-block, each unpacked once for the tile's tokens.
+                        let mut lanes = [_mm256_setzero_si256(); T];
+                        for ib in 0..8 {
+                            let (gv, sv, ls) = sub_block::<KIND>(wp, ib);
+                            let ls = _mm256_set1_epi16(ls);
+                            for t in 0..T {
+                                let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
                                 let a = _mm256_loadu_si256(q8.add(32 * ib).cast());
                                 let p = _mm256_maddubs_epi16(gv, _mm256_sign_epi8(a, sv));
-                                lanes = _mm256_add_epi32(
-                                    lanes,
-                                    _mm256_madd_epi16(p, _mm256_set1_epi16(ls)),
-                                );
+                                lanes[t] = _mm256_add_epi32(lanes[t], _mm256_madd_epi16(p, ls));
                             }
-                            ch.step(r, t, lanes, dw, ad[t]);
+                        }
+                        for t in 0..T {
+                            ch.step(r, t, lanes[t], dw, ad[t]);
                         }
                     }
                 }
