@@ -19,6 +19,7 @@ OUT = os.path.join(ROOT, "kernels/src/iq_grids.rs")
 
 # (C name, C type, Rust name, Rust type)
 TABLES = [
+    ("kvalues_iq4nl", "int8_t", "KVALUES_IQ4NL", "i8"),
     ("ksigns_iq2xs", "uint8_t", "KSIGNS_IQ2XS", "u8"),
     ("iq2xxs_grid", "uint64_t", "IQ2XXS_GRID", "u64"),
     ("iq2xs_grid", "uint64_t", "IQ2XS_GRID", "u64"),
@@ -36,14 +37,17 @@ def parse(text, name, ctype):
     if not m:
         sys.exit(f"make-iq-grids: table {name} not found")
     body = re.sub(r"//[^\n]*", "", m.group(1))
-    return [int(v, 0) for v in re.findall(r"0x[0-9a-fA-F]+|\d+", body)]
+    if "/*" in body or "#" in body:
+        sys.exit(f"make-iq-grids: table {name} has a block comment or a preprocessor line")
+    return [int(v, 0) for v in re.findall(r"-?0x[0-9a-fA-F]+|-?\d+", body)]
 
 
 def main():
     src = sys.argv[1] if len(sys.argv) > 1 else DEFAULT
     text = open(src).read()
     out = [
-        "//! The lookup tables of ggml's IQ weight types (grids of small values and sign patterns),",
+        "//! The lookup tables of ggml's IQ weight types (grids of small values, sign patterns, the",
+        "//! non-linear 4-bit values),",
         "//! as data, written by `scripts/make-iq-grids.py` from llama.cpp's `ggml/src/ggml-common.h`",
         "//! (the llama-cpp-python 0.3.36 sdist); `shared/tests/iq_grids.rs` checks them against that",
         "//! source. Do not edit by hand.",
@@ -68,22 +72,22 @@ def main():
         "//! OTHERWISE, ARISING FROM, OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER",
         "//! DEALINGS IN THE SOFTWARE.",
         "",
-        "/// (ggml name, values as u64) of every table, for the test against ggml's source.",
-        "pub fn all() -> [(&'static str, Vec<u64>); %d] {" % len(TABLES),
+        "/// (ggml name, values) of every table, for the test against ggml's source.",
+        "pub fn all() -> [(&'static str, Vec<i128>); %d] {" % len(TABLES),
         "    [",
     ]
     for cname, _, rname, rtype in TABLES:
-        vals = f"{rname}.to_vec()" if rtype == "u64" else f"{rname}.iter().map(|&v| u64::from(v)).collect()"
-        out.append(f'        ("{cname}", {vals}),')
+        out.append(f'        ("{cname}", {rname}.iter().map(|&v| i128::from(v)).collect()),')
     out += ["    ]", "}", ""]
     for cname, ctype, rname, rtype in TABLES:
         vals = parse(text, cname, ctype)
-        width = {"u8": 2, "u32": 8, "u64": 16}[rtype]
-        per = {"u8": 12, "u32": 6, "u64": 4}[rtype]
+        width = {"i8": 0, "u8": 2, "u32": 8, "u64": 16}[rtype]
+        per = {"i8": 16, "u8": 12, "u32": 6, "u64": 4}[rtype]
+        fmt = (lambda v: f"{v},") if rtype == "i8" else (lambda v: f"0x{v:0{width}x},")
         out.append(f"/// ggml's `{cname}`.")
         out.append(f"pub const {rname}: [{rtype}; {len(vals)}] = [")
         for i in range(0, len(vals), per):
-            out.append("    " + " ".join(f"0x{v:0{width}x}," for v in vals[i:i + per]))
+            out.append("    " + " ".join(fmt(v) for v in vals[i:i + per]))
         out.append("];")
         out.append("")
     with open(OUT, "w") as f:

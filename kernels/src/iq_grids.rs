@@ -1,4 +1,5 @@
-//! The lookup tables of ggml's IQ weight types (grids of small values and sign patterns),
+//! The lookup tables of ggml's IQ weight types (grids of small values, sign patterns, the
+//! non-linear 4-bit values),
 //! as data, written by `scripts/make-iq-grids.py` from llama.cpp's `ggml/src/ggml-common.h`
 //! (the llama-cpp-python 0.3.36 sdist); `shared/tests/iq_grids.rs` checks them against that
 //! source. Do not edit by hand.
@@ -23,18 +24,24 @@
 //! OTHERWISE, ARISING FROM, OUT OF OR IN CONNECTION WITH THE SOFTWARE OR THE USE OR OTHER
 //! DEALINGS IN THE SOFTWARE.
 
-/// (ggml name, values as u64) of every table, for the test against ggml's source.
-pub fn all() -> [(&'static str, Vec<u64>); 7] {
+/// (ggml name, values) of every table, for the test against ggml's source.
+pub fn all() -> [(&'static str, Vec<i128>); 8] {
     [
-        ("ksigns_iq2xs", KSIGNS_IQ2XS.iter().map(|&v| u64::from(v)).collect()),
-        ("iq2xxs_grid", IQ2XXS_GRID.to_vec()),
-        ("iq2xs_grid", IQ2XS_GRID.to_vec()),
-        ("iq2s_grid", IQ2S_GRID.to_vec()),
-        ("iq3xxs_grid", IQ3XXS_GRID.iter().map(|&v| u64::from(v)).collect()),
-        ("iq3s_grid", IQ3S_GRID.iter().map(|&v| u64::from(v)).collect()),
-        ("iq1s_grid", IQ1S_GRID.to_vec()),
+        ("kvalues_iq4nl", KVALUES_IQ4NL.iter().map(|&v| i128::from(v)).collect()),
+        ("ksigns_iq2xs", KSIGNS_IQ2XS.iter().map(|&v| i128::from(v)).collect()),
+        ("iq2xxs_grid", IQ2XXS_GRID.iter().map(|&v| i128::from(v)).collect()),
+        ("iq2xs_grid", IQ2XS_GRID.iter().map(|&v| i128::from(v)).collect()),
+        ("iq2s_grid", IQ2S_GRID.iter().map(|&v| i128::from(v)).collect()),
+        ("iq3xxs_grid", IQ3XXS_GRID.iter().map(|&v| i128::from(v)).collect()),
+        ("iq3s_grid", IQ3S_GRID.iter().map(|&v| i128::from(v)).collect()),
+        ("iq1s_grid", IQ1S_GRID.iter().map(|&v| i128::from(v)).collect()),
     ]
 }
+
+/// ggml's `kvalues_iq4nl`.
+pub const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 
 /// ggml's `ksigns_iq2xs`.
 pub const KSIGNS_IQ2XS: [u8; 128] = [

@@ -79,9 +79,7 @@ pub(crate) fn scale_min_k4(j: usize, q: &[u8]) -> (u8, u8) {
 }
 
 /// ggml-common.h `kvalues_iq4nl`: the 16 values an IQ4_NL / IQ4_XS code stands for.
-pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
-    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
-];
+pub(crate) use crate::iq_grids::KVALUES_IQ4NL;
 
 /// The 6-bit scale (still offset by 32) of 32-value sub-block `ib` of an IQ4_XS super-block
 /// (`dequantize_row_iq4_xs`): four bits from `scales_l`, two from `scales_h`.

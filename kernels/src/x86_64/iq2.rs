@@ -56,7 +56,7 @@ static SIGNS64: [u64; 128] = {
 /// order), the 32 signs as ±1 bytes, and its scale `2·ls + 1`.
 ///
 /// # Safety
-/// AVX2 available; `p` readable for one super-block.
+/// AVX2 available; `p` readable for one super-block; `ib < 8`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
 pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> (__m256i, __m256i, i16) {

@@ -1,7 +1,7 @@
 //! The 4-bit types whose code is an index into a table of 16 values, looked up with one
 //! `vpshufb`: q4_0 (`code - 8`) and IQ4_NL (ggml's `kvalues_iq4nl`) against q8_0, IQ4_XS
 //! (`kvalues_iq4nl`, 256-value super-blocks) against q8_K; bit-identical to
-//! `scalar::vec_dot_block_chain` / `scalar::vec_dot_iq4xs`.
+//! `scalar::vec_dot_block_chain` / `scalar::vec_dot_sub32`.
 //!
 //! - q4_0 and IQ4_NL sum in the order of ggml's repacked `q4_0_8x8` / `iq4_nl_8x8` kernels
 //!   (one template, `gemv/gemm_q4_b32_8x8_q8_0_lut_avx`): per (row, token) one f32
@@ -230,8 +230,12 @@ pub(super) unsafe fn run_nl_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]
     if g.ntok >= 16 {
         // SAFETY: as this function's contract.
         unsafe { super::nl_lanes::gemm::<KIND>(g, 0, g.ntok, out) };
-    } else {
+    } else if 15 * g.w_stride <= i32::MAX as usize {
         drive_nl!(g, out, nl_tile16, 16, KIND);
+    } else {
+        // Rows too long for the 16-row tile's i32 gather offsets (over ~254M columns): the
+        // 8-row tile, same bits.
+        drive_nl!(g, out, nl_tile8, 8, KIND);
     }
 }
 
@@ -306,8 +310,8 @@ unsafe fn nl_tile16<const T: usize, const KIND: u8>(
     let c128 = _mm256_set1_epi8(-128);
     let mut acc = [_mm512_setzero_ps(); T];
     // SAFETY (whole body): blocks below `nb` of rows r0..r0+n (the offsets repeat valid rows,
-    // and 16 rows' offsets fit i32: `Gemm::new` bounds the matrix by the slice) and of tokens
-    // t0..t0+T; side-table indices below `g.ntok * nb`.
+    // and the gather's offsets, at most 15 · w_stride, fit i32: `run_nl_avx512` takes this
+    // tile only then) and of tokens t0..t0+T; side-table indices below `g.ntok * nb`.
     unsafe {
         let w = g.w.as_ptr().add(r0 * g.w_stride);
         for b in 0..nb {

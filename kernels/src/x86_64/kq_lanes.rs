@@ -18,8 +18,8 @@
 //!   [`KOrder::Sb64`] / [`KOrder::Sb128`] (one step per 64 / 128 values) or [`KOrder::Tiled`]. All integer sums are
 //!   exact, so every output equals `scalar::matmul`'s bit for bit.
 //!
-//! Used from 16 tokens on, where every token's order is one of those three (q6_K's and q3_K's
-//! `vec_dot` order [`KOrder::Lanes8`] applies only below 8 tokens).
+//! Used from 16 tokens on, where every token's order is one of those four ([`KOrder::Lanes8`],
+//! the `vec_dot` order of q6_K, q3_K and the IQ types, applies only below 8 tokens).
 
 #![allow(clippy::needless_range_loop)]
 
@@ -49,7 +49,8 @@ struct ActBlock {
     /// Quad `q`: bytes `4t..4t+4` = token `t`'s values `4q..4q+4`.
     codes: [__m512i; 64],
     /// Pair `p`: lane `t` = token `t`'s sub-block sums `2p` and `2p + 1` as two i16 (q4_K /
-    /// q5_K: 4 pairs over 32-value sub-blocks; q6_K, q3_K: 8 pairs over 16-value sub-blocks).
+    /// q5_K and the IQ types: 4 pairs over 32-value sub-blocks; q6_K, q3_K, q2_K: 8 pairs over
+    /// 16-value sub-blocks).
     pairs: [__m512i; 8],
     /// Lane `t` = token `t`'s q8_K scale.
     d: __m512,
@@ -63,10 +64,12 @@ unsafe impl Pod for ActBlock {}
 #[repr(C, align(64))]
 struct WRow {
     codes: [u8; QK_K],
-    /// Sub-block scales (q4_K/q5_K: 8, 6-bit; q6_K, q3_K: 16, signed).
+    /// Sub-block scales (q4_K/q5_K: 8, 6-bit; q6_K, q3_K: 16, signed; q2_K: 16, 4-bit; the IQ
+    /// types: 8, signed).
     sc: [i32; 16],
-    /// i16 pairs for `vpdpwssd`: q4_K/q5_K the mins `(m[2p], m[2p+1])`; q6_K, q3_K the
-    /// scales `(sc[2p], sc[2p+1])`.
+    /// i16 pairs for `vpdpwssd`: q4_K/q5_K (4) and q2_K (8) the mins `(m[2p], m[2p+1])`; q6_K,
+    /// q3_K (8) and the IQ types (4) the scales `(sc[2p], sc[2p+1])`, which remove the codes'
+    /// offset.
     pairs: [i32; 8],
     d: f32,
     dmin: f32,
@@ -96,6 +99,13 @@ pub(super) unsafe fn gemm<const KIND: u8>(
     order: KOrder,
     out: &mut [f32],
 ) {
+    // The (kind, order) pairs `micro` implements: the IQ types and q6_K / q3_K only tiled
+    // (their offset comes out there), q2_K never tiled.
+    debug_assert!(match KIND {
+        Q6_K | Q3_K | IQ4_XS | IQ2_XXS | IQ3_XXS => order == KOrder::Tiled,
+        Q2_K => matches!(order, KOrder::Sb256 | KOrder::Sb128),
+        _ => matches!(order, KOrder::Sb256 | KOrder::Sb64 | KOrder::Tiled),
+    });
     let nsb = g.cols / QK_K;
     let ngroups = (t1 - t0).div_ceil(LANES);
     let band = BAND_GROUPS.min(ngroups);
@@ -185,7 +195,7 @@ unsafe fn prep_band(
     acts: &mut [ActBlock],
 ) {
     let nsb = g.cols / QK_K;
-    // 16-value sub-blocks (q6_K, q3_K) take their block sums as they are.
+    // 16-value sub-blocks (q6_K, q3_K, q2_K) take their block sums as they are.
     let sub16 = matches!(
         g.wty,
         crate::quant::GgmlType::Q6_K | crate::quant::GgmlType::Q3_K | crate::quant::GgmlType::Q2_K
@@ -372,8 +382,8 @@ unsafe fn unpack_panel<const KIND: u8>(
 }
 
 /// `Σ_{p < n} pairs_w[p] · pairs_a[p]` per token lane (i16 pairs, exact): a row's mins
-/// against the tokens' block sums (q4_K/q5_K, `n = 4`), or q6_K's / q3_K's scales against them
-/// (`n = 8`).
+/// against the tokens' block sums (q4_K/q5_K `n = 4`, q2_K `n = 8`), or the scales against
+/// them to remove the codes' offset (q6_K, q3_K `n = 8`; the IQ types `n = 4`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 fn pair_dot(w: &WRow, a: &ActBlock, n: usize) -> __m512i {
