@@ -823,31 +823,9 @@ pub(super) unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         return;
     }
     if g.ntok >= LANES_MIN_TOKENS {
-        // From 16 tokens every token sums in Sb64, Sb256 or Tiled (`token_order`). The order
-        // changes at most once, for q4_K's parity order: the last `ntok % 4` tokens take the
-        // GEMV's; those 1–3 tokens go through the 4 × 4 tiles below as a problem of their own
-        // (the lanes GEMM would spend a 16-token group on them).
-        let split = if token_order(g, 0) == token_order(g, g.ntok - 1) {
-            g.ntok
-        } else {
-            g.ntok / 4 * 4
-        };
-        debug_assert!(super::kq_lanes::handles(token_order(g, 0)));
-        // SAFETY: as this function's contract; every token of 0..split sums in
-        // token_order(g, 0).
-        unsafe { super::kq_lanes::gemm::<KIND>(g, 0, split, token_order(g, 0), out) };
-        if split < g.ntok {
-            let tail = Gemm {
-                a: &g.a[split * g.a_stride..],
-                ntok: g.ntok - split,
-                a_scales: &[],
-                ..*g
-            };
-            // The tail alone has fewer than 4 tokens: `k_order` gives each of them the GEMV's
-            // order, as in the whole batch.
-            // SAFETY: as this function's contract, for the tail's tokens and output rows.
-            unsafe { run_k::<KIND>(&tail, &mut out[split * g.nrows..]) };
-        }
+        // From 16 tokens every token sums in Sb64, Sb256 or Tiled (`token_order`).
+        // SAFETY: as this function's contract; the rest is this entry point's own problem.
+        unsafe { super::kq_lanes::gemm_then_rest::<KIND>(g, out, run_k::<KIND>) };
         return;
     }
     let nsb = g.cols / QK_K;

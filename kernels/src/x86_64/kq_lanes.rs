@@ -86,6 +86,42 @@ pub(super) fn handles(order: KOrder) -> bool {
     )
 }
 
+/// From 16 tokens: the batch through [`gemm`] in its first token's order. Where that order
+/// changes for the last `ntok % 4` tokens (q4_K's and q2_K's parity orders: the repacked GEMM
+/// for whole groups of four, the GEMV's for the rest), those 1–3 tokens go through `rest` as
+/// a problem of their own (the lanes GEMM would spend a 16-token group on them); `k_order`
+/// gives each of them the GEMV's order there too, as in the whole batch.
+///
+/// # Safety
+/// As [`gemm`] for all of `g`'s tokens, `g.ntok >= 16`; `rest` may be called with any
+/// sub-problem of `g` (the caller's own entry point).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn gemm_then_rest<const KIND: u8>(
+    g: &Gemm<'_>,
+    out: &mut [f32],
+    rest: unsafe fn(&Gemm<'_>, &mut [f32]),
+) {
+    let first = crate::scalar::token_order(g, 0);
+    let split = if first == crate::scalar::token_order(g, g.ntok - 1) {
+        g.ntok
+    } else {
+        g.ntok / 4 * 4
+    };
+    debug_assert!(handles(first));
+    // SAFETY: as this function's contract; every token of 0..split sums in `first`.
+    unsafe { gemm::<KIND>(g, 0, split, first, out) };
+    if split < g.ntok {
+        let tail = Gemm {
+            a: &g.a[split * g.a_stride..],
+            ntok: g.ntok - split,
+            a_scales: &[],
+            ..*g
+        };
+        // SAFETY: as this function's contract, for the tail's tokens and output rows.
+        unsafe { rest(&tail, &mut out[split * g.nrows..]) };
+    }
+}
+
 /// Tokens `t0..t1` of `g`, which all sum in `order` (one [`handles`] accepts), for every row.
 ///
 /// # Safety

@@ -57,25 +57,8 @@ pub(super) unsafe fn run_q2k(g: &Gemm<'_>, out: &mut [f32]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_q2k_avx512(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok >= 16 {
-        let split = if token_order(g, 0) == token_order(g, g.ntok - 1) {
-            g.ntok
-        } else {
-            g.ntok / 4 * 4
-        };
-        debug_assert!(super::kq_lanes::handles(token_order(g, 0)));
-        // SAFETY: as this function's contract; every token of 0..split sums in
-        // token_order(g, 0).
-        unsafe { super::kq_lanes::gemm::<{ super::Q2_K }>(g, 0, split, token_order(g, 0), out) };
-        if split < g.ntok {
-            let tail = Gemm {
-                a: &g.a[split * g.a_stride..],
-                ntok: g.ntok - split,
-                a_scales: &[],
-                ..*g
-            };
-            // Fewer than 4 tokens: `k_order` gives each the GEMV's order, as in the batch.
-            drive!(&tail, &mut out[split * g.nrows..], tile512, 2, 4);
-        }
+        // SAFETY: as this function's contract; the rest is this entry point's own problem.
+        unsafe { super::kq_lanes::gemm_then_rest::<{ super::Q2_K }>(g, out, run_q2k_avx512) };
     } else if g.ntok == 1 {
         // SAFETY: as this function's contract, with one token.
         unsafe { gemv512(g, out) };
