@@ -771,34 +771,38 @@ pub(crate) fn iq3xxs_values(x: &[u8]) -> ([i8; QK_K], [i32; 8]) {
     )
 }
 
-/// A super-block's 256 signed values and its eight 32-value sub-block scales.
-type SubValues = fn(&[u8]) -> ([i8; QK_K], [i32; 8]);
+/// A super-block's 256 signed values and its `NS` sub-block scales.
+type Lanes8Values<const NS: usize> = fn(&[u8]) -> ([i8; QK_K], [i32; NS]);
 
-/// A super-block type with eight 32-value sub-blocks and one f16 scale at byte 0 against q8_K
-/// (IQ4_XS, IQ2_XXS, IQ3_XXS). [`KOrder::Lanes8`] is its `ggml_vec_dot_*_q8_K` (AVX2 branch):
-/// lane `l` holds values `4l..4l+4` of every sub-block times the sub-block's scale, one
-/// `fma(dw·dy, lane, acc_l)` per super-block, `post · hsum8` at the end (IQ2_XXS 0.125,
-/// IQ3_XXS 0.25).
-/// [`KOrder::Tiled`] is the tiled matmul's one step per super-block, `res = isum · (dw·post)`,
-/// `acc = fma(res, dy, acc)` (ggml folds `post` into the tile's scale).
-fn vec_dot_sub32(
+/// A super-block type whose `vec_dot` keeps eight f32 lanes (`lanes8_then_tiled`): q3_K
+/// (16 sub-blocks of 16 values, its value offset 4 taken per value), IQ4_XS, IQ2_XXS, IQ3_XXS
+/// (8 sub-blocks of 32), against q8_K. `values` gives the 256 signed values and the `NS`
+/// sub-block scales; `dw` is the f16 at `d_off`. [`KOrder::Lanes8`] is the type's
+/// `ggml_vec_dot_*_q8_K` (AVX2 branch): lane `l` holds values `4l..4l+4` of every 32-value
+/// chunk, each times its sub-block's scale, one `fma(dw·dy, lane, acc_l)` per super-block,
+/// `post · hsum8` at the end (IQ2_XXS 0.125, IQ3_XXS 0.25, else 1). [`KOrder::Tiled`] is the
+/// tiled matmul's one step per super-block, `res = isum · (dw·post)`, `acc = fma(res, dy,
+/// acc)` (ggml folds `post` into the tile's scale).
+#[allow(clippy::too_many_arguments)]
+fn vec_dot_lanes8<const NS: usize>(
     n: usize,
     w: &[u8],
     a: &[u8],
     order: KOrder,
     bs: usize,
+    d_off: usize,
     post: f32,
-    values: SubValues,
+    values: Lanes8Values<NS>,
 ) -> f32 {
     let mut lanes_acc = [0f32; 8];
     let mut acc = 0f32;
     for (x, y) in w.chunks_exact(bs).zip(a.chunks_exact(292)).take(n / QK_K) {
         let (yd, q8, _) = q8k_parts(y);
-        let dw = f16_at(x, 0);
+        let dw = f16_at(x, d_off);
         let (v, sc) = values(x);
         let mut lanes = [0i32; 8];
         for e in 0..QK_K {
-            lanes[(e % 32) / 4] += sc[e / 32] * v[e] as i32 * (q8[e] as i8) as i32;
+            lanes[(e % 32) / 4] += sc[e / (QK_K / NS)] * v[e] as i32 * (q8[e] as i8) as i32;
         }
         if order == KOrder::Tiled {
             let isum: i32 = lanes.iter().sum();
@@ -1035,38 +1039,6 @@ pub(crate) fn q3k_values(x: &[u8]) -> ([i8; QK_K], [i32; 16]) {
     (v, sc)
 }
 
-/// q3_K against q8_K. [`KOrder::Lanes8`] is `ggml_vec_dot_q3_K_q8_K` (AVX2 branch): lane `l`
-/// holds values `4l..4l+4` of every 32-value chunk, each times its sub-block's scale (the
-/// offset 4 taken per value, not through bsums), one `fma(dy·dw, lane, acc_l)` per super-block,
-/// [`hsum8`] at the end. [`KOrder::Tiled`] is the tiled matmul's one step per super-block.
-fn vec_dot_q3k(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
-    let mut lanes_acc = [0f32; 8];
-    let mut acc = 0f32;
-    for (x, y) in w.chunks_exact(110).zip(a.chunks_exact(292)).take(n / QK_K) {
-        let (yd, q8, _) = q8k_parts(y);
-        let (v, sc) = q3k_values(x);
-        let dw = f16_at(x, 108);
-        let mut lanes = [0i32; 8];
-        for e in 0..QK_K {
-            lanes[(e % 32) / 4] += sc[e / 16] * v[e] as i32 * (q8[e] as i8) as i32;
-        }
-        if order == KOrder::Tiled {
-            let isum: i32 = lanes.iter().sum();
-            acc = (isum as f32 * dw).mul_add(yd, acc);
-        } else {
-            let d = yd * dw;
-            for l in 0..8 {
-                lanes_acc[l] = d.mul_add(lanes[l] as f32, lanes_acc[l]);
-            }
-        }
-    }
-    if order == KOrder::Tiled {
-        acc
-    } else {
-        hsum8(&lanes_acc)
-    }
-}
-
 /// q6_K against q8_K in [`KOrder::Lanes8`] or [`KOrder::Tiled`] order.
 fn vec_dot_q6k(n: usize, w: &[u8], a: &[u8], order: KOrder) -> f32 {
     let mut lanes_acc = [0f32; 8];
@@ -1155,10 +1127,10 @@ pub(crate) fn dot(ty: GgmlType, order: KOrder, n: usize, w: &[u8], a: &[u8]) -> 
         GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, order),
         GgmlType::Q6_K => vec_dot_q6k(n, w, a, order),
         GgmlType::Q2_K => vec_dot_q2k(n, w, a, order),
-        GgmlType::Q3_K => vec_dot_q3k(n, w, a, order),
-        GgmlType::IQ4_XS => vec_dot_sub32(n, w, a, order, 136, 1.0, iq4xs_values),
-        GgmlType::IQ2_XXS => vec_dot_sub32(n, w, a, order, 66, 0.125, iq2xxs_values),
-        GgmlType::IQ3_XXS => vec_dot_sub32(n, w, a, order, 98, 0.25, iq3xxs_values),
+        GgmlType::Q3_K => vec_dot_lanes8(n, w, a, order, 110, 108, 1.0, q3k_values),
+        GgmlType::IQ4_XS => vec_dot_lanes8(n, w, a, order, 136, 0, 1.0, iq4xs_values),
+        GgmlType::IQ2_XXS => vec_dot_lanes8(n, w, a, order, 66, 0, 0.125, iq2xxs_values),
+        GgmlType::IQ3_XXS => vec_dot_lanes8(n, w, a, order, 98, 0, 0.25, iq3xxs_values),
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::vec_dot_tq(ty, n, w, a),
         GgmlType::TF2 | GgmlType::TF1 => crate::ternary::vec_dot_tf(ty, n, w, a),
         _ => float_dot_fn(ty).expect("Gemm is only built for weight types with a dot")(n, w, a),

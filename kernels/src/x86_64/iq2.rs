@@ -1,5 +1,5 @@
 //! IQ2_XXS and IQ3_XXS against q8_K (one tile, compiled for AVX2 and for AVX-512),
-//! bit-identical to `scalar::vec_dot_sub32` in either order a token takes: llama.cpp's
+//! bit-identical to `scalar::vec_dot_lanes8` in either order a token takes: llama.cpp's
 //! `ggml_vec_dot_iq{2,3}_xxs_q8_K` lanes (each sub-block's 32 grid values from `iq2xxs_grid`
 //! — four rows of 8 — or `iq3xxs_grid` — eight rows of 4 —, the signs applied to the
 //! activations by `vpsignb`, `vpmaddubsw`, then `vpmaddwd` by the sub-block's `2·ls + 1`) in
@@ -16,7 +16,6 @@ use super::IQ2_XXS;
 use crate::iq_grids::{IQ2XXS_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
-use crate::scalar::{token_order, KOrder};
 use core::arch::x86_64::*;
 
 /// Bytes of a q8_K super-block.
@@ -120,11 +119,11 @@ pub(super) unsafe fn run_grid<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// As [`run_grid`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    if g.ntok >= 16 && token_order(g, 0) == KOrder::Tiled {
-        debug_assert!((0..g.ntok).all(|t| token_order(g, t) == KOrder::Tiled));
-        // SAFETY: as this function's contract; every token sums in the tiled order.
-        unsafe { super::kq_lanes::gemm::<KIND>(g, 0, g.ntok, KOrder::Tiled, out) };
-    } else if g.ntok == 1 {
+    // SAFETY: as this function's contract.
+    if unsafe { super::kq_lanes::tiled_batch::<KIND>(g, out) } {
+        return;
+    }
+    if g.ntok == 1 {
         drive!(g, out, tile512, 4, 1, KIND);
     } else {
         drive!(g, out, tile512, 2, 4, KIND);

@@ -1,7 +1,7 @@
 //! The 4-bit types whose code is an index into a table of 16 values, looked up with one
 //! `vpshufb`: q4_0 (`code - 8`) and IQ4_NL (ggml's `kvalues_iq4nl`) against q8_0, IQ4_XS
 //! (`kvalues_iq4nl`, 256-value super-blocks) against q8_K; bit-identical to
-//! `scalar::vec_dot_block_chain` / `scalar::vec_dot_sub32`.
+//! `scalar::vec_dot_block_chain` / `scalar::vec_dot_lanes8`.
 //!
 //! - q4_0 and IQ4_NL sum in the order of ggml's repacked `q4_0_8x8` / `iq4_nl_8x8` kernels
 //!   (one template, `gemv/gemm_q4_b32_8x8_q8_0_lut_avx`): per (row, token) one f32
@@ -24,7 +24,7 @@ use super::lanes8::{f16_at, Chains};
 use super::{drive, IQ4_NL, Q4_0};
 use crate::matmul::Gemm;
 use crate::quant::{QK, QK_K};
-use crate::scalar::{iq4xs_scale, token_order, KOrder, KVALUES_IQ4NL};
+use crate::scalar::{iq4xs_scale, KVALUES_IQ4NL};
 use core::arch::x86_64::*;
 
 /// Bytes of an IQ4_NL block, a q8_0 block, an IQ4_XS super-block and a q8_K one.
@@ -379,11 +379,11 @@ pub(super) unsafe fn run_iq4xs(g: &Gemm<'_>, out: &mut [f32]) {
 /// As [`run_iq4xs`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_iq4xs_avx512(g: &Gemm<'_>, out: &mut [f32]) {
-    if g.ntok >= 16 && token_order(g, 0) == KOrder::Tiled {
-        debug_assert!((0..g.ntok).all(|t| token_order(g, t) == KOrder::Tiled));
-        // SAFETY: as this function's contract; every token sums in the tiled order.
-        unsafe { super::kq_lanes::gemm::<{ super::IQ4_XS }>(g, 0, g.ntok, KOrder::Tiled, out) };
-    } else if g.ntok == 1 {
+    // SAFETY: as this function's contract.
+    if unsafe { super::kq_lanes::tiled_batch::<{ super::IQ4_XS }>(g, out) } {
+        return;
+    }
+    if g.ntok == 1 {
         drive!(g, out, xs_tile512, 4, 1);
     } else {
         drive!(g, out, xs_tile512, 4, 4);

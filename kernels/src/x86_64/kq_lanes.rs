@@ -122,6 +122,23 @@ pub(super) unsafe fn gemm_then_rest<const KIND: u8>(
     }
 }
 
+/// The `lanes8_then_tiled` types' entry from 16 tokens: when the batch sums in the tiled order
+/// (then every token does: Parity from 8 tokens, Invariant always), all of it through [`gemm`]
+/// and `true`; else nothing and `false` (the caller's tiles take it).
+///
+/// # Safety
+/// As [`gemm`] for all of `g`'s tokens.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+pub(super) unsafe fn tiled_batch<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) -> bool {
+    if g.ntok < 16 || crate::scalar::token_order(g, 0) != KOrder::Tiled {
+        return false;
+    }
+    debug_assert!((0..g.ntok).all(|t| crate::scalar::token_order(g, t) == KOrder::Tiled));
+    // SAFETY: as this function's contract; every token sums in the tiled order.
+    unsafe { gemm::<KIND>(g, 0, g.ntok, KOrder::Tiled, out) };
+    true
+}
+
 /// Tokens `t0..t1` of `g`, which all sum in `order` (one [`handles`] accepts), for every row.
 ///
 /// # Safety

@@ -2,7 +2,7 @@
 //! super-block and whose tiled matmul takes one f32 step (`scalar::lanes8_then_tiled`: q3_K,
 //! IQ4_XS, IQ2_XXS, IQ3_XXS): each (row, token) of a tile keeps the chain of the order its token
 //! takes, [`KOrder::Lanes8`] (eight lanes, `post · hsum8` at the end) or [`KOrder::Tiled`] (one
-//! scalar, `dw · post` per step), exactly as `scalar::vec_dot_sub32` / `vec_dot_q3k` do.
+//! scalar, `dw · post` per step), exactly as `scalar::vec_dot_lanes8` does.
 
 use super::avx2::{hsum as hsum8, hsum_i32};
 use crate::matmul::Gemm;

@@ -1,5 +1,6 @@
 //! q3_K against q8_K (one tile, compiled for AVX2 and for AVX-512), bit-identical to
-//! `scalar::vec_dot_q3k` in either order a token takes (`scalar::token_order`): the eight i32
+//! `scalar::vec_dot_lanes8` in either order a token takes (`scalar::token_order`): the eight
+//! i32
 //! lanes of a super-block are llama.cpp's `ggml_vec_dot_q3_K_q8_K` lanes (values `4l..4l+4` of
 //! each 32-value chunk times the chunk's sub-block scales; the i16 pairs `v·a` computed as
 //! `vpmaddubsw(u, a) − vpmaddubsw(4, a)` with the unsigned codes `u = v + 4`); `Lanes8` takes one
@@ -15,7 +16,7 @@ use super::drive;
 use super::lanes8::{f16_at, Chains};
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
-use crate::scalar::{q3k_scale_words, token_order, KOrder};
+use crate::scalar::q3k_scale_words;
 use core::arch::x86_64::*;
 
 /// Bytes of a q3_K super-block and of a q8_K one.
@@ -58,16 +59,14 @@ pub(super) unsafe fn run_q3k(g: &Gemm<'_>, out: &mut [f32]) {
 /// As [`run_q3k`], and the CPU has AVX-512 F/BW/VL/DQ and VNNI.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_q3k_avx512(g: &Gemm<'_>, out: &mut [f32]) {
-    if g.ntok >= 16 && token_order(g, 0) == KOrder::Tiled {
-        debug_assert!((0..g.ntok).all(|t| token_order(g, t) == KOrder::Tiled));
-        // SAFETY: as this function's contract; every token sums in the tiled order.
-        unsafe { super::kq_lanes::gemm::<{ super::Q3_K }>(g, 0, g.ntok, KOrder::Tiled, out) };
+    // SAFETY: as this function's contract.
+    if unsafe { super::kq_lanes::tiled_batch::<{ super::Q3_K }>(g, out) } {
+        return;
+    }
+    if g.ntok == 1 {
+        drive!(g, out, tile512, 4, 1);
     } else {
-        if g.ntok == 1 {
-            drive!(g, out, tile512, 4, 1);
-        } else {
-            drive!(g, out, tile512, 2, 4);
-        }
+        drive!(g, out, tile512, 2, 4);
     }
 }
 
