@@ -1,7 +1,6 @@
 //! q3_K against q8_K (one tile, compiled for AVX2 and for AVX-512), bit-identical to
 //! `scalar::vec_dot_lanes8` in either order a token takes (`scalar::token_order`): the eight
-//! i32
-//! lanes of a super-block are llama.cpp's `ggml_vec_dot_q3_K_q8_K` lanes (values `4l..4l+4` of
+//! i32 lanes of a super-block are llama.cpp's `ggml_vec_dot_q3_K_q8_K` lanes (values `4l..4l+4` of
 //! each 32-value chunk times the chunk's sub-block scales; the i16 pairs `v·a` computed as
 //! `vpmaddubsw(u, a) − vpmaddubsw(4, a)` with the unsigned codes `u = v + 4`); `Lanes8` takes one
 //! FMA per lane per super-block and [`hsum8`] at the end, `Tiled` sums the lanes exactly and
