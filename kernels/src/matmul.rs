@@ -107,6 +107,60 @@ pub(crate) fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize, KernelError>
     }
 }
 
+/// One cache line, the unit of [`AlignedBytes`].
+#[repr(C, align(64))]
+#[derive(Clone, Copy, Debug)]
+struct Line([u8; 64]);
+
+/// A byte buffer that starts on a cache line: activation rows whose size is a multiple of 64
+/// bytes (f16/bf16/f32 rows of 32·k values) then all start on one, so a kernel's 64-byte
+/// loads never straddle two lines (a `Vec<u8>` from malloc starts 16 bytes into a line).
+#[derive(Clone, Debug, Default)]
+struct AlignedBytes {
+    lines: Vec<Line>,
+    len: usize,
+}
+
+impl AlignedBytes {
+    fn resize(&mut self, len: usize) {
+        self.lines.resize(len.div_ceil(64), Line([0; 64]));
+        self.len = len;
+    }
+
+    fn from_vec(v: &[u8]) -> Self {
+        let mut b = Self::default();
+        b.resize(v.len());
+        b.copy_from_slice(v);
+        b
+    }
+
+    fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    fn extend_from_slice(&mut self, src: &[u8]) {
+        let start = self.len;
+        self.resize(start + src.len());
+        self[start..].copy_from_slice(src);
+    }
+}
+
+impl std::ops::Deref for AlignedBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `lines` holds at least `len` initialized bytes (`resize`); u8 has no
+        // alignment or validity requirement.
+        unsafe { std::slice::from_raw_parts(self.lines.as_ptr().cast(), self.len) }
+    }
+}
+
+impl std::ops::DerefMut for AlignedBytes {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as `deref`, borrowed mutably through `self`.
+        unsafe { std::slice::from_raw_parts_mut(self.lines.as_mut_ptr().cast(), self.len) }
+    }
+}
+
 /// `n` activation rows of `cols` elements, quantized to the `vec_dot_type` of a weight type.
 ///
 /// Besides the ggml-format bytes (which the scalar reference reads), a Q8_0 quantization keeps
@@ -118,7 +172,7 @@ pub struct Activations {
     n: usize,
     cols: usize,
     row_bytes: usize,
-    data: Vec<u8>,
+    data: AlignedBytes,
     /// Q8_0 and Q8_1: per block `d` as f32, `n * cols / 32` of them.
     scales: Vec<f32>,
     /// Q8_1 only: per block `s` (= d · Σq, f16 in the block) as f32.
@@ -176,7 +230,7 @@ impl Activations {
         let total = rb
             .checked_mul(n)
             .ok_or(KernelError::TooLarge { ty, rows: n, cols })?;
-        self.data.resize(total, 0);
+        self.data.resize(total);
         if n > 0 && cols > 0 {
             let simd = crate::dispatch::selected().quantize;
             let quantize = |xr: &[f32], yr: &mut [u8]| {
@@ -232,7 +286,7 @@ impl Activations {
             n,
             cols,
             row_bytes: rb,
-            data,
+            data: AlignedBytes::from_vec(&data),
             scales: Vec::new(),
             sums: Vec::new(),
         };

@@ -179,6 +179,35 @@ fn every_simd_matmul_matches_scalar() {
     assert!(checked > 1000, "only {checked} comparisons ran");
 }
 
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn bf16_vdpbf16ps_equals_its_fma_emulation() {
+    // The bf16 order is vdpbf16ps's (lane j: + column 2j+1's product, then 2j's); CPUs without
+    // AVX512-BF16 emulate it with two FMAs. Normal-range values: the instruction flushes
+    // subnormals, the emulation does not.
+    let mut rng = Rng(0xBF16);
+    let mut ran = 0;
+    for &cols in &[32usize, 64, 96, 200, 4128, 14336] {
+        for &n in &[1usize, 2, 5, 6, 7, 13, 73] {
+            let rows = 9;
+            let w = random_weights(GgmlType::BF16, cols * rows, &mut rng);
+            let m = QMatrix::new(GgmlType::BF16, rows, cols, &w).unwrap();
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+            let mut act = Activations::new();
+            act.quantize_for(GgmlType::BF16, &x, n, cols).unwrap();
+            let g =
+                crate::matmul::Gemm::new(&m, &act, 0..rows, n * rows, Numerics::Parity).unwrap();
+            let Some((dp, fma)) = crate::x86_64::avx512::bf16_dp_and_fma(&g) else {
+                return;
+            };
+            let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&dp), bits(&fma), "cols={cols} n={n}");
+            ran += 1;
+        }
+    }
+    assert!(ran > 0);
+}
+
 #[test]
 fn scalar_matmul_equals_dequantized_dot() {
     // Independent of the ggml-style integer path: dequantize both operands and dot in f64.
@@ -924,6 +953,22 @@ fn every_isa_quantizes_activations_bit_identically_to_the_scalar_reference() {
             let bs = ty.type_size();
             for (b, (g, w)) in got.chunks(bs).zip(want.chunks(bs)).enumerate() {
                 assert_eq!(g, w, "{ty:?} {}: block {b} differs", isa.name());
+            }
+        }
+    }
+    // The float activation types, element by element: also every f32 bit pattern class
+    // (NaN payloads, subnormals), exact bf16 rounding ties, and a tail shorter than a vector.
+    x.extend((0..QK_K).map(|_| f32::from_bits(rng.next() as u32)));
+    x.extend((0..QK_K as u32).map(|i| f32::from_bits((i << 17) | 0x8000 | ((i & 1) << 16))));
+    for ty in [GgmlType::F16, GgmlType::BF16] {
+        for n in [x.len(), x.len() - 3, 5] {
+            let mut want = vec![0u8; 2 * n];
+            assert!(crate::scalar::quantize(ty, &x[..n], &mut want));
+            for isa in Isa::ALL {
+                let Some(k) = kernels_for(isa) else { continue };
+                let mut got = vec![0xA5u8; 2 * n];
+                assert!((k.quantize)(ty, &x[..n], &mut got));
+                assert_eq!(got, want, "{ty:?} {} n={n}", isa.name());
             }
         }
     }

@@ -241,18 +241,111 @@ unsafe fn mad_raw(y: *mut u16, x: *const u16, v: f32, n: usize, mad: bool) {
 
 /// Tile shapes differ with `ntok`, float orders do not: each (row, token) has its own 16-lane
 /// accumulator over all columns in order, so batched rows equal 1-token rows bit for bit and
-/// `Numerics` changes nothing here.
+/// `Numerics` changes nothing here. f32 and f16 step 16 columns with one FMA per lane (tinyBLAS's
+/// AVX-512 order, `llamafile/sgemm.cpp`); bf16 steps 32 columns as `vdpbf16ps` does (lane j adds
+/// the product of columns 2j+1, then of 2j), which tinyBLAS uses on AVX512-BF16 CPUs: with that
+/// instruction where the CPU has it, with two FMAs on the split halves where not (same bits:
+/// a product of two bf16 values is exact in f32; inputs or sums in the subnormal range, which
+/// `vdpbf16ps` flushes to zero, are the exception).
+///
+/// Blocking as tinyBLAS's: a register tile of 4 rows × 6 tokens (24 accumulators) over the whole
+/// row, the tokens in blocks of ~2 MiB of activations (L3) that every row tile of the call
+/// streams past; a tile's rows stay in L2 across the block's token tiles.
 ///
 /// # Safety
 /// As [`run_legacy`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    if g.ntok == 1 {
-        drive!(g, out, tile_float, 4, 1, KIND);
+    if KIND == BF16 && has_avx512_bf16() {
+        // SAFETY: the CPU has AVX512-BF16 (checked just above) and this module's features.
+        unsafe { run_bf16_dp(g, out) }
+    } else if KIND == BF16 {
+        drive!(@ FLOAT_BLOCK, g, out, tile_float, 4, 4, KIND, KIND);
+    } else if KIND == F16 && g.ntok > 1 {
+        // Activations widened to f32 once per token block: a tile then converts only its
+        // rows' weights (4 per 24 FMAs instead of 10).
+        let tb = ((F16_BLOCK / (4 * g.cols.max(1))).max(6) / 6 * 6).min(g.ntok);
+        super::with_scratch(0, tb * g.cols, |wide: &mut [f32]| {
+            let mut t0 = 0;
+            while t0 < g.ntok {
+                let t1 = (t0 + tb).min(g.ntok);
+                for t in t0..t1 {
+                    // SAFETY: token `t` < ntok has `cols` f16 values at its offset.
+                    let src = unsafe {
+                        core::slice::from_raw_parts(
+                            g.a.as_ptr().add(t * g.a_stride).cast::<f16>(),
+                            g.cols,
+                        )
+                    };
+                    let dst = &mut wide[(t - t0) * g.cols..(t - t0 + 1) * g.cols];
+                    // SAFETY: this module's features.
+                    unsafe { widen_f16(src, dst) };
+                }
+                let sub = Gemm {
+                    a: bytemuck_f32(&wide[..(t1 - t0) * g.cols]),
+                    a_stride: 4 * g.cols,
+                    ntok: t1 - t0,
+                    ..*g
+                };
+                drive!(@ FLOAT_BLOCK, &sub, &mut out[t0 * g.nrows..t1 * g.nrows], tile_float, 4, 6, F16, F32);
+                t0 = t1;
+            }
+        });
     } else {
-        drive!(g, out, tile_float, 4, 4, KIND);
+        drive!(@ FLOAT_BLOCK, g, out, tile_float, 4, 6, KIND, KIND);
     }
 }
+
+/// Bytes of f32 activations per token block of the f16 GEMM.
+const F16_BLOCK: usize = 4 << 20;
+
+/// `dst[i] = src[i] as f32` (equal lengths).
+///
+/// # Safety
+/// This module's features.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn widen_f16(src: &[f16], dst: &mut [f32]) {
+    let n = src.len().min(dst.len());
+    let mut i = 0;
+    // SAFETY: masked loads and stores touch only elements below `n`.
+    unsafe {
+        while i < n {
+            let m: u16 = if n - i >= 16 {
+                0xFFFF
+            } else {
+                (1u16 << (n - i)) - 1
+            };
+            let v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src.as_ptr().add(i).cast()));
+            _mm512_mask_storeu_ps(dst.as_mut_ptr().add(i), m, v);
+            i += 16;
+        }
+    }
+}
+
+/// The bytes of `v`.
+fn bytemuck_f32(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any alignment suits u8; same memory, same lifetime.
+    unsafe { core::slice::from_raw_parts(v.as_ptr().cast(), core::mem::size_of_val(v)) }
+}
+
+/// bf16 through `vdpbf16ps`.
+///
+/// # Safety
+/// As [`run_legacy`], and the CPU has AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")]
+unsafe fn run_bf16_dp(g: &Gemm<'_>, out: &mut [f32]) {
+    drive!(@ FLOAT_BLOCK, g, out, tile_bf16_dp, 4, 6);
+}
+
+/// Whether this CPU has AVX512-BF16 (`vdpbf16ps`), detected once.
+fn has_avx512_bf16() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx512bf16"))
+}
+
+/// Activation bytes per token block of the float GEMMs (tinyBLAS's ~72 tokens of 14336 f16
+/// values): the block sits in L3 while every row tile of the call streams past it.
+const FLOAT_BLOCK: usize = 2 << 20;
 
 /// Reduce and write the tile's results.
 ///
@@ -301,40 +394,121 @@ unsafe fn load_f<const KIND: u8>(p: *const u8, m: u16) -> __m512 {
     }
 }
 
-/// Rows `r0..r0+R` × tokens `t0..t0+T` of a float matmul.
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of a float matmul (the order: [`run_float`]).
 ///
 /// # Safety
 /// As [`tile_legacy`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8>(
+unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8, const AK: u8>(
     g: &Gemm<'_>,
     r0: usize,
     t0: usize,
     out: &mut [f32],
 ) {
-    let esz = if KIND == F32 { 4 } else { 2 };
     let n = g.cols;
     let mut acc = [[_mm512_setzero_ps(); T]; R];
     // SAFETY (whole body): element offsets below `n` within validated rows and tokens.
     unsafe {
+        let wp = |r: usize| g.w.as_ptr().add((r0 + r) * g.w_stride);
+        let ap = |t: usize| g.a.as_ptr().add((t0 + t) * g.a_stride);
         let mut i = 0;
-        while i < n {
-            let m: u16 = if n - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (n - i)) - 1
-            };
-            let mut av = [_mm512_setzero_ps(); T];
-            for t in 0..T {
-                av[t] = load_f::<KIND>(g.a.as_ptr().add((t0 + t) * g.a_stride + i * esz), m);
-            }
-            for r in 0..R {
-                let w = load_f::<KIND>(g.w.as_ptr().add((r0 + r) * g.w_stride + i * esz), m);
+        if KIND == BF16 {
+            // 32 columns a step as 16 pairs: the high half of each 32-bit lane is column 2j+1,
+            // the low half column 2j; each is an f32 once the other half is cleared.
+            let hi = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
+            let mut step = |i: usize, m: u32| {
+                let mut wo = [_mm512_setzero_ps(); R];
+                let mut we = [_mm512_setzero_ps(); R];
+                for r in 0..R {
+                    let v = _mm512_maskz_loadu_epi16(m, wp(r).add(2 * i).cast());
+                    wo[r] = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+                    we[r] = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                }
                 for t in 0..T {
-                    acc[r][t] = _mm512_fmadd_ps(w, av[t], acc[r][t]);
+                    let v = _mm512_maskz_loadu_epi16(m, ap(t).add(2 * i).cast());
+                    let ao = _mm512_castsi512_ps(_mm512_and_si512(v, hi));
+                    let ae = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+                    for r in 0..R {
+                        acc[r][t] = _mm512_fmadd_ps(wo[r], ao, acc[r][t]);
+                        acc[r][t] = _mm512_fmadd_ps(we[r], ae, acc[r][t]);
+                    }
+                }
+            };
+            while i + 32 <= n {
+                step(i, u32::MAX);
+                i += 32;
+            }
+            if i < n {
+                step(i, (1u32 << (n - i)) - 1);
+            }
+        } else {
+            let esz = if KIND == F32 { 4 } else { 2 };
+            let aesz = if AK == F32 { 4 } else { 2 };
+            // One 16-column step; `m` is all ones but in the tail, and a constant there, so
+            // the main loop's loads are plain ones.
+            let mut step = |i: usize, m: u16| {
+                let mut wv = [_mm512_setzero_ps(); R];
+                for r in 0..R {
+                    wv[r] = load_f::<KIND>(wp(r).add(i * esz), m);
+                }
+                for t in 0..T {
+                    let a = load_f::<AK>(ap(t).add(i * aesz), m);
+                    for r in 0..R {
+                        acc[r][t] = _mm512_fmadd_ps(wv[r], a, acc[r][t]);
+                    }
+                }
+            };
+            while i + 16 <= n {
+                step(i, 0xFFFF);
+                i += 16;
+            }
+            if i < n {
+                step(i, (1u16 << (n - i)) - 1);
+            }
+        }
+        store(g, r0, t0, &acc, out);
+    }
+}
+
+/// [`tile_float`] for bf16 with `vdpbf16ps`.
+///
+/// # Safety
+/// As [`tile_legacy`], and the CPU has AVX512-BF16.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")]
+unsafe fn tile_bf16_dp<const R: usize, const T: usize>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    let n = g.cols;
+    let mut acc = [[_mm512_setzero_ps(); T]; R];
+    // SAFETY (whole body): element offsets below `n` within validated rows and tokens; the
+    // transmutes reinterpret 512 bits as 32 bf16 values.
+    unsafe {
+        let wp = |r: usize| g.w.as_ptr().add((r0 + r) * g.w_stride);
+        let ap = |t: usize| g.a.as_ptr().add((t0 + t) * g.a_stride);
+        let bh = |v: __m512i| core::mem::transmute::<__m512i, __m512bh>(v);
+        // One 32-column step (`m`: as in `tile_float`).
+        let mut step = |i: usize, m: u32| {
+            let mut wv = [_mm512_setzero_si512(); R];
+            for r in 0..R {
+                wv[r] = _mm512_maskz_loadu_epi16(m, wp(r).add(2 * i).cast());
+            }
+            for t in 0..T {
+                let a = bh(_mm512_maskz_loadu_epi16(m, ap(t).add(2 * i).cast()));
+                for r in 0..R {
+                    acc[r][t] = _mm512_dpbf16_ps(acc[r][t], bh(wv[r]), a);
                 }
             }
-            i += 16;
+        };
+        let mut i = 0;
+        while i + 32 <= n {
+            step(i, u32::MAX);
+            i += 32;
+        }
+        if i < n {
+            step(i, (1u32 << (n - i)) - 1);
         }
         store(g, r0, t0, &acc, out);
     }
@@ -398,6 +572,32 @@ unsafe fn load_one<const KIND: u8>(p: *const u8) -> f32 {
 #[cfg(test)]
 pub(crate) fn has_matmul(ty: GgmlType) -> bool {
     matmul_for(ty).is_some()
+}
+
+/// A bf16 matmul through `vdpbf16ps` and through the FMA emulation of its order, or `None`
+/// when this CPU lacks AVX-512 or AVX512-BF16 (the test that they agree bit for bit).
+#[cfg(test)]
+pub(crate) fn bf16_dp_and_fma(g: &Gemm<'_>) -> Option<(Vec<f32>, Vec<f32>)> {
+    Avx512::new()?;
+    if !has_avx512_bf16() {
+        return None;
+    }
+    let mut dp = vec![f32::NAN; g.ntok * g.nrows];
+    let mut fma = dp.clone();
+    // SAFETY: both features checked above; `g` was validated by `Gemm::new`.
+    unsafe {
+        run_bf16_dp(g, &mut dp);
+        bf16_fma(g, &mut fma);
+    }
+    Some((dp, fma))
+}
+
+/// # Safety
+/// As [`run_float`].
+#[cfg(test)]
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn bf16_fma(g: &Gemm<'_>, out: &mut [f32]) {
+    drive!(@ FLOAT_BLOCK, g, out, tile_float, 4, 4, BF16, BF16);
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -18,16 +18,17 @@ mod tern_avx2;
 mod tern_avx512;
 
 /// Cover `g.nrows` × `g.ntok` with tiles of R rows × T tokens: the tokens a block leaves over
-/// (fewer than T) in one narrower tile (T is 1 or 4), so each row's blocks are loaded and
-/// unpacked once per pass for all of them; the last rows in 1-row tiles. Expanded inside a
-/// `#[target_feature]` function of the module whose tiles it calls.
+/// (fewer than T) in narrower tiles of at most 3, so each row's blocks are loaded and unpacked
+/// once per pass for all of them; the last rows in 1-row tiles. Tokens go in blocks of about
+/// 256 KiB of activations, or `@ BYTES` of them. Expanded inside a `#[target_feature]` function
+/// of the module whose tiles it calls.
 macro_rules! drive {
-    ($g:expr, $out:expr, $tile:ident, $R:literal, $T:literal $(, $extra:ident)*) => {{
+    (@ $budget:expr, $g:expr, $out:expr, $tile:ident, $R:literal, $T:literal $(, $extra:ident)*) => {{
         let g: &$crate::matmul::Gemm<'_> = $g;
         let out: &mut [f32] = $out;
-        // Token block: keep the activations of one block in L2 (~256 KiB) while every row tile
-        // of this call streams past them; rows of a tile stay in L1 across the token tiles.
-        let tb = ((256 * 1024) / g.a_stride.max(1)).max($T) / $T * $T;
+        // Token block: keep the activations of one block in cache while every row tile of
+        // this call streams past them; rows of a tile stay in cache across the token tiles.
+        let tb = (($budget) / g.a_stride.max(1)).max($T) / $T * $T;
         let mut t0 = 0;
         while t0 < g.ntok {
             let t1 = (t0 + tb).min(g.ntok);
@@ -47,23 +48,29 @@ macro_rules! drive {
                     };
                     t += $T;
                 }
-                // SAFETY: as above, with the `t1 - t` (< T) tokens left.
-                unsafe {
-                    match (t1 - t, one) {
-                        (0, _) => {}
-                        (1, false) => $tile::<$R, 1 $(, $extra)*>(g, r, t, out),
-                        (1, true) => $tile::<1, 1 $(, $extra)*>(g, r, t, out),
-                        (2, false) => $tile::<$R, 2 $(, $extra)*>(g, r, t, out),
-                        (2, true) => $tile::<1, 2 $(, $extra)*>(g, r, t, out),
-                        (_, false) => $tile::<$R, 3 $(, $extra)*>(g, r, t, out),
-                        (_, true) => $tile::<1, 3 $(, $extra)*>(g, r, t, out),
+                while t < t1 {
+                    let w = (t1 - t).min(3);
+                    // SAFETY: as above, with w <= t1 - t tokens.
+                    unsafe {
+                        match (w, one) {
+                            (1, false) => $tile::<$R, 1 $(, $extra)*>(g, r, t, out),
+                            (1, true) => $tile::<1, 1 $(, $extra)*>(g, r, t, out),
+                            (2, false) => $tile::<$R, 2 $(, $extra)*>(g, r, t, out),
+                            (2, true) => $tile::<1, 2 $(, $extra)*>(g, r, t, out),
+                            (_, false) => $tile::<$R, 3 $(, $extra)*>(g, r, t, out),
+                            (_, true) => $tile::<1, 3 $(, $extra)*>(g, r, t, out),
+                        }
                     }
+                    t += w;
                 }
                 r += if one { 1 } else { $R };
             }
             t0 = t1;
         }
     }};
+    ($g:expr, $out:expr, $tile:ident, $R:literal, $T:literal $(, $extra:ident)*) => {
+        drive!(@ 256 * 1024, $g, $out, $tile, $R, $T $(, $extra)*)
+    };
 }
 pub(crate) use drive;
 

@@ -21,9 +21,66 @@ pub(super) unsafe fn quantize(ty: GgmlType, x: &[f32], y: &mut [u8]) -> bool {
         GgmlType::Q8_1 => unsafe { quantize_q8::<true>(x, y) },
         // SAFETY: as above.
         GgmlType::Q8_K => unsafe { quantize_q8_k(x, y) },
+        // SAFETY: as above.
+        GgmlType::F16 => unsafe { to_f16(x, y) },
+        // SAFETY: as above.
+        GgmlType::BF16 => unsafe { to_bf16(x, y) },
         _ => return scalar::quantize(ty, x, y),
     }
     true
+}
+
+/// f32 → f16 with round-to-nearest-even (`vcvtps2ph`, as `half::f16::from_f32`).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn to_f16(x: &[f32], y: &mut [u8]) {
+    let n = x.len().min(y.len() / 2);
+    let mut i = 0;
+    // SAFETY: 8 values read below `n` and 16 bytes written below `2n` per step.
+    unsafe {
+        while i + 8 <= n {
+            let v = _mm256_loadu_ps(x.as_ptr().add(i));
+            let h = _mm256_cvtps_ph::<_MM_FROUND_TO_NEAREST_INT>(v);
+            _mm_storeu_si128(y.as_mut_ptr().add(2 * i).cast(), h);
+            i += 8;
+        }
+    }
+    scalar::quantize(GgmlType::F16, &x[i..n], &mut y[2 * i..2 * n]);
+}
+
+/// f32 → bf16 as `scalar::f32_to_bf16_bits` (ggml's `GGML_FP32_TO_BF16`): round to nearest
+/// even, a NaN kept quiet.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn to_bf16(x: &[f32], y: &mut [u8]) {
+    let n = x.len().min(y.len() / 2);
+    let eight = |p: *const f32| {
+        // SAFETY: the caller's 8 readable values.
+        let u = unsafe { _mm256_loadu_si256(p.cast()) };
+        let nan = _mm256_cmpgt_epi32(
+            _mm256_and_si256(u, _mm256_set1_epi32(0x7fff_ffff)),
+            _mm256_set1_epi32(0x7f80_0000),
+        );
+        let hi = _mm256_srli_epi32::<16>(u);
+        let bias = _mm256_add_epi32(
+            _mm256_set1_epi32(0x7fff),
+            _mm256_and_si256(hi, _mm256_set1_epi32(1)),
+        );
+        let rounded = _mm256_srli_epi32::<16>(_mm256_add_epi32(u, bias));
+        let quiet = _mm256_or_si256(hi, _mm256_set1_epi32(64));
+        _mm256_blendv_epi8(rounded, quiet, nan)
+    };
+    let mut i = 0;
+    // SAFETY: 16 values read below `n` and 32 bytes written below `2n` per step.
+    unsafe {
+        while i + 16 <= n {
+            let a = eight(x.as_ptr().add(i));
+            let b = eight(x.as_ptr().add(i + 8));
+            // packus interleaves 128-bit halves: a0-3 b0-3 a4-7 b4-7 -> a0-7 b0-7.
+            let p = _mm256_permute4x64_epi64::<0b11_01_10_00>(_mm256_packus_epi32(a, b));
+            _mm256_storeu_si256(y.as_mut_ptr().add(2 * i).cast(), p);
+            i += 16;
+        }
+    }
+    scalar::quantize(GgmlType::BF16, &x[i..n], &mut y[2 * i..2 * n]);
 }
 
 /// `|v|` of eight lanes, and whether any of them is an infinity or a NaN.
