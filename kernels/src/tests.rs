@@ -100,8 +100,9 @@ fn col_shapes(ty: GgmlType) -> &'static [usize] {
         // 4128 and 4160: wider than the AVX-512 GEMV's 64-pair column chunk (odd and even).
         32 => &[32, 64, 96, 640, 4128, 4160],
         128 => &[128, 640, 1920],
-        // 2560: wider than the AVX-512 k-quant GEMM's 8-super-block column chunk.
-        _ => &[256, 1024, 2560],
+        // 2560: wider than the AVX-512 k-quant GEMM's 8-super-block column chunk; 4352: than
+        // the rows the k-quant GEMV runs one at a time.
+        _ => &[256, 1024, 2560, 4352],
     }
 }
 
