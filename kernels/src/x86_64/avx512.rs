@@ -306,20 +306,12 @@ const F16_BLOCK: usize = 4 << 20;
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn widen_f16(src: &[f16], dst: &mut [f32]) {
     let n = src.len().min(dst.len());
-    let mut i = 0;
     // SAFETY: masked loads and stores touch only elements below `n`.
-    unsafe {
-        while i < n {
-            let m: u16 = if n - i >= 16 {
-                0xFFFF
-            } else {
-                (1u16 << (n - i)) - 1
-            };
-            let v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src.as_ptr().add(i).cast()));
-            _mm512_mask_storeu_ps(dst.as_mut_ptr().add(i), m, v);
-            i += 16;
-        }
-    }
+    col_steps::<16>(n, |i, m| unsafe {
+        let m = m as u16;
+        let v = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, src.as_ptr().add(i).cast()));
+        _mm512_mask_storeu_ps(dst.as_mut_ptr().add(i), m, v);
+    });
 }
 
 /// The bytes of `v`.
@@ -394,6 +386,21 @@ unsafe fn load_f<const KIND: u8>(p: *const u8, m: u16) -> __m512 {
     }
 }
 
+/// `step(i, m)` at columns `i = 0, W, 2W, ...` below `n`: `m` selects the step's columns, all
+/// W of them (a constant, so the inlined loads are plain ones) but in the tail.
+#[inline(always)]
+fn col_steps<const W: usize>(n: usize, mut step: impl FnMut(usize, u32)) {
+    let full = if W == 32 { u32::MAX } else { (1u32 << W) - 1 };
+    let mut i = 0;
+    while i + W <= n {
+        step(i, full);
+        i += W;
+    }
+    if i < n {
+        step(i, (1u32 << (n - i)) - 1);
+    }
+}
+
 /// Rows `r0..r0+R` × tokens `t0..t0+T` of a float matmul (the order: [`run_float`]).
 ///
 /// # Safety
@@ -411,12 +418,11 @@ unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8, const AK: u
     unsafe {
         let wp = |r: usize| g.w.as_ptr().add((r0 + r) * g.w_stride);
         let ap = |t: usize| g.a.as_ptr().add((t0 + t) * g.a_stride);
-        let mut i = 0;
         if KIND == BF16 {
             // 32 columns a step as 16 pairs: the high half of each 32-bit lane is column 2j+1,
             // the low half column 2j; each is an f32 once the other half is cleared.
             let hi = _mm512_set1_epi32(0xFFFF_0000u32 as i32);
-            let mut step = |i: usize, m: u32| {
+            let step = |i: usize, m: u32| {
                 let mut wo = [_mm512_setzero_ps(); R];
                 let mut we = [_mm512_setzero_ps(); R];
                 for r in 0..R {
@@ -434,19 +440,12 @@ unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8, const AK: u
                     }
                 }
             };
-            while i + 32 <= n {
-                step(i, u32::MAX);
-                i += 32;
-            }
-            if i < n {
-                step(i, (1u32 << (n - i)) - 1);
-            }
+            col_steps::<32>(n, step);
         } else {
             let esz = if KIND == F32 { 4 } else { 2 };
             let aesz = if AK == F32 { 4 } else { 2 };
-            // One 16-column step; `m` is all ones but in the tail, and a constant there, so
-            // the main loop's loads are plain ones.
-            let mut step = |i: usize, m: u16| {
+            let step = |i: usize, m: u32| {
+                let m = m as u16;
                 let mut wv = [_mm512_setzero_ps(); R];
                 for r in 0..R {
                     wv[r] = load_f::<KIND>(wp(r).add(i * esz), m);
@@ -458,13 +457,7 @@ unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8, const AK: u
                     }
                 }
             };
-            while i + 16 <= n {
-                step(i, 0xFFFF);
-                i += 16;
-            }
-            if i < n {
-                step(i, (1u16 << (n - i)) - 1);
-            }
+            col_steps::<16>(n, step);
         }
         store(g, r0, t0, &acc, out);
     }
@@ -489,8 +482,7 @@ unsafe fn tile_bf16_dp<const R: usize, const T: usize>(
         let wp = |r: usize| g.w.as_ptr().add((r0 + r) * g.w_stride);
         let ap = |t: usize| g.a.as_ptr().add((t0 + t) * g.a_stride);
         let bh = |v: __m512i| core::mem::transmute::<__m512i, __m512bh>(v);
-        // One 32-column step (`m`: as in `tile_float`).
-        let mut step = |i: usize, m: u32| {
+        let step = |i: usize, m: u32| {
             let mut wv = [_mm512_setzero_si512(); R];
             for r in 0..R {
                 wv[r] = _mm512_maskz_loadu_epi16(m, wp(r).add(2 * i).cast());
@@ -502,14 +494,7 @@ unsafe fn tile_bf16_dp<const R: usize, const T: usize>(
                 }
             }
         };
-        let mut i = 0;
-        while i + 32 <= n {
-            step(i, u32::MAX);
-            i += 32;
-        }
-        if i < n {
-            step(i, (1u32 << (n - i)) - 1);
-        }
+        col_steps::<32>(n, step);
         store(g, r0, t0, &acc, out);
     }
 }
