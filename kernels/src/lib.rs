@@ -241,8 +241,7 @@ pub fn can_quantize(ty: GgmlType) -> bool {
 /// `out[t * rows.len() + (r - rows.start)] = dot(weight row r, activation row t)` for `r` in
 /// `rows`, `t` in `0..x.n()`. `out.len()` must be `x.n() * rows.len()`.
 ///
-/// `x.n() == 1` is the decode GEMV (bandwidth-bound: several weight rows share each activation
-/// load); `x.n() > 1` is prefill, computed in tiles of weight rows × tokens so each weight
+/// `x.n() == 1` is the decode GEMV (bandwidth-bound: the weights stream past once); `x.n() > 1` is prefill, computed in tiles of weight rows × tokens so each weight
 /// block is unpacked once for several tokens. Single-threaded and allocation-free: the caller
 /// splits `rows` across its threads.
 ///

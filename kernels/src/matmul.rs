@@ -122,12 +122,14 @@ struct AlignedBytes {
 }
 
 impl AlignedBytes {
+    /// `len` bytes; bytes kept from before stay as they were, new lines are zero.
     fn resize(&mut self, len: usize) {
         self.lines.resize(len.div_ceil(64), Line([0; 64]));
         self.len = len;
     }
 
-    fn from_vec(v: &[u8]) -> Self {
+    /// A copy of `v`.
+    fn from_slice(v: &[u8]) -> Self {
         let mut b = Self::default();
         b.resize(v.len());
         b.copy_from_slice(v);
@@ -135,6 +137,7 @@ impl AlignedBytes {
     }
 
     fn clear(&mut self) {
+        self.lines.clear();
         self.len = 0;
     }
 
@@ -286,7 +289,8 @@ impl Activations {
             n,
             cols,
             row_bytes: rb,
-            data: AlignedBytes::from_vec(&data),
+            // One copy, into a cache-line-aligned buffer.
+            data: AlignedBytes::from_slice(&data),
             scales: Vec::new(),
             sums: Vec::new(),
         };

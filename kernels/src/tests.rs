@@ -96,7 +96,9 @@ const MATMUL_TYPES: [GgmlType; 21] = [
 
 fn col_shapes(ty: GgmlType) -> &'static [usize] {
     match ty.block_size() {
-        1 => &[1, 7, 16, 33, 200],
+        // 8200: more than one token block of the AVX-512 float GEMM at 130 tokens (and, for f16,
+        // of its widened activations).
+        1 => &[1, 7, 16, 33, 200, 8200],
         // 4128 and 4160: wider than the AVX-512 GEMV's 64-pair column chunk (odd and even).
         32 => &[32, 64, 96, 640, 4128, 4160],
         128 => &[128, 640, 1920],
@@ -188,7 +190,7 @@ fn bf16_vdpbf16ps_equals_its_fma_emulation() {
     // subnormals, the emulation does not.
     let mut rng = Rng(0xBF16);
     let mut ran = 0;
-    for &cols in &[32usize, 64, 96, 200, 4128, 14336] {
+    for &cols in &[7usize, 32, 33, 64, 96, 200, 4128, 14336] {
         for &n in &[1usize, 2, 5, 6, 7, 13, 73] {
             let rows = 9;
             let w = random_weights(GgmlType::BF16, cols * rows, &mut rng);
@@ -199,6 +201,7 @@ fn bf16_vdpbf16ps_equals_its_fma_emulation() {
             let g =
                 crate::matmul::Gemm::new(&m, &act, 0..rows, n * rows, Numerics::Parity).unwrap();
             let Some((dp, fma)) = crate::x86_64::avx512::bf16_dp_and_fma(&g) else {
+                eprintln!("skipped: this CPU lacks AVX-512 or AVX512-BF16");
                 return;
             };
             let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
@@ -957,9 +960,22 @@ fn every_isa_quantizes_activations_bit_identically_to_the_scalar_reference() {
             }
         }
     }
-    // The float activation types, element by element: also every f32 bit pattern class
-    // (NaN payloads, subnormals), exact bf16 rounding ties, and a tail shorter than a vector.
+    // The float activation types, element by element: also random bit patterns, NaNs with
+    // their payload only in the low half (plain rounding would make them infinities) or
+    // signalling, the largest finite value, exact bf16 rounding ties, and a tail shorter than
+    // a vector.
     x.extend((0..QK_K).map(|_| f32::from_bits(rng.next() as u32)));
+    x.extend(
+        [
+            0x7F80_0001u32,
+            0xFF80_0001,
+            0x7FA0_0000,
+            0x7FFF_FFFF,
+            0x7F7F_FFFF,
+            0xFF7F_FFFF,
+        ]
+        .map(f32::from_bits),
+    );
     x.extend((0..QK_K as u32).map(|i| f32::from_bits((i << 17) | 0x8000 | ((i & 1) << 16))));
     for ty in [GgmlType::F16, GgmlType::BF16] {
         for n in [x.len(), x.len() - 3, 5] {

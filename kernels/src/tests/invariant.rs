@@ -17,7 +17,8 @@ fn cols_for(ty: GgmlType) -> &'static [usize] {
         1 => &[1, 7, 16, 33, 200],
         32 => &[32, 96, 640, 4160],
         128 => &[128, 640],
-        _ => &[256, 1024, 2560],
+        // 4352: longer than the rows the k-quant GEMV runs one at a time.
+        _ => &[256, 1024, 2560, 4352],
     }
 }
 

@@ -1,5 +1,5 @@
-//! AVX-512 (F, BW, VL, DQ, VNNI) kernels: the table, the float-weight matmuls and the f16/f32
-//! helpers attention uses. The quantized matmuls are in `avx512q` (bit-identical to the scalar
+//! AVX-512 (F, BW, VL, DQ, VNNI) kernels: the table, the float-weight matmuls (bf16 through
+//! `vdpbf16ps` where the CPU has AVX512-BF16) and the f16/f32 helpers attention uses. The quantized matmuls are in `avx512q` (bit-identical to the scalar
 //! reference, in llama.cpp's float order).
 
 // Tile loops index several per-row / per-token arrays with the same counter, and the
@@ -248,8 +248,8 @@ unsafe fn mad_raw(y: *mut u16, x: *const u16, v: f32, n: usize, mad: bool) {
 /// a product of two bf16 values is exact in f32; inputs or sums in the subnormal range, which
 /// `vdpbf16ps` flushes to zero, are the exception).
 ///
-/// Blocking as tinyBLAS's: a register tile of 4 rows × 6 tokens (24 accumulators) over the whole
-/// row, the tokens in blocks of ~2 MiB of activations (L3) that every row tile of the call
+/// Blocking as tinyBLAS's: a register tile of 4 rows × 6 tokens (24 accumulators; 4 × 4 for
+/// the bf16 emulation, which needs twice the weight registers) over the whole row, the tokens in blocks of ~2 MiB of activations (L3) that every row tile of the call
 /// streams past; a tile's rows stay in L2 across the block's token tiles.
 ///
 /// # Safety

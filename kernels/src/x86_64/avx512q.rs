@@ -5,10 +5,10 @@
 //! Integer products use VNNI. Exact integer partial sums may be grouped any way; only the f32
 //! steps have to happen where ggml does them:
 //! - Legacy blocks (q8_0, q4_0, q5_0): per block, eight i32 lanes of four products, one FMA
-//!   per lane, the lanes reduced as `hsum_float_8` at the end. Up to `SMALL_LEGACY_MAX`
-//!   tokens (the GEMV and batched decode): two rows per 512-bit register, unsigned weight
-//!   codes unpacked once per block for every token, the offset removed by starting the lanes
-//!   at `-offset·Σa`. More tokens (prefill): a register holds a (row, token pair) — weights
+//!   per lane, the lanes reduced as `hsum_float_8` at the end. The GEMV one row at a time (one
+//!   256-bit `vpdpbusd` per block); from 2 up to `SMALL_LEGACY_MAX` tokens (batched decode):
+//!   two rows per 512-bit register, unsigned weight codes unpacked once per block for every
+//!   token, the offset removed by starting the lanes at `-offset·Σa`. More tokens (prefill): a register holds a (row, token pair) — weights
 //!   unpacked once per row chunk and broadcast to both halves, the two tokens' activations
 //!   side by side, biased by +128 to be the unsigned operand, the bias removed by starting
 //!   the lanes at `-128·Σw`.
@@ -141,7 +141,8 @@ unsafe fn gemv_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// Rows of at most this many super-blocks (4096 values) run [`gemv_k`] one row at a time.
 const GEMV_K_ONE_ROW_MAX_SB: usize = 16;
 
-/// How many 4-row groups ahead the GEMVs prefetch.
+/// How many 4-row groups ahead the four-row k-quant GEMVs (and the q6_K `vec_dot` GEMV, that
+/// many rows ahead × 4) prefetch.
 const PF_GROUPS: usize = 2;
 
 /// The unsigned codes of the blocks at `p0` (low half) and `p1` (high half), value order.
@@ -245,10 +246,10 @@ unsafe fn run_legacy_multi<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     }
 }
 
-/// Few tokens (decode of several sequences): the GEMV's loop, four rows at a time two per
-/// register, with up to eight tokens per pass over the rows' blocks, so each weight block is
-/// loaded and unpacked once for all of them and streamed from memory once per call. Per
-/// (row, token) the lanes are [`gemv_legacy`]'s, so the results equal its bit for bit.
+/// Few tokens (decode of several sequences): four rows at a time two per register, with up to
+/// eight tokens per pass over the rows' blocks, so each weight block is loaded and unpacked
+/// once for all of them and streamed from memory once per call. Per (row, token) the lanes
+/// are [`gemv_legacy`]'s, so the results equal its bit for bit.
 ///
 /// # Safety
 /// As [`run_legacy`]; `prep` holds `2 · g.ntok · nb` vectors.

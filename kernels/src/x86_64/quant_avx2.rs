@@ -1,5 +1,5 @@
-//! Activation quantization (f32 → q8_0 / q8_1 / q8_K) with AVX2, bit-identical to
-//! `scalar::quantize_q8_0`, `scalar::quantize_q8_1` and `scalar::quantize_q8_k`. Both the AVX2
+//! Activation quantization (f32 → q8_0 / q8_1 / q8_K, and conversion to f16 / bf16) with AVX2,
+//! bit-identical to `scalar::quantize`. Both the AVX2
 //! and the AVX-512 tables use it: it is bound by the loads and the per-block scalar scale, so
 //! wider registers buy nothing.
 //!
