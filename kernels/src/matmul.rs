@@ -107,10 +107,11 @@ pub(crate) fn row_bytes(ty: GgmlType, cols: usize) -> Result<usize, KernelError>
     }
 }
 
-/// One cache line, the unit of [`AlignedBytes`].
+/// One cache line: the unit of [`AlignedBytes`] and of the x86 kernels' scratch buffers, so
+/// both are 64-byte aligned.
 #[repr(C, align(64))]
 #[derive(Clone, Copy, Debug)]
-struct Line([u8; 64]);
+pub(crate) struct Line(pub(crate) [u8; 64]);
 
 /// A byte buffer that starts on a cache line: activation rows whose size is a multiple of 64
 /// bytes (f16/bf16/f32 rows of 32·k values) then all start on one, so a kernel's 64-byte

@@ -1,6 +1,7 @@
 //! AVX-512 (F, BW, VL, DQ, VNNI) kernels: the table, the float-weight matmuls (bf16 through
-//! `vdpbf16ps` where the CPU has AVX512-BF16) and the f16/f32 helpers attention uses. The quantized matmuls are in `avx512q` (bit-identical to the scalar
-//! reference, in llama.cpp's float order).
+//! `vdpbf16ps` where the CPU has AVX512-BF16) and the f16/f32 helpers attention uses. The
+//! quantized matmuls are in `avx512q` (bit-identical to the scalar reference, in llama.cpp's
+//! float order).
 
 // Tile loops index several per-row / per-token arrays with the same counter, and the
 // transcriptions of ggml keep its index arithmetic: iterator chains would obscure both.
@@ -241,30 +242,31 @@ unsafe fn mad_raw(y: *mut u16, x: *const u16, v: f32, n: usize, mad: bool) {
 
 /// Tile shapes differ with `ntok`, float orders do not: each (row, token) has its own 16-lane
 /// accumulator over all columns in order, so batched rows equal 1-token rows bit for bit and
-/// `Numerics` changes nothing here. f32 and f16 step 16 columns with one FMA per lane (tinyBLAS's
-/// AVX-512 order, `llamafile/sgemm.cpp`); bf16 steps 32 columns as `vdpbf16ps` does (lane j adds
-/// the product of columns 2j+1, then of 2j), which tinyBLAS uses on AVX512-BF16 CPUs: with that
-/// instruction where the CPU has it, with two FMAs on the split halves where not (same bits:
-/// a product of two bf16 values is exact in f32; inputs or sums in the subnormal range, which
-/// `vdpbf16ps` flushes to zero, are the exception).
+/// `Numerics` changes nothing here. f32 and f16 step 16 columns with one FMA per lane
+/// (tinyBLAS's AVX-512 order, `llamafile/sgemm.cpp`); bf16 steps 32 columns as `vdpbf16ps`
+/// does (lane j adds the product of columns 2j+1, then of 2j), which tinyBLAS uses on
+/// AVX512-BF16 CPUs: with that instruction where the CPU has it, with two FMAs on the split
+/// halves where not (same bits: a product of two bf16 values is exact in f32; inputs or sums in
+/// the subnormal range, which `vdpbf16ps` flushes to zero, are the exception).
 ///
 /// Blocking as tinyBLAS's: a register tile of 4 rows × 6 tokens (24 accumulators; 4 × 4 for
-/// the bf16 emulation, which needs twice the weight registers) over the whole row, the tokens in blocks of ~2 MiB of activations (L3) that every row tile of the call
+/// the bf16 emulation, which needs twice the weight registers) over the whole row, the tokens
+/// in blocks of [`FLOAT_BLOCK`] bytes of activations (L3) that every row tile of the call
 /// streams past; a tile's rows stay in L2 across the block's token tiles.
 ///
 /// # Safety
 /// As [`run_legacy`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    if KIND == BF16 && has_avx512_bf16() {
+    if KIND == BF16 && is_x86_feature_detected!("avx512bf16") {
         // SAFETY: the CPU has AVX512-BF16 (checked just above) and this module's features.
         unsafe { run_bf16_dp(g, out) }
     } else if KIND == BF16 {
         drive!(@ FLOAT_BLOCK, g, out, tile_float, 4, 4, KIND, KIND);
     } else if KIND == F16 && g.ntok > 1 {
-        // Activations widened to f32 once per token block: a tile then converts only its
-        // rows' weights (4 per 24 FMAs instead of 10).
-        let tb = ((F16_BLOCK / (4 * g.cols.max(1))).max(6) / 6 * 6).min(g.ntok);
+        // Activations widened to f32 one token block at a time (the block `drive!` then runs
+        // as one): a tile converts only its rows' weights (4 per 24 FMAs instead of 10).
+        let tb = ((FLOAT_BLOCK / (4 * g.cols.max(1))).max(6) / 6 * 6).min(g.ntok);
         super::with_scratch(0, tb * g.cols, |wide: &mut [f32]| {
             let mut t0 = 0;
             while t0 < g.ntok {
@@ -296,9 +298,6 @@ unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     }
 }
 
-/// Bytes of f32 activations per token block of the f16 GEMM.
-const F16_BLOCK: usize = 4 << 20;
-
 /// `dst[i] = src[i] as f32` (equal lengths).
 ///
 /// # Safety
@@ -327,12 +326,6 @@ fn bytemuck_f32(v: &[f32]) -> &[u8] {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512bf16,avx2,fma,f16c")]
 unsafe fn run_bf16_dp(g: &Gemm<'_>, out: &mut [f32]) {
     drive!(@ FLOAT_BLOCK, g, out, tile_bf16_dp, 4, 6);
-}
-
-/// Whether this CPU has AVX512-BF16 (`vdpbf16ps`), detected once.
-fn has_avx512_bf16() -> bool {
-    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *HAS.get_or_init(|| is_x86_feature_detected!("avx512bf16"))
 }
 
 /// Activation bytes per token block of the float GEMMs (tinyBLAS's ~72 tokens of 14336 f16
@@ -564,7 +557,7 @@ pub(crate) fn has_matmul(ty: GgmlType) -> bool {
 #[cfg(test)]
 pub(crate) fn bf16_dp_and_fma(g: &Gemm<'_>) -> Option<(Vec<f32>, Vec<f32>)> {
     Avx512::new()?;
-    if !has_avx512_bf16() {
+    if !is_x86_feature_detected!("avx512bf16") {
         return None;
     }
     let mut dp = vec![f32::NAN; g.ntok * g.nrows];

@@ -90,10 +90,7 @@ unsafe impl Pod for f32 {}
 // SAFETY: arrays of plain data are plain data.
 unsafe impl<T: Pod, const N: usize> Pod for [T; N] {}
 
-/// One cache line of scratch (the buffers' unit, so they are 64-byte aligned).
-#[repr(C, align(64))]
-#[derive(Clone, Copy)]
-struct Line([u8; 64]);
+use crate::matmul::Line;
 
 /// Per-thread scratch buffers kept above this size are freed after the call instead: they are
 /// prefill-sized, where one allocation is nothing next to the matmul.

@@ -1,7 +1,6 @@
 //! Activation quantization (f32 → q8_0 / q8_1 / q8_K, and conversion to f16 / bf16) with AVX2,
-//! bit-identical to `scalar::quantize`. Both the AVX2
-//! and the AVX-512 tables use it: it is bound by the loads and the per-block scalar scale, so
-//! wider registers buy nothing.
+//! bit-identical to `scalar::quantize`. Both the AVX2 and the AVX-512 tables use it: it is
+//! bound by the loads and the per-block scalar scale, so wider registers buy nothing.
 //!
 //! A block holding an infinity or a NaN, or whose scale factor overflows, takes the scalar reference (the SIMD max and
 //! round-to-int treat them differently from the reference's folds and saturating casts).
