@@ -90,3 +90,58 @@ fn batched_matmuls_on_many_rows_match_scalar() {
     }
     assert!(checked > 100_000, "only {checked} comparisons ran");
 }
+
+/// The largest codes every k-quant can hold against activations that quantize to -128 (every
+/// value of a block at the block's maximum magnitude) or to -128 then 127s: the sums the SIMD
+/// kernels keep in 16-bit lanes (AVX2's `vpmaddubsw` pair sums, added up over several quads)
+/// are at their extremes, so a chunk one quad too long overflows and differs from the scalar
+/// reference.
+#[test]
+fn k_quant_matmuls_at_extreme_codes_match_scalar() {
+    // (type, bytes per super-block, offsets of its f16 scales)
+    let kinds: [(GgmlType, usize, &[usize]); 5] = [
+        (GgmlType::Q2_K, 84, &[80, 82]),
+        (GgmlType::Q3_K, 110, &[108]),
+        (GgmlType::Q4_K, 144, &[0, 2]),
+        (GgmlType::Q5_K, 176, &[0, 2]),
+        (GgmlType::Q6_K, 210, &[208]),
+    ];
+    let (rows, cols) = (7usize, 512usize);
+    let mut checked = 0usize;
+    for (ty, bs, scales) in kinds {
+        // Every code bit set; q6_K's scales (0xFF = -1) and q3_K's stay as all-ones bytes give.
+        let mut w = vec![0xFFu8; rows * cols / 256 * bs];
+        for blk in w.chunks_exact_mut(bs) {
+            for &o in scales {
+                blk[o..o + 2].copy_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
+            }
+        }
+        let m = QMatrix::new(ty, rows, cols, &w).unwrap();
+        for first in [-1.0f32, 1.0] {
+            for n in [1usize, 8, 16, 19, 33] {
+                // All -1: every code -128. A leading +1: -128, then 127 for the -1s.
+                let x: Vec<f32> = (0..n * cols)
+                    .map(|i| if i % 256 == 0 { first } else { -1.0 })
+                    .collect();
+                let mut act = Activations::new();
+                act.quantize_for(ty, &x, n, cols).unwrap();
+                for numerics in [Numerics::Parity, Numerics::Invariant] {
+                    let want = run(Isa::Scalar, &m, &act, 0..rows, numerics);
+                    for isa in [Isa::Avx2, Isa::Avx512] {
+                        if !isa.is_available() {
+                            continue;
+                        }
+                        let got = run(isa, &m, &act, 0..rows, numerics);
+                        assert_eq!(
+                            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            "{isa:?} {ty:?} {numerics:?} n={n} first={first}"
+                        );
+                        checked += got.len();
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 1000, "only {checked} comparisons ran");
+}

@@ -287,7 +287,11 @@ unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// As [`run_legacy`].
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    if g.ntok == 1 {
+    if g.ntok >= super::kq_lanes2::MIN_TOKENS {
+        // Tokens in the register lanes; the 1-3 tokens of another order come back here.
+        // SAFETY: as this function's contract; the rest is this entry point's own problem.
+        unsafe { super::kq_lanes2::gemm_then_rest::<KIND>(g, out, run_k::<KIND>) };
+    } else if g.ntok == 1 {
         // One row at a time, as q8_0 (Q6_K 2048 columns: ~18 GB/s against ~9.5 with 2 rows).
         drive!(g, out, tile_k, 1, 1, KIND);
     } else {

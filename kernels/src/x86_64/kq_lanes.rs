@@ -62,17 +62,17 @@ unsafe impl Pod for ActBlock {}
 /// One weight row's super-block, unpacked: codes in value order and the row's scales.
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
-struct WRow {
-    codes: [u8; QK_K],
+pub(super) struct WRow {
+    pub(super) codes: [u8; QK_K],
     /// Sub-block scales (q4_K/q5_K: 8, 6-bit; q6_K, q3_K: 16, signed; q2_K: 16, 4-bit; the IQ
     /// types: 8, signed).
-    sc: [i32; 16],
+    pub(super) sc: [i32; 16],
     /// i16 pairs for `vpdpwssd`: q4_K/q5_K (4) and q2_K (8) the mins `(m[2p], m[2p+1])`; q6_K,
     /// q3_K (8) and the IQ types (4) the scales `(sc[2p], sc[2p+1])`, which remove the codes'
     /// offset.
-    pairs: [i32; 8],
-    d: f32,
-    dmin: f32,
+    pub(super) pairs: [i32; 8],
+    pub(super) d: f32,
+    pub(super) dmin: f32,
 }
 
 // SAFETY: plain integers and floats; alignment 64.
@@ -316,102 +316,106 @@ unsafe fn unpack_panel<const KIND: u8>(
     wrows: &mut [WRow],
 ) {
     let wbs = k_block_bytes(KIND);
+    for (i, wr) in wrows[..np].iter_mut().enumerate() {
+        // SAFETY: row r0 + i < nrows, super-block sb: `wbs` bytes; the closure writes 256 bytes.
+        unsafe {
+            let p = g.w.as_ptr().add((r0 + i) * g.w_stride + sb * wbs);
+            unpack_row::<KIND>(p, wr, |codes| {
+                let kb = super::avx512q::unpack_k::<KIND>(p);
+                for c in 0..4 {
+                    _mm512_storeu_si512(codes.as_mut_ptr().add(64 * c).cast(), kb.u[c]);
+                }
+            })
+        }
+    }
+}
+
+/// One row's super-block at `p` into `wr`: the codes of q4_K, q5_K and q6_K by `kcodes` (each
+/// ISA's unpacker, in value order), every other kind's by the AVX2 unpackers; then the scales,
+/// pairs, `d` and `dmin`. Inlined into a caller with at least AVX2, FMA and F16C.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `p` is readable for one super-block of `KIND`.
+#[inline(always)]
+pub(super) unsafe fn unpack_row<const KIND: u8>(
+    p: *const u8,
+    wr: &mut WRow,
+    kcodes: impl FnOnce(&mut [u8; QK_K]),
+) {
     let pair = |a: i32, b: i32| (a as i16 as u16 as i32) | ((b as i16 as u16 as i32) << 16);
-    for i in 0..np {
-        // SAFETY: row r0 + i < nrows, super-block sb: `wbs` bytes.
-        let p = unsafe { g.w.as_ptr().add((r0 + i) * g.w_stride + sb * wbs) };
-        let wr = &mut wrows[i];
+    // SAFETY: 2 readable bytes at `q`.
+    let f16_at =
+        |q: *const u8| unsafe { half::f16::from_bits(q.cast::<u16>().read_unaligned()).to_f32() };
+    let store = |wr: &mut WRow, u: &[__m256i; 8]| {
+        for (c, v) in u.iter().enumerate() {
+            // SAFETY: 32 bytes of `codes` at 32c; the caller has AVX2.
+            unsafe { _mm256_storeu_si256(wr.codes.as_mut_ptr().add(32 * c).cast(), *v) };
+        }
+    };
+    // SAFETY (whole body): reads within the super-block at `p`; the AVX2 unpackers need the
+    // features the caller has.
+    unsafe {
         // q6_K and q3_K: 16 signed scales, whose i16 pairs remove the codes' offset.
         let signed: [i8; 16];
         if KIND == Q2_K {
-            // SAFETY: as above (one q2_K super-block).
-            let u = unsafe { super::q2k::codes(p) };
-            for (c, v) in u.iter().enumerate() {
-                // SAFETY: 32 bytes of `codes` at 32c.
-                unsafe { _mm256_storeu_si256(wr.codes.as_mut_ptr().add(32 * c).cast(), *v) };
-            }
-            // SAFETY: the 16 scale bytes at 0.
-            let sb = unsafe { p.cast::<[u8; 16]>().read() };
+            store(wr, &super::q2k::codes(p));
+            // The 16 scale bytes at 0.
+            let sb = p.cast::<[u8; 16]>().read();
             for j in 0..16 {
                 wr.sc[j] = (sb[j] & 0xF) as i32;
             }
             for q in 0..8 {
                 wr.pairs[q] = pair((sb[2 * q] >> 4) as i32, (sb[2 * q + 1] >> 4) as i32);
             }
-            // SAFETY: the f16 scale and min at 80, 82.
-            unsafe {
-                wr.d = super::avx512q::f16_to_f32(p.add(80));
-                wr.dmin = super::avx512q::f16_to_f32(p.add(82));
-            }
-            continue;
+            // The f16 scale and min at 80, 82.
+            wr.d = f16_at(p.add(80));
+            wr.dmin = f16_at(p.add(82));
+            return;
         } else if KIND == IQ2_XXS || KIND == IQ3_XXS {
-            // SAFETY: as above (one super-block of KIND).
-            let u = unsafe { super::iq2::codes_u8::<KIND>(p) };
-            for (c, v) in u.iter().enumerate() {
-                // SAFETY: 32 bytes of `codes` at 32c.
-                unsafe { _mm256_storeu_si256(wr.codes.as_mut_ptr().add(32 * c).cast(), *v) };
-            }
+            store(wr, &super::iq2::codes_u8::<KIND>(p));
             for j in 0..8 {
-                // SAFETY: sub-block j's sign/scale word (IQ2_XXS at 6 + 8j, IQ3_XXS 66 + 4j).
-                let w1 = unsafe {
-                    let o = if KIND == IQ2_XXS {
-                        6 + 8 * j
-                    } else {
-                        66 + 4 * j
-                    };
-                    p.add(o).cast::<u32>().read_unaligned()
+                // Sub-block j's sign/scale word (IQ2_XXS at 6 + 8j, IQ3_XXS 66 + 4j).
+                let o = if KIND == IQ2_XXS {
+                    6 + 8 * j
+                } else {
+                    66 + 4 * j
                 };
+                let w1 = p.add(o).cast::<u32>().read_unaligned();
                 wr.sc[j] = 2 * (w1 >> 28) as i32 + 1;
             }
             for q in 0..4 {
                 wr.pairs[q] = pair(wr.sc[2 * q], wr.sc[2 * q + 1]);
             }
-            // SAFETY: the f16 scale at 0; ggml's tiled matmul folds 1/8 (1/4) into it.
-            wr.d = unsafe { super::avx512q::f16_to_f32(p) } * super::iq2::geometry(KIND).1;
+            // The f16 scale at 0; ggml's tiled matmul folds 1/8 (1/4) into it.
+            wr.d = f16_at(p) * super::iq2::geometry(KIND).1;
             wr.dmin = 0.0;
-            continue;
+            return;
         } else if KIND == IQ4_XS {
-            // SAFETY: as above (one IQ4_XS super-block).
-            let u = unsafe { super::iq4::xs_codes_u8(p) };
-            for (c, v) in u.iter().enumerate() {
-                // SAFETY: 32 bytes of `codes` at 32c.
-                unsafe { _mm256_storeu_si256(wr.codes.as_mut_ptr().add(32 * c).cast(), *v) };
-            }
-            // SAFETY: one super-block of 136 bytes.
-            let x = unsafe { &*p.cast::<[u8; 136]>() };
+            store(wr, &super::iq4::xs_codes_u8(p));
+            let x = &*p.cast::<[u8; 136]>();
             for j in 0..8 {
                 wr.sc[j] = crate::scalar::iq4xs_scale(x, j) - 32;
             }
             for q in 0..4 {
                 wr.pairs[q] = pair(wr.sc[2 * q], wr.sc[2 * q + 1]);
             }
-            // SAFETY: the f16 scale at 0.
-            wr.d = unsafe { super::avx512q::f16_to_f32(p) };
+            wr.d = f16_at(p);
             wr.dmin = 0.0;
-            continue;
+            return;
         } else if KIND == Q3_K {
-            // SAFETY: as above (one q3_K super-block).
-            let (u, sc) = unsafe { super::q3k::unpack(p) };
-            for (c, v) in u.iter().enumerate() {
-                // SAFETY: 32 bytes of `codes` at 32c.
-                unsafe { _mm256_storeu_si256(wr.codes.as_mut_ptr().add(32 * c).cast(), *v) };
-            }
-            // SAFETY: the f16 scale at 108.
-            wr.d = unsafe { super::avx512q::f16_to_f32(p.add(108)) };
+            let (u, sc) = super::q3k::unpack(p);
+            store(wr, &u);
+            // The f16 scale at 108.
+            wr.d = f16_at(p.add(108));
             wr.dmin = 0.0;
             signed = sc;
         } else {
-            // SAFETY: as above.
-            let kb = unsafe { super::avx512q::unpack_k::<KIND>(p) };
-            for c in 0..4 {
-                // SAFETY: 64 bytes of `codes` at 64c.
-                unsafe { _mm512_storeu_si512(wr.codes.as_mut_ptr().add(64 * c).cast(), kb.u[c]) };
-            }
-            wr.d = kb.d;
-            wr.dmin = kb.dmin;
+            kcodes(&mut wr.codes);
             if KIND != Q6_K {
-                // SAFETY: the 12 packed scale bytes at 4.
-                let (sc, m) = k4_scales_mins(unsafe { &*p.add(4).cast::<[u8; 12]>() });
+                // q4_K / q5_K: f16 d and dmin at 0 and 2, the 12 packed scale bytes at 4.
+                wr.d = f16_at(p);
+                wr.dmin = f16_at(p.add(2));
+                let (sc, m) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
                 let sc = sc.to_le_bytes();
                 let m = m.to_le_bytes();
                 for j in 0..8 {
@@ -420,10 +424,12 @@ unsafe fn unpack_panel<const KIND: u8>(
                 for q in 0..4 {
                     wr.pairs[q] = pair(m[2 * q] as i32, m[2 * q + 1] as i32);
                 }
-                continue;
+                return;
             }
-            // SAFETY: the 16 i8 scales at 192.
-            signed = unsafe { p.add(192).cast::<[i8; 16]>().read() };
+            // q6_K: the 16 i8 scales at 192, the f16 d at 208.
+            wr.d = f16_at(p.add(208));
+            wr.dmin = 0.0;
+            signed = p.add(192).cast::<[i8; 16]>().read();
         }
         for j in 0..16 {
             wr.sc[j] = signed[j] as i32;

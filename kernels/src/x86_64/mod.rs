@@ -8,6 +8,7 @@ mod avx512q;
 mod iq2;
 mod iq4;
 mod kq_lanes;
+mod kq_lanes2;
 mod lanes8;
 mod legacy_min;
 mod nl_lanes;

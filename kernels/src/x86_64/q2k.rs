@@ -41,7 +41,10 @@ const SCALE_SEL: [[u8; 16]; 8] = {
 /// g.nrows` and q2_K weights.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run_q2k(g: &Gemm<'_>, out: &mut [f32]) {
-    if g.ntok == 1 {
+    if g.ntok >= super::kq_lanes2::MIN_TOKENS {
+        // SAFETY: as this function's contract; the rest is this entry point's own problem.
+        unsafe { super::kq_lanes2::gemm_then_rest::<{ super::Q2_K }>(g, out, run_q2k) };
+    } else if g.ntok == 1 {
         drive!(g, out, tile, 4, 1);
     } else {
         drive!(g, out, tile, 2, 4);

@@ -44,6 +44,10 @@ const SHUF: [[u8; 32]; 4] = {
 /// g.nrows` and q3_K weights.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run_q3k(g: &Gemm<'_>, out: &mut [f32]) {
+    // SAFETY: as this function's contract.
+    if unsafe { super::kq_lanes2::tiled_batch::<{ super::Q3_K }>(g, out) } {
+        return;
+    }
     if g.ntok == 1 {
         drive!(g, out, tile, 4, 1);
     } else {
