@@ -91,11 +91,12 @@ fn batched_matmuls_on_many_rows_match_scalar() {
     assert!(checked > 100_000, "only {checked} comparisons ran");
 }
 
-/// The largest codes every k-quant can hold against activations that quantize to -128 (every
-/// value of a block at the block's maximum magnitude) or to -128 then 127s: the sums the SIMD
-/// kernels keep in 16-bit lanes (AVX2's `vpmaddubsw` pair sums, added up over several quads)
-/// are at their extremes, so a chunk one quad too long overflows and differs from the scalar
-/// reference.
+/// The largest codes every k-quant can hold against activations at q8_K's extremes (every
+/// value of a block at the block's maximum magnitude: all -127, or a leading -127 then 127s):
+/// the sums the SIMD kernels keep in 16-bit lanes (AVX2's `vpmaddubsw` pair sums, added up
+/// over several quads) are at their extremes, so a chunk one quad too long overflows and
+/// differs from the scalar reference. (The chunks are sized for -128, which `quantize_for`
+/// never writes.)
 #[test]
 fn k_quant_matmuls_at_extreme_codes_match_scalar() {
     // (type, bytes per super-block, offsets of its f16 scales)
@@ -119,7 +120,7 @@ fn k_quant_matmuls_at_extreme_codes_match_scalar() {
         let m = QMatrix::new(ty, rows, cols, &w).unwrap();
         for first in [-1.0f32, 1.0] {
             for n in [1usize, 8, 16, 19, 33] {
-                // All -1: every code -128. A leading +1: -128, then 127 for the -1s.
+                // All -1: every code -127. A leading +1: -127, then 127 for the -1s.
                 let x: Vec<f32> = (0..n * cols)
                     .map(|i| if i % 256 == 0 { first } else { -1.0 })
                     .collect();

@@ -3,8 +3,8 @@
 //! repacked `q2_K_8x8` kernels, which sum per super-block the exact scaled integer sums and
 //! the mins against the block sums and take one FMA for each — the GEMV per 256 values
 //! (`KOrder::Sb256`), the GEMM per 128 (`KOrder::Sb128`) — and `acc - acc_min` at the end.
-//! On AVX-512, from 16 tokens, the k-quant GEMM with tokens in the register lanes
-//! (`kq_lanes`) takes q2_K like q6_K's 16-value sub-blocks, the mins through the block sums.
+//! From 16 tokens, the k-quant GEMM with tokens in the register lanes (`kq_lanes` on AVX-512,
+//! `kq_lanes2` on AVX2) takes q2_K like q6_K's 16-value sub-blocks, the mins through the block sums.
 
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]

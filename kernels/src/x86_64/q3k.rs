@@ -4,8 +4,8 @@
 //! each 32-value chunk times the chunk's sub-block scales; the i16 pairs `v·a` computed as
 //! `vpmaddubsw(u, a) − vpmaddubsw(4, a)` with the unsigned codes `u = v + 4`); `Lanes8` takes one
 //! FMA per lane per super-block and [`hsum8`] at the end, `Tiled` sums the lanes exactly and
-//! takes one f32 step per super-block. On AVX-512, from 16 tokens in the tiled order, the
-//! k-quant GEMM with tokens in the register lanes (`kq_lanes`) takes q3_K like q6_K (unsigned
+//! takes one f32 step per super-block. From 16 tokens in the tiled order, the k-quant GEMM
+//! with tokens in the register lanes (`kq_lanes` on AVX-512, `kq_lanes2` on AVX2) takes q3_K like q6_K (unsigned
 //! codes `v + 4`, the offset removed through the activations' block sums).
 
 // Tile loops index several per-row / per-token arrays with the same counter.
