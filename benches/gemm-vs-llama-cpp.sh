@@ -104,6 +104,7 @@ static std::vector<uint8_t> fill_weights(ggml_type type, size_t len) {
     switch (type) {
         case GGML_TYPE_Q8_0: case GGML_TYPE_Q4_0: case GGML_TYPE_Q5_0: offs = {0}; break;
         case GGML_TYPE_IQ4_NL: case GGML_TYPE_IQ4_XS: case GGML_TYPE_IQ2_XXS: case GGML_TYPE_IQ3_XXS: offs = {0}; break;
+        case GGML_TYPE_IQ2_XS: case GGML_TYPE_IQ2_S: case GGML_TYPE_IQ3_S: case GGML_TYPE_IQ1_S: offs = {0}; break;
         case GGML_TYPE_Q4_K: case GGML_TYPE_Q5_K: case GGML_TYPE_Q4_1: case GGML_TYPE_Q5_1: offs = {0, 2}; break;
         case GGML_TYPE_Q6_K: offs = {208}; break;
         case GGML_TYPE_Q3_K: offs = {108}; break;
@@ -114,8 +115,13 @@ static std::vector<uint8_t> fill_weights(ggml_type type, size_t len) {
     }
     const size_t bs = ggml_type_size(type);
     ggml_fp16_t one = ggml_fp32_to_fp16(0.01f);
-    for (size_t b = 0; b + bs <= len; b += bs)
+    for (size_t b = 0; b + bs <= len; b += bs) {
         for (size_t o : offs) memcpy(&v[b + o], &one, 2);
+        // IQ1_M: the f16 scale is the top nibbles of the four u16 scale words at 48.
+        if (type == GGML_TYPE_IQ1_M)
+            for (int i = 0; i < 4; i++)
+                v[b + 49 + 2 * i] = (uint8_t) ((v[b + 49 + 2 * i] & 0x0F) | (((one >> (4 * i)) & 0xF) << 4));
+    }
     return v;
 }
 

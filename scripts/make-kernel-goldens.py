@@ -98,6 +98,27 @@ def main():
         raw.tofile(os.path.join(OUT, f"{t.name.lower()}.bin"))
         vals.tofile(os.path.join(OUT, f"{t.name.lower()}.f32"))
 
+    # The remaining IQ grid types (issue 19), from a third generator so the files above keep
+    # their bytes. IQ1_M has no d field: its f16 scale is the top nibbles of the four u16
+    # scale words at 48.
+    rng = np.random.default_rng(20261127)
+    for t in (T.IQ2_XS, T.IQ2_S, T.IQ3_S, T.IQ1_S, T.IQ1_M):
+        block, size = GGML_QUANT_SIZES[t]
+        nblocks = 4
+        raw = rng.integers(0, 256, size=(nblocks, size), dtype=np.uint8)
+        d = random_f16(rng, nblocks).view(np.uint16)
+        if t == T.IQ1_M:
+            for i in range(4):
+                hi = ((d >> (4 * i)) & 0xF).astype(np.uint8)
+                raw[:, 49 + 2 * i] = (raw[:, 49 + 2 * i] & 0x0F) | (hi << 4)
+        else:
+            raw[:, 0:2] = d.view(np.uint8).reshape(nblocks, 2)
+        raw = raw.reshape(-1)
+        vals = dequantize(raw, t).astype("<f4").reshape(-1)
+        assert vals.size == nblocks * block and np.all(np.isfinite(vals)), t.name
+        raw.tofile(os.path.join(OUT, f"{t.name.lower()}.bin"))
+        vals.tofile(os.path.join(OUT, f"{t.name.lower()}.f32"))
+
 
 if __name__ == "__main__":
     main()

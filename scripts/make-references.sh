@@ -3,8 +3,9 @@
 #
 #   tests/data/models/tiny-*.gguf            random-weight test models (scripts/make-test-models.py;
 #                                            tiny-llama-q4_k, -q4_0, -q4_1, -q5_1, -q2_k, -q3_k,
-#                                            -iq4_nl, -iq4_xs by llama-quantize --pure; -iq2_xxs, -iq3_xxs
-#                                            with an importance matrix from llama-imatrix)
+#                                            -iq4_nl, -iq4_xs by llama-quantize --pure; -iq2_xxs, -iq2_xs,
+#                                            -iq2_s, -iq3_xxs, -iq3_s, -iq1_s, -iq1_m with an importance
+#                                            matrix from llama-imatrix)
 #   tests/data/refs/<model>.greedy.json      greedy continuations: token ids, text, top-5 logits
 #                                            per step (benches/ref/ref-greedy.cpp), checked against
 #                                            llama-simple's text and against 1 thread
@@ -73,9 +74,12 @@ if [ "$models" = 1 ]; then
   imat="$L/tiny-llama.imatrix.gguf"
   "$bin/llama-imatrix" -m "$root/tests/data/models/tiny-llama-f16.gguf" -f "$root/tests/data/text/gpl-3.txt" \
     -o "$imat" -c 128 --chunks 32 -t 2 --process-output >/dev/null 2>&1
-  for t in iq2_xxs iq3_xxs; do
+  # (llama-quantize's file type IQ2_S is a mix whose default tensor type is IQ2_XS; its IQ2_M
+  # defaults to IQ2_S tensors.)
+  for t in iq2_xxs iq3_xxs iq2_xs iq2_s iq3_s iq1_s iq1_m; do
+    ft=${t^^}; [ "$t" = iq2_s ] && ft=IQ2_M
     "$bin/llama-quantize" --pure --imatrix "$imat" --token-embedding-type q8_0 \
-      "$root/tests/data/models/tiny-llama-f16.gguf" "$root/tests/data/models/tiny-llama-$t.gguf" "${t^^}" 2 >/dev/null 2>&1
+      "$root/tests/data/models/tiny-llama-f16.gguf" "$root/tests/data/models/tiny-llama-$t.gguf" "$ft" 2 >/dev/null 2>&1
   done
   # A ternary model made by llama.cpp: every matrix TQ2_0 but the experts' 64-wide ffn_down
   # (TQ2_0 rows need multiples of 256; kept q8_0), to show llama.cpp's ternary tensors run
@@ -289,6 +293,7 @@ only = [n for n in os.environ.get("REF_ONLY", "").split(",") if n]
 for name in ["tiny-llama-f16", "tiny-llama-q8_0", "tiny-llama-q4_k", "tiny-llama-q4_1", "tiny-llama-q5_1",
              "tiny-llama-q3_k", "tiny-llama-iq4_nl", "tiny-llama-iq4_xs", "tiny-llama-q4_0",
              "tiny-llama-q2_k", "tiny-llama-iq2_xxs", "tiny-llama-iq3_xxs",
+             "tiny-llama-iq2_xs", "tiny-llama-iq2_s", "tiny-llama-iq3_s", "tiny-llama-iq1_s", "tiny-llama-iq1_m",
              "tiny-qwen3-f16", "tiny-qwen2-f16",
              "tiny-mixtral-q8_0", "tiny-qwen3moe-q8_0", "tiny-qwen2moe-q8_0", "tiny-qwen3moe-tq2_0"]:
     if only and name not in only:
@@ -298,7 +303,7 @@ for name in ["tiny-llama-f16", "tiny-llama-q8_0", "tiny-llama-q4_k", "tiny-llama
     # The IQ grid models: llama-perplexity's own results move with its batch size on them
     # (IQ3_XXS: 544373.3538 at the default -b 2048, 544997.1688 at -b 512, 256 and 128), so no
     # second batch is checked; ternfleet equals the default run (docs/quant-types.md).
-    grid = name in ("tiny-llama-iq2_xxs", "tiny-llama-iq3_xxs")
+    grid = name.startswith("tiny-llama-iq") and name not in ("tiny-llama-iq4_nl", "tiny-llama-iq4_xs")
     ppl_ref(name, model, 128, check_batch=None if grid else 128)
 
 if os.environ.get("REF_GEMMA") == "1":

@@ -282,6 +282,11 @@ const EXACT_PPL: &[&str] = &[
     "tiny-llama-iq4_nl",
     "tiny-llama-iq4_xs",
     "tiny-llama-iq3_xxs",
+    "tiny-llama-iq2_xs",
+    "tiny-llama-iq2_s",
+    "tiny-llama-iq3_s",
+    "tiny-llama-iq1_s",
+    "tiny-llama-iq1_m",
     // Not tiny-llama-iq2_xxs: llama-perplexity's own results move with its batch size on the
     // IQ grid models (q2_K and q4_K do not move). Ours equal its default run in 128 of 129
     // chunks and overall, chunk 0 to 1.4e-9 relative (docs/quant-types.md); greedy tokens and

@@ -3,7 +3,8 @@
 //!
 //! usage: gemm_bench TYPES M K N THREADS RUNS
 //!   TYPES   comma-separated weight types by ggml name (f16,bf16,q8_0,q4_0,q5_0,q4_1,q5_1,q4_K,
-//!           q2_K,q3_K,q5_K,q6_K,iq4_nl,iq4_xs,iq2_xxs,iq3_xxs,tq1_0,tq2_0) or ternfleet's (tf2,tf1)
+//!           q2_K,q3_K,q5_K,q6_K,iq4_nl,iq4_xs,iq2_xxs,iq3_xxs,iq2_xs,iq2_s,
+//!           iq3_s,iq1_s,iq1_m,tq1_0,tq2_0) or ternfleet's (tf2,tf1)
 //!   M, K    weight rows (output features) and columns (input features); N tokens
 //!
 //! One timed run is what the engine does for a prefill matmul: quantize the N f32 activation
@@ -56,6 +57,7 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
     let f16_offsets: &[usize] = match ty {
         GgmlType::Q8_0 | GgmlType::Q4_0 | GgmlType::Q5_0 => &[0],
         GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::IQ2_XXS | GgmlType::IQ3_XXS => &[0],
+        GgmlType::IQ2_XS | GgmlType::IQ2_S | GgmlType::IQ3_S | GgmlType::IQ1_S => &[0],
         GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q4_1 | GgmlType::Q5_1 => &[0, 2],
         GgmlType::Q6_K => &[208],
         GgmlType::Q3_K => &[108],
@@ -65,10 +67,16 @@ fn weights(ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
         GgmlType::TF2 | GgmlType::TF1 => &[0],
         _ => &[],
     };
-    let one = half::f16::from_f32(0.01).to_bits().to_le_bytes();
+    let d = half::f16::from_f32(0.01).to_bits();
     for b in v.chunks_exact_mut(ty.type_size()) {
         for &o in f16_offsets {
-            b[o..o + 2].copy_from_slice(&one);
+            b[o..o + 2].copy_from_slice(&d.to_le_bytes());
+        }
+        if ty == GgmlType::IQ1_M {
+            // The f16 scale is the top nibbles of the four u16 scale words at 48.
+            for i in 0..4 {
+                b[49 + 2 * i] = (b[49 + 2 * i] & 0x0F) | ((((d >> (4 * i)) & 0xF) as u8) << 4);
+            }
         }
     }
     v

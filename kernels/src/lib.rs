@@ -102,7 +102,7 @@ pub enum KernelError {
         rows: usize,
         cols: usize,
     },
-    #[error("{ty:?} is not supported by {op} (matmul supports F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ2_XXS, IQ3_XXS, TQ1_0, TQ2_0, TF2, TF1)")]
+    #[error("{ty:?} is not supported by {op} (matmul supports F32, F16, BF16, Q8_0, Q4_0, Q5_0, Q4_1, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M, TQ1_0, TQ2_0, TF2, TF1)")]
     Unsupported { ty: GgmlType, op: &'static str },
     #[error("{what}: expected {want} elements, got {got}")]
     InputLen {
@@ -146,6 +146,8 @@ pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
         GgmlType::Q4_1 | GgmlType::Q5_1 => GgmlType::Q8_1,
         GgmlType::Q3_K | GgmlType::Q4_K | GgmlType::Q5_K | GgmlType::Q6_K => GgmlType::Q8_K,
         GgmlType::Q2_K | GgmlType::IQ4_XS | GgmlType::IQ2_XXS | GgmlType::IQ3_XXS => GgmlType::Q8_K,
+        GgmlType::IQ2_XS | GgmlType::IQ2_S | GgmlType::IQ3_S => GgmlType::Q8_K,
+        GgmlType::IQ1_S | GgmlType::IQ1_M => GgmlType::Q8_K,
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => GgmlType::Q8_K,
         GgmlType::TF2 | GgmlType::TF1 => GgmlType::Q8_TF,
         _ => return None,
@@ -156,17 +158,7 @@ pub fn vec_dot_type(w: GgmlType) -> Option<GgmlType> {
 pub fn can_dequantize(ty: GgmlType) -> bool {
     !matches!(
         ty,
-        GgmlType::I8
-            | GgmlType::I16
-            | GgmlType::I32
-            | GgmlType::I64
-            | GgmlType::F64
-            // The IQ grid types: no dequantizer (hence no kernels) yet (docs/quant-types.md).
-            | GgmlType::IQ2_XS
-            | GgmlType::IQ2_S
-            | GgmlType::IQ3_S
-            | GgmlType::IQ1_S
-            | GgmlType::IQ1_M
+        GgmlType::I8 | GgmlType::I16 | GgmlType::I32 | GgmlType::I64 | GgmlType::F64
     )
 }
 

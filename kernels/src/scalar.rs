@@ -26,6 +26,12 @@
 //! - `block_iq4_xs` { f16 d; u16 scales_h; u8 scales_l[4]; u8 qs[128] }      136 bytes / 256
 //! - `block_iq2_xxs` { f16 d; u16 qs[32] }                                     66 bytes / 256
 //! - `block_iq3_xxs` { f16 d; u8 qs[96] }                                      98 bytes / 256
+//! - `block_iq2_xs` { f16 d; u16 qs[32]; u8 scales[8] }                        74 bytes / 256
+//! - `block_iq2_s`  { f16 d; u8 qs[32]; u8 signs[32]; u8 qh[8]; u8 scales[8] } 82 bytes / 256
+//! - `block_iq3_s`  { f16 d; u8 qs[64]; u8 qh[8]; u8 signs[32]; u8 scales[4] } 110 bytes / 256
+//! - `block_iq1_s`  { f16 d; u8 qs[32]; u16 qh[8] }                            50 bytes / 256
+//! - `block_iq1_m`  { u8 qs[32]; u8 qh[16]; u16 scales[4] (the f16 d in their top nibbles) }
+//!   56 bytes / 256
 //!
 //! The ternary formats' quantizers and dot products live in `crate::ternary`.
 
@@ -394,25 +400,18 @@ fn dequantize_block(ty: GgmlType, x: &[u8], y: &mut [f32]) -> bool {
                 }
             }
         }
-        // dequantize_row_iq2_xxs: d · (0.5 + ls) · 0.25 · grid · sign; iq3_xxs the same with
-        // 0.5
-        GgmlType::IQ2_XXS | GgmlType::IQ3_XXS => {
-            let d = f16_at(x, 0);
-            let (v, sc, f) = if ty == GgmlType::IQ2_XXS {
-                let (v, sc) = iq2xxs_values(x);
-                (v, sc, 0.25)
-            } else {
-                let (v, sc) = iq3xxs_values(x);
-                (v, sc, 0.5)
-            };
-            for ib in 0..QK_K / 32 {
-                let db = d * (0.5 + ((sc[ib] - 1) / 2) as f32) * f;
-                for j in 32 * ib..32 * ib + 32 {
-                    let g = v[j].unsigned_abs() as f32;
-                    y[j] = if v[j] < 0 { -(db * g) } else { db * g };
-                }
-            }
-        }
+        // dequantize_row_iq2_xxs and the other grid types: `d · (0.5 + ls) · 0.25 · grid ·
+        // sign` (IQ2_XXS/XS/S; the same as `(d · (2ls + 1)) · 0.125`, scaling by powers of two
+        // being exact), `d · (0.5 + ls) · 0.5` (IQ3_XXS), `d · (1 + 2ls)` (IQ3_S).
+        GgmlType::IQ2_XXS => grid_dequant(f16_at(x, 0), iq2xxs_values(x), 0.125, y),
+        GgmlType::IQ3_XXS => grid_dequant(f16_at(x, 0), iq3xxs_values(x), 0.25, y),
+        GgmlType::IQ2_XS => grid_dequant(f16_at(x, 0), iq2xs_values(x), 0.125, y),
+        GgmlType::IQ2_S => grid_dequant(f16_at(x, 0), iq2s_values(x), 0.125, y),
+        GgmlType::IQ3_S => grid_dequant(f16_at(x, 0), iq3s_values(x), 1.0, y),
+        // dequantize_row_iq1_s / _m: `(d · (2ls + 1)) · (grid + delta)`, delta ±0.125; the
+        // values are `8 · grid + delta`, so `value · 0.125` is `grid + delta` exactly.
+        GgmlType::IQ1_S => iq1_dequant(f16_at(x, 0), iq1s_values(x), y),
+        GgmlType::IQ1_M => iq1_dequant(iq1m_d(x), iq1m_values(x), y),
         GgmlType::TF2 | GgmlType::TF1 | GgmlType::Q8_TF => {
             crate::ternary::dequantize_tf_block(ty, x, y)
         }
@@ -771,55 +770,261 @@ pub(crate) fn iq3xxs_values(x: &[u8]) -> ([i8; QK_K], [i32; 8]) {
     )
 }
 
+/// `y = ±(db · |value|)`, `db = (d · scale) · f` per sub-block of `QK_K / NS` values.
+fn grid_dequant<const NS: usize>(d: f32, (v, sc): ([i8; QK_K], [i32; NS]), f: f32, y: &mut [f32]) {
+    for (e, y) in y.iter_mut().enumerate().take(QK_K) {
+        let db = d * sc[e / (QK_K / NS)] as f32 * f;
+        let g = v[e].unsigned_abs() as f32;
+        *y = if v[e] < 0 { -(db * g) } else { db * g };
+    }
+}
+
+/// `y = (d · scale) · (value · 0.125)` for the IQ1 types (values `8 · grid + delta`).
+fn iq1_dequant<const NS: usize>(d: f32, (v, sc): ([i8; QK_K], [i32; NS]), y: &mut [f32]) {
+    for (e, y) in y.iter_mut().enumerate().take(QK_K) {
+        *y = d * sc[e / (QK_K / NS)] as f32 * (v[e] as f32 * 0.125);
+    }
+}
+
+/// Applies the sign bit `j` of `signs` to the unsigned grid value `g`.
+#[inline(always)]
+fn signed(g: u8, signs: u8, j: usize) -> i8 {
+    if signs & (1 << j) != 0 {
+        -(g as i8)
+    } else {
+        g as i8
+    }
+}
+
+/// The 16 scales `2·ls + 1` of the IQ2_XS / IQ2_S sub-blocks of 16 values: low nibble of
+/// `scales[ib]` for values `32ib..32ib+16`, high nibble for the next 16.
+fn iq2_scales16(scales: &[u8]) -> [i32; 16] {
+    core::array::from_fn(|s| 2 * ((scales[s / 2] >> (4 * (s % 2))) & 0xF) as i32 + 1)
+}
+
+/// IQ2_XS (`dequantize_row_iq2_xs`): 32 u16 at 2, each a 9-bit `iq2xs_grid` index (8 values)
+/// and a 7-bit `ksigns_iq2xs` index; 16-value sub-block scales at 66.
+pub(crate) fn iq2xs_values(x: &[u8]) -> ([i8; QK_K], [i32; 16]) {
+    use crate::iq_grids::{IQ2XS_GRID, KSIGNS_IQ2XS};
+    let v = core::array::from_fn(|e| {
+        let (k, j) = (e / 8, e % 8);
+        let q = u16::from_le_bytes([x[2 + 2 * k], x[3 + 2 * k]]);
+        let g = (IQ2XS_GRID[(q & 511) as usize] >> (8 * j)) as u8;
+        signed(g, KSIGNS_IQ2XS[(q >> 9) as usize], j)
+    });
+    (v, iq2_scales16(&x[66..74]))
+}
+
+/// IQ2_S (`dequantize_row_iq2_s`): 32 grid index bytes at 2 whose two high bits are in `qh`
+/// (at 66, two bits per group of 8 values), 32 sign bytes at 34, scales at 74.
+pub(crate) fn iq2s_values(x: &[u8]) -> ([i8; QK_K], [i32; 16]) {
+    use crate::iq_grids::IQ2S_GRID;
+    let v = core::array::from_fn(|e| {
+        let (k, j) = (e / 8, e % 8);
+        let (ib, l) = (k / 4, k % 4);
+        let idx = x[2 + k] as usize | (((x[66 + ib] as usize) << (8 - 2 * l)) & 0x300);
+        signed((IQ2S_GRID[idx] >> (8 * j)) as u8, x[34 + k], j)
+    });
+    (v, iq2_scales16(&x[74..82]))
+}
+
+/// IQ3_S (`dequantize_row_iq3_s`): 64 grid index bytes at 2 (four values each) whose ninth
+/// bit is in `qh` (at 66, one bit per index), 32 sign bytes at 74, 4-bit scales of the
+/// 32-value sub-blocks at 106 (two per byte).
+pub(crate) fn iq3s_values(x: &[u8]) -> ([i8; QK_K], [i32; 8]) {
+    use crate::iq_grids::IQ3S_GRID;
+    let v = core::array::from_fn(|e| {
+        let (ib, k) = (e / 32, (e % 32) / 4);
+        let idx = x[2 + 8 * ib + k] as usize | (((x[66 + ib] as usize) << (8 - k)) & 256);
+        let g = (IQ3S_GRID[idx] >> (8 * (e % 4))) as u8;
+        signed(g, x[74 + e / 8], e % 8)
+    });
+    (
+        v,
+        core::array::from_fn(|ib| 2 * ((x[106 + ib / 2] >> (4 * (ib % 2))) & 0xF) as i32 + 1),
+    )
+}
+
+/// One `iq1s_grid` value (−1, 0 or 1) as `8 · value + delta`.
+#[inline(always)]
+fn iq1_value(idx: usize, j: usize, delta: i8) -> i8 {
+    8 * ((crate::iq_grids::IQ1S_GRID[idx] >> (8 * j)) as u8 as i8) + delta
+}
+
+/// IQ1_S (`dequantize_row_iq1_s`) as `8 · grid + delta`: 32 index bytes at 2, and per
+/// 32-value sub-block a u16 at 34 with the indices' three high bits (three per group of 8),
+/// the 3-bit scale (bits 12..15) and the delta's sign (bit 15).
+pub(crate) fn iq1s_values(x: &[u8]) -> ([i8; QK_K], [i32; 8]) {
+    let qh = |ib: usize| u16::from_le_bytes([x[34 + 2 * ib], x[35 + 2 * ib]]) as usize;
+    let v = core::array::from_fn(|e| {
+        let (ib, l) = (e / 32, (e % 32) / 8);
+        let h = qh(ib);
+        let delta = if h & 0x8000 != 0 { -1 } else { 1 };
+        iq1_value(
+            x[2 + 4 * ib + l] as usize | (((h >> (3 * l)) & 7) << 8),
+            e % 8,
+            delta,
+        )
+    });
+    (
+        v,
+        core::array::from_fn(|ib| 2 * ((qh(ib) >> 12) & 7) as i32 + 1),
+    )
+}
+
+/// The four u16 scale words of an IQ1_M super-block (at 48).
+fn iq1m_words(x: &[u8]) -> [u16; 4] {
+    core::array::from_fn(|i| u16::from_le_bytes([x[48 + 2 * i], x[49 + 2 * i]]))
+}
+
+/// IQ1_M's f16 super-block scale, assembled from the top nibbles of its four scale words.
+pub(crate) fn iq1m_d(x: &[u8]) -> f32 {
+    let sc = iq1m_words(x);
+    let u = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) | ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000);
+    f16::from_bits(u).to_f32()
+}
+
+/// IQ1_M (`dequantize_row_iq1_m`) as `8 · grid + delta`: 32 index bytes at 0, per group of 8
+/// values a nibble of `qh` (at 32) with three high index bits and the delta's sign (bit 3),
+/// and 3-bit scales of the 16-value sub-blocks in the scale words (six bits per 32 values).
+pub(crate) fn iq1m_values(x: &[u8]) -> ([i8; QK_K], [i32; 16]) {
+    let v = core::array::from_fn(|e| {
+        let k = e / 8;
+        let h = (x[32 + k / 2] >> (4 * (k % 2))) as usize;
+        let delta = if h & 8 != 0 { -1 } else { 1 };
+        iq1_value(x[k] as usize | ((h & 7) << 8), e % 8, delta)
+    });
+    let sc = iq1m_words(x);
+    (
+        v,
+        core::array::from_fn(|s| {
+            let (ib, half) = (s / 2, s % 2);
+            2 * ((sc[ib / 2] >> (6 * (ib % 2) + 3 * half)) & 7) as i32 + 1
+        }),
+    )
+}
+
 /// A super-block's 256 signed values and its `NS` sub-block scales.
 type Lanes8Values<const NS: usize> = fn(&[u8]) -> ([i8; QK_K], [i32; NS]);
 
-/// A super-block type whose `vec_dot` keeps eight f32 lanes (`lanes8_then_tiled`): q3_K
-/// (16 sub-blocks of 16 values, its value offset 4 taken per value), IQ4_XS, IQ2_XXS, IQ3_XXS
-/// (8 sub-blocks of 32), against q8_K. `values` gives the 256 signed values and the `NS`
-/// sub-block scales; `dw` is the f16 at `d_off`. [`KOrder::Lanes8`] is the type's
-/// `ggml_vec_dot_*_q8_K` (AVX2 branch): lane `l` holds values `4l..4l+4` of every 32-value
-/// chunk, each times its sub-block's scale, one `fma(dw·dy, lane, acc_l)` per super-block,
-/// `post · hsum8` at the end (IQ2_XXS 0.125, IQ3_XXS 0.25, else 1). [`KOrder::Tiled`] is the
-/// tiled matmul's one step per super-block, `res = isum · (dw·post)`, `acc = fma(res, dy,
-/// acc)` (ggml folds `post` into the tile's scale).
-#[allow(clippy::too_many_arguments)]
+/// How the IQ1 types' delta enters their `vec_dot` (their values are `8 · grid + delta`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Delta {
+    /// Every other type: no delta.
+    No,
+    /// IQ1_S: the grid's lanes as any type's, and beside them one scalar chain
+    /// `acc1 = fma(dw·dy, Σ scale · delta · q8, acc1)`; `hsum8 + 0.125 · acc1` at the end.
+    Scalar,
+    /// IQ1_M: a second set of eight lanes for `scale · delta · q8`; `hsum8(grid lanes) +
+    /// 0.125 · hsum8(delta lanes)`.
+    Lanes,
+}
+
+/// A super-block type whose `vec_dot` keeps eight f32 lanes (`lanes8_then_tiled`).
+pub(crate) struct Lanes8Type<const NS: usize> {
+    /// Bytes per super-block.
+    pub bs: usize,
+    /// The f16 super-block scale.
+    pub dw: fn(&[u8]) -> f32,
+    /// The factor ggml applies after the lanes (IQ2 types 0.125, IQ3_XXS 0.25, else 1) and
+    /// folds into the tiled step's scale; for the IQ1 types (0.125) the factor of the delta's
+    /// chain in the lanes order.
+    pub post: f32,
+    pub delta: Delta,
+    /// The 256 signed values and the `NS` sub-block scales.
+    pub values: Lanes8Values<NS>,
+}
+
+/// q3_K (16 sub-blocks of 16 values, its value offset 4 taken per value), IQ4_XS, IQ2_XXS,
+/// IQ3_XXS, IQ3_S, IQ1_S (8 sub-blocks of 32), IQ2_XS, IQ2_S, IQ1_M (16 of 16), against q8_K.
+/// [`KOrder::Lanes8`] is the type's `ggml_vec_dot_*_q8_K` (AVX2 branch): lane `l` holds values
+/// `4l..4l+4` of every 32-value chunk, each times its sub-block's scale, one `fma(dw·dy, lane,
+/// acc_l)` per super-block, `post · hsum8` at the end (the IQ1 types: see [`Delta`]).
+/// [`KOrder::Tiled`] is the tiled matmul's one step per super-block, `res = isum · (dw·post)`,
+/// `acc = fma(res, dy, acc)` (ggml folds `post` into the tile's scale; the IQ1 types' codes
+/// are `8 · grid + delta`).
 fn vec_dot_lanes8<const NS: usize>(
     n: usize,
     w: &[u8],
     a: &[u8],
     order: KOrder,
-    bs: usize,
-    d_off: usize,
-    post: f32,
-    values: Lanes8Values<NS>,
+    ty: &Lanes8Type<NS>,
 ) -> f32 {
     let mut lanes_acc = [0f32; 8];
+    let mut delta_acc = [0f32; 8];
     let mut acc = 0f32;
-    for (x, y) in w.chunks_exact(bs).zip(a.chunks_exact(292)).take(n / QK_K) {
+    for (x, y) in w
+        .chunks_exact(ty.bs)
+        .zip(a.chunks_exact(292))
+        .take(n / QK_K)
+    {
         let (yd, q8, _) = q8k_parts(y);
-        let dw = f16_at(x, d_off);
-        let (v, sc) = values(x);
+        let dw = (ty.dw)(x);
+        let (v, sc) = (ty.values)(x);
+        // The full values' lanes; for the IQ1 types also the grid's and the delta's.
         let mut lanes = [0i32; 8];
+        let mut grid = [0i32; 8];
+        let mut delta = [0i32; 8];
         for e in 0..QK_K {
-            lanes[(e % 32) / 4] += sc[e / (QK_K / NS)] * v[e] as i32 * (q8[e] as i8) as i32;
+            let (s, q, v) = (sc[e / (QK_K / NS)], (q8[e] as i8) as i32, v[e] as i32);
+            let l = (e % 32) / 4;
+            lanes[l] += s * v * q;
+            let g = (v + 4).div_euclid(8);
+            grid[l] += s * g * q;
+            delta[l] += s * (v - 8 * g) * q;
         }
         if order == KOrder::Tiled {
             let isum: i32 = lanes.iter().sum();
-            acc = (isum as f32 * (dw * post)).mul_add(yd, acc);
-        } else {
-            let d = dw * yd;
-            for l in 0..8 {
-                lanes_acc[l] = d.mul_add(lanes[l] as f32, lanes_acc[l]);
-            }
+            acc = (isum as f32 * (dw * ty.post)).mul_add(yd, acc);
+            continue;
         }
+        let d = dw * yd;
+        let lanes = if ty.delta == Delta::No { lanes } else { grid };
+        for l in 0..8 {
+            lanes_acc[l] = d.mul_add(lanes[l] as f32, lanes_acc[l]);
+            delta_acc[l] = d.mul_add(delta[l] as f32, delta_acc[l]);
+        }
+        // IQ1_S: `accum1 += d * sumi1`, contracted to an FMA (`vfmadd231ss` in the
+        // reference build).
+        acc = d.mul_add(delta.iter().sum::<i32>() as f32, acc);
     }
-    if order == KOrder::Tiled {
-        acc
-    } else {
-        post * hsum8(&lanes_acc)
+    match (order, ty.delta) {
+        (KOrder::Tiled, _) => acc,
+        (_, Delta::No) => ty.post * hsum8(&lanes_acc),
+        (_, Delta::Scalar) => hsum8(&lanes_acc) + ty.post * acc,
+        (_, Delta::Lanes) => hsum8(&lanes_acc) + ty.post * hsum8(&delta_acc),
     }
 }
+
+const fn lanes8<const NS: usize>(
+    bs: usize,
+    dw: fn(&[u8]) -> f32,
+    post: f32,
+    delta: Delta,
+    values: Lanes8Values<NS>,
+) -> Lanes8Type<NS> {
+    Lanes8Type {
+        bs,
+        dw,
+        post,
+        delta,
+        values,
+    }
+}
+
+fn f16_0(x: &[u8]) -> f32 {
+    f16_at(x, 0)
+}
+
+const Q3K: Lanes8Type<16> = lanes8(110, |x| f16_at(x, 108), 1.0, Delta::No, q3k_values);
+const IQ4XS: Lanes8Type<8> = lanes8(136, f16_0, 1.0, Delta::No, iq4xs_values);
+const IQ2XXS: Lanes8Type<8> = lanes8(66, f16_0, 0.125, Delta::No, iq2xxs_values);
+const IQ3XXS: Lanes8Type<8> = lanes8(98, f16_0, 0.25, Delta::No, iq3xxs_values);
+const IQ2XS: Lanes8Type<16> = lanes8(74, f16_0, 0.125, Delta::No, iq2xs_values);
+const IQ2S: Lanes8Type<16> = lanes8(82, f16_0, 0.125, Delta::No, iq2s_values);
+const IQ3S: Lanes8Type<8> = lanes8(110, f16_0, 1.0, Delta::No, iq3s_values);
+const IQ1S: Lanes8Type<8> = lanes8(50, f16_0, 0.125, Delta::Scalar, iq1s_values);
+const IQ1M: Lanes8Type<16> = lanes8(56, iq1m_d, 0.125, Delta::Lanes, iq1m_values);
 
 /// Which ggml kernel, hence which float order, a k-quant dot follows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -852,7 +1057,16 @@ pub(crate) fn repacked_k(ty: GgmlType) -> bool {
 pub(crate) fn lanes8_then_tiled(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q6_K | GgmlType::Q3_K | GgmlType::IQ4_XS | GgmlType::IQ2_XXS | GgmlType::IQ3_XXS
+        GgmlType::Q6_K
+            | GgmlType::Q3_K
+            | GgmlType::IQ4_XS
+            | GgmlType::IQ2_XXS
+            | GgmlType::IQ3_XXS
+            | GgmlType::IQ2_XS
+            | GgmlType::IQ2_S
+            | GgmlType::IQ3_S
+            | GgmlType::IQ1_S
+            | GgmlType::IQ1_M
     )
 }
 
@@ -1109,6 +1323,11 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
             | GgmlType::IQ4_XS
             | GgmlType::IQ2_XXS
             | GgmlType::IQ3_XXS
+            | GgmlType::IQ2_XS
+            | GgmlType::IQ2_S
+            | GgmlType::IQ3_S
+            | GgmlType::IQ1_S
+            | GgmlType::IQ1_M
             | GgmlType::TQ1_0
             | GgmlType::TQ2_0
             | GgmlType::TF2
@@ -1127,10 +1346,15 @@ pub(crate) fn dot(ty: GgmlType, order: KOrder, n: usize, w: &[u8], a: &[u8]) -> 
         GgmlType::Q5_K => vec_dot_qk45(n, w, a, true, order),
         GgmlType::Q6_K => vec_dot_q6k(n, w, a, order),
         GgmlType::Q2_K => vec_dot_q2k(n, w, a, order),
-        GgmlType::Q3_K => vec_dot_lanes8(n, w, a, order, 110, 108, 1.0, q3k_values),
-        GgmlType::IQ4_XS => vec_dot_lanes8(n, w, a, order, 136, 0, 1.0, iq4xs_values),
-        GgmlType::IQ2_XXS => vec_dot_lanes8(n, w, a, order, 66, 0, 0.125, iq2xxs_values),
-        GgmlType::IQ3_XXS => vec_dot_lanes8(n, w, a, order, 98, 0, 0.25, iq3xxs_values),
+        GgmlType::Q3_K => vec_dot_lanes8(n, w, a, order, &Q3K),
+        GgmlType::IQ4_XS => vec_dot_lanes8(n, w, a, order, &IQ4XS),
+        GgmlType::IQ2_XXS => vec_dot_lanes8(n, w, a, order, &IQ2XXS),
+        GgmlType::IQ3_XXS => vec_dot_lanes8(n, w, a, order, &IQ3XXS),
+        GgmlType::IQ2_XS => vec_dot_lanes8(n, w, a, order, &IQ2XS),
+        GgmlType::IQ2_S => vec_dot_lanes8(n, w, a, order, &IQ2S),
+        GgmlType::IQ3_S => vec_dot_lanes8(n, w, a, order, &IQ3S),
+        GgmlType::IQ1_S => vec_dot_lanes8(n, w, a, order, &IQ1S),
+        GgmlType::IQ1_M => vec_dot_lanes8(n, w, a, order, &IQ1M),
         GgmlType::TQ1_0 | GgmlType::TQ2_0 => crate::ternary::vec_dot_tq(ty, n, w, a),
         GgmlType::TF2 | GgmlType::TF1 => crate::ternary::vec_dot_tf(ty, n, w, a),
         _ => float_dot_fn(ty).expect("Gemm is only built for weight types with a dot")(n, w, a),

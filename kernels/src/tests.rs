@@ -30,6 +30,7 @@ fn f16_fields(ty: GgmlType) -> &'static [usize] {
     match ty {
         GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 => &[0],
         GgmlType::IQ4_NL | GgmlType::IQ4_XS | GgmlType::IQ2_XXS | GgmlType::IQ3_XXS => &[0],
+        GgmlType::IQ2_XS | GgmlType::IQ2_S | GgmlType::IQ3_S | GgmlType::IQ1_S => &[0],
         GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
         GgmlType::Q2_K => &[80, 82],
         GgmlType::Q3_K => &[108],
@@ -59,10 +60,21 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
         _ => {
             let mut v: Vec<u8> = (0..bytes).map(|_| rng.next() as u8).collect();
             for b in v.chunks_exact_mut(ty.type_size()) {
-                for &off in f16_fields(ty) {
+                let mut scale = || {
                     let mag = (2f32).powf(rng.f32() * 5.5 - 4.5);
                     let s = if rng.next() & 1 == 0 { mag } else { -mag };
-                    b[off..off + 2].copy_from_slice(&f16::from_f32(s).to_bits().to_le_bytes());
+                    f16::from_f32(s).to_bits()
+                };
+                for &off in f16_fields(ty) {
+                    b[off..off + 2].copy_from_slice(&scale().to_le_bytes());
+                }
+                if ty == GgmlType::IQ1_M {
+                    // The f16 scale is the top nibbles of the four scale words at 48.
+                    let d = scale();
+                    for i in 0..4 {
+                        let hi = ((d >> (4 * i)) & 0xF) as u8;
+                        b[49 + 2 * i] = (b[49 + 2 * i] & 0x0F) | (hi << 4);
+                    }
                 }
             }
             v
@@ -70,7 +82,7 @@ fn random_weights(ty: GgmlType, n: usize, rng: &mut Rng) -> Vec<u8> {
     }
 }
 
-const MATMUL_TYPES: [GgmlType; 21] = [
+const MATMUL_TYPES: [GgmlType; 26] = [
     GgmlType::F32,
     GgmlType::F16,
     GgmlType::BF16,
@@ -88,6 +100,11 @@ const MATMUL_TYPES: [GgmlType; 21] = [
     GgmlType::IQ4_XS,
     GgmlType::IQ2_XXS,
     GgmlType::IQ3_XXS,
+    GgmlType::IQ2_XS,
+    GgmlType::IQ2_S,
+    GgmlType::IQ3_S,
+    GgmlType::IQ1_S,
+    GgmlType::IQ1_M,
     GgmlType::TQ1_0,
     GgmlType::TQ2_0,
     GgmlType::TF2,
@@ -469,7 +486,7 @@ macro_rules! golden {
 #[test]
 fn dequantize_matches_gguf_py_goldens() {
     type Golden = (&'static [u8], &'static [u8]);
-    let cases: [(GgmlType, Golden); 18] = [
+    let cases: [(GgmlType, Golden); 23] = [
         (GgmlType::F16, golden!("f16")),
         (GgmlType::BF16, golden!("bf16")),
         (GgmlType::Q4_0, golden!("q4_0")),
@@ -488,6 +505,11 @@ fn dequantize_matches_gguf_py_goldens() {
         (GgmlType::IQ4_XS, golden!("iq4_xs")),
         (GgmlType::IQ2_XXS, golden!("iq2_xxs")),
         (GgmlType::IQ3_XXS, golden!("iq3_xxs")),
+        (GgmlType::IQ2_XS, golden!("iq2_xs")),
+        (GgmlType::IQ2_S, golden!("iq2_s")),
+        (GgmlType::IQ3_S, golden!("iq3_s")),
+        (GgmlType::IQ1_S, golden!("iq1_s")),
+        (GgmlType::IQ1_M, golden!("iq1_m")),
     ];
     for (ty, (raw, want)) in cases {
         let want = le_f32(want);
@@ -775,12 +797,12 @@ fn sizes_are_validated_with_clear_errors() {
     matmul(&m, &act, 0..2, &mut [0.0; 4], Numerics::Parity).unwrap();
     matmul(&m, &act, 1..1, &mut [], Numerics::Parity).unwrap();
     let e = act
-        .quantize_for(GgmlType::IQ1_S, &[0.0; 256], 1, 256)
+        .quantize_for(GgmlType::Q8_K, &[0.0; 256], 1, 256)
         .unwrap_err();
     assert!(matches!(
         e,
         KernelError::Unsupported {
-            ty: GgmlType::IQ1_S,
+            ty: GgmlType::Q8_K,
             ..
         }
     ));

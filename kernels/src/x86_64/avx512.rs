@@ -81,6 +81,11 @@ fn matmul_for(ty: GgmlType) -> Option<MatmulFn> {
         GgmlType::IQ4_XS => mm_iq4_xs,
         GgmlType::IQ2_XXS => mm_iq2_xxs,
         GgmlType::IQ3_XXS => mm_iq3_xxs,
+        GgmlType::IQ2_XS => mm_iq2_xs,
+        GgmlType::IQ2_S => mm_iq2_s,
+        GgmlType::IQ3_S => mm_iq3_s,
+        GgmlType::IQ1_S => mm_iq1_s,
+        GgmlType::IQ1_M => mm_iq1_m,
         GgmlType::F32 => mm_f32,
         GgmlType::F16 => mm_f16,
         GgmlType::BF16 => mm_bf16,
@@ -115,15 +120,24 @@ fn mm_q3_k(g: &Gemm<'_>, out: &mut [f32]) {
 }
 entry!(mm_q5_k, run_k, Q5_K);
 
-fn mm_iq2_xxs(g: &Gemm<'_>, out: &mut [f32]) {
-    // SAFETY: as `mm_iq4_nl`.
-    unsafe { super::iq2::run_grid_avx512::<{ super::IQ2_XXS }>(g, out) }
+/// The IQ grid types' entries (`iq2::run_grid`).
+macro_rules! grid_entry {
+    ($($name:ident: $kind:ident),*) => {$(
+        fn $name(g: &Gemm<'_>, out: &mut [f32]) {
+            // SAFETY: as `mm_iq4_nl`.
+            unsafe { super::iq2::run_grid_avx512::<{ super::$kind }>(g, out) }
+        }
+    )*};
 }
-
-fn mm_iq3_xxs(g: &Gemm<'_>, out: &mut [f32]) {
-    // SAFETY: as `mm_iq4_nl`.
-    unsafe { super::iq2::run_grid_avx512::<{ super::IQ3_XXS }>(g, out) }
-}
+grid_entry!(
+    mm_iq2_xxs: IQ2_XXS,
+    mm_iq3_xxs: IQ3_XXS,
+    mm_iq2_xs: IQ2_XS,
+    mm_iq2_s: IQ2_S,
+    mm_iq3_s: IQ3_S,
+    mm_iq1_s: IQ1_S,
+    mm_iq1_m: IQ1_M
+);
 
 fn mm_q2_k(g: &Gemm<'_>, out: &mut [f32]) {
     // SAFETY: as `mm_iq4_nl`.

@@ -1,33 +1,54 @@
-//! IQ2_XXS and IQ3_XXS against q8_K (one tile, compiled for AVX2 and for AVX-512),
-//! bit-identical to `scalar::vec_dot_lanes8` in either order a token takes: llama.cpp's
-//! `ggml_vec_dot_iq{2,3}_xxs_q8_K` lanes (each sub-block's 32 grid values from `iq2xxs_grid`
-//! — four rows of 8 — or `iq3xxs_grid` — eight rows of 4 —, the signs applied to the
-//! activations by `vpsignb`, `vpmaddubsw`, then `vpmaddwd` by the sub-block's `2·ls + 1`) in
-//! `KOrder::Lanes8` with `post · hsum8` at the end (0.125, 0.25), their exact sum in
-//! `KOrder::Tiled` with `d · post`. On AVX-512, from 16 tokens, the tokens-in-lanes k-quant
-//! GEMM (`kq_lanes`, values looked up as `value + 128`).
+//! The IQ grid types against q8_K: IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M (one
+//! tile, compiled for AVX2 and for AVX-512), bit-identical to `scalar::vec_dot_lanes8` in
+//! either order a token takes: llama.cpp's `ggml_vec_dot_iq*_q8_K` lanes (each sub-block's 32
+//! grid values from the type's grid table, the signs applied to the activations by `vpsignb`,
+//! `vpmaddubsw`, then `vpmaddwd` by the scales `2·ls + 1` of its 32 or two 16 values) in
+//! `KOrder::Lanes8` with `post · hsum8` at the end (0.125, 0.25, 1), their exact sum in
+//! `KOrder::Tiled` with `d · post`. The IQ1 types' grid values are −1, 0, 1 (their magnitude
+//! against the activations signed by the value, ggml's `mul_add_epi8`) and a delta of ±1/8 per
+//! 8 values, summed apart (`scalar::Delta`). On AVX-512, from 16 tokens, the tokens-in-lanes
+//! k-quant GEMM (`kq_lanes`, values looked up as `value + 128`; the IQ1 types' as
+//! `8 · grid + delta + 128`).
 
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
 
 use super::drive;
 use super::lanes8::{f16_at, Chains};
-use super::IQ2_XXS;
-use crate::iq_grids::{IQ2XXS_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS};
+use super::{IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS};
+use crate::iq_grids::{
+    IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
+};
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
+use crate::scalar::Delta;
 use core::arch::x86_64::*;
 
 /// Bytes of a q8_K super-block.
 const AB: usize = 292;
 
-/// (bytes per super-block, the factor ggml applies after the lanes / folds into `d`).
-pub(super) const fn geometry(kind: u8) -> (usize, f32) {
-    if kind == IQ2_XXS {
-        (66, 0.125)
-    } else {
-        (98, 0.25)
+/// (bytes per super-block, the factor ggml applies after the lanes / folds into `d`, how the
+/// IQ1 types' delta is summed).
+pub(super) const fn geometry(kind: u8) -> (usize, f32, Delta) {
+    match kind {
+        IQ2_XXS => (66, 0.125, Delta::No),
+        IQ2_XS => (74, 0.125, Delta::No),
+        IQ2_S => (82, 0.125, Delta::No),
+        IQ3_XXS => (98, 0.25, Delta::No),
+        IQ3_S => (110, 1.0, Delta::No),
+        IQ1_S => (50, 0.125, Delta::Scalar),
+        _ => (56, 0.125, Delta::Lanes),
     }
+}
+
+/// Whether `kind` is an IQ1 type (values `8 · grid + delta`).
+pub(super) const fn is_iq1(kind: u8) -> bool {
+    matches!(kind, IQ1_S | IQ1_M)
+}
+
+/// Whether `kind`'s sub-block scales cover 16 values (else 32).
+pub(super) const fn scales16(kind: u8) -> bool {
+    matches!(kind, IQ2_XS | IQ2_S | IQ1_M)
 }
 
 /// ggml's `keven_signs_q2xs`: byte `j` of entry `i` is -1 where bit `j` of
@@ -51,42 +72,185 @@ static SIGNS64: [u64; 128] = {
     t
 };
 
-/// Sub-block `ib` of the `KIND` super-block at `p`: its 32 grid values (unsigned, value
-/// order), the 32 signs as ±1 bytes, and its scale `2·ls + 1`.
+/// The 32 bits at `p` (bit `j` of byte `k` for value `8k + j`) as ±1 bytes, -1 where set
+/// (IQ2_S's and IQ3_S's sign bytes).
+///
+/// # Safety
+/// AVX2 available; 4 bytes readable at `p`.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn sign_bits(p: *const u8) -> __m256i {
+    // SAFETY: as the contract.
+    let w = unsafe { p.cast::<u32>().read_unaligned() };
+    let bytes = _mm256_shuffle_epi8(
+        _mm256_set1_epi32(w as i32),
+        _mm256_setr_epi64x(
+            0,
+            0x0101_0101_0101_0101,
+            0x0202_0202_0202_0202,
+            0x0303_0303_0303_0303,
+        ),
+    );
+    let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+    let set = _mm256_cmpeq_epi8(_mm256_and_si256(bytes, bit), bit);
+    _mm256_or_si256(set, _mm256_set1_epi8(1))
+}
+
+/// The i16 scale vector of a sub-block: `lo` for values 0..16 (the first eight `vpmaddubsw`
+/// pairs), `hi` for 16..32.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn scale_pair(lo: u32, hi: u32) -> __m256i {
+    _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
+}
+
+/// One 32-value sub-block, as the tile multiplies it: `maddubs(grid, sign(a, signs))` is the
+/// grid's dot with the activations `a`, `madd` by `scale` applies the scales.
+pub(super) struct Sub {
+    /// The magnitudes, unsigned, in value order.
+    pub(super) grid: __m256i,
+    /// The signs: ±1 bytes, or the IQ1 types' grid values themselves (−1, 0, 1).
+    pub(super) signs: __m256i,
+    /// i16 scales `2·ls + 1`: the first eight lanes for values 0..16, the rest for 16..32.
+    pub(super) scale: __m256i,
+    /// The IQ1 types: the delta of each value as ±1 bytes (else unused).
+    pub(super) delta: __m256i,
+}
+
+/// The f16 super-block scale of the `KIND` super-block at `p` (IQ1_M's from the top nibbles
+/// of its scale words).
+///
+/// # Safety
+/// F16C available; `p` readable for one super-block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn d_of<const KIND: u8>(p: *const u8) -> f32 {
+    // SAFETY: as the contract.
+    unsafe {
+        if KIND == IQ1_M {
+            let sc = p.add(48).cast::<[u16; 4]>().read_unaligned();
+            let u = (sc[0] >> 12)
+                | ((sc[1] >> 8) & 0x00F0)
+                | ((sc[2] >> 4) & 0x0F00)
+                | (sc[3] & 0xF000);
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u as i32)))
+        } else {
+            f16_at(p)
+        }
+    }
+}
+
+/// Sub-block `ib` of the `KIND` super-block at `p` (layouts in `crate::scalar`).
 ///
 /// # Safety
 /// AVX2 available; `p` readable for one super-block; `ib < 8`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> (__m256i, __m256i, i16) {
-    // SAFETY (whole body): the sub-block's grid indices and its sign/scale word.
+pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
+    let zero = _mm256_setzero_si256();
+    let one = |ls: u32| scale_pair(2 * ls + 1, 2 * ls + 1);
+    // SAFETY (whole body): reads within the super-block at `p`.
     unsafe {
-        let (grid, w1) = if KIND == IQ2_XXS {
-            let w0 = p.add(2 + 8 * ib).cast::<u32>().read_unaligned();
-            let g = |l: u32| IQ2XXS_GRID[((w0 >> (8 * l)) & 0xFF) as usize] as i64;
-            (
-                _mm256_setr_epi64x(g(0), g(1), g(2), g(3)),
-                p.add(6 + 8 * ib).cast::<u32>().read_unaligned(),
-            )
-        } else {
-            let q = p.add(2 + 8 * ib);
-            let g = |i: usize| IQ3XXS_GRID[*q.add(i) as usize] as i32;
-            (
-                _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)),
-                p.add(66 + 4 * ib).cast::<u32>().read_unaligned(),
-            )
-        };
-        let s = |l: u32| SIGNS64[((w1 >> (7 * l)) & 127) as usize] as i64;
-        (
-            grid,
-            _mm256_setr_epi64x(s(0), s(1), s(2), s(3)),
-            (2 * (w1 >> 28) + 1) as i16,
-        )
+        let b = |o: usize| *p.add(o) as usize;
+        match KIND {
+            IQ2_XXS | IQ3_XXS => {
+                let (grid, w1) = if KIND == IQ2_XXS {
+                    let w0 = p.add(2 + 8 * ib).cast::<u32>().read_unaligned();
+                    let g = |l: u32| IQ2XXS_GRID[((w0 >> (8 * l)) & 0xFF) as usize] as i64;
+                    (
+                        _mm256_setr_epi64x(g(0), g(1), g(2), g(3)),
+                        p.add(6 + 8 * ib).cast::<u32>().read_unaligned(),
+                    )
+                } else {
+                    let g = |i: usize| IQ3XXS_GRID[b(2 + 8 * ib + i)] as i32;
+                    (
+                        _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)),
+                        p.add(66 + 4 * ib).cast::<u32>().read_unaligned(),
+                    )
+                };
+                let s = |l: u32| SIGNS64[((w1 >> (7 * l)) & 127) as usize] as i64;
+                Sub {
+                    grid,
+                    signs: _mm256_setr_epi64x(s(0), s(1), s(2), s(3)),
+                    scale: one(w1 >> 28),
+                    delta: zero,
+                }
+            }
+            IQ2_XS => {
+                let q = p.add(2 + 8 * ib).cast::<[u16; 4]>().read_unaligned();
+                let g = |l: usize| IQ2XS_GRID[(q[l] & 511) as usize] as i64;
+                let s = |l: usize| SIGNS64[(q[l] >> 9) as usize] as i64;
+                let sc = b(66 + ib) as u32;
+                Sub {
+                    grid: _mm256_setr_epi64x(g(0), g(1), g(2), g(3)),
+                    signs: _mm256_setr_epi64x(s(0), s(1), s(2), s(3)),
+                    scale: scale_pair(2 * (sc & 0xF) + 1, 2 * (sc >> 4) + 1),
+                    delta: zero,
+                }
+            }
+            IQ2_S => {
+                let qh = b(66 + ib);
+                let g =
+                    |l: usize| IQ2S_GRID[b(2 + 4 * ib + l) | ((qh << (8 - 2 * l)) & 0x300)] as i64;
+                let sc = b(74 + ib) as u32;
+                Sub {
+                    grid: _mm256_setr_epi64x(g(0), g(1), g(2), g(3)),
+                    signs: sign_bits(p.add(34 + 4 * ib)),
+                    scale: scale_pair(2 * (sc & 0xF) + 1, 2 * (sc >> 4) + 1),
+                    delta: zero,
+                }
+            }
+            IQ3_S => {
+                let qh = b(66 + ib);
+                let g = |k: usize| IQ3S_GRID[b(2 + 8 * ib + k) | ((qh << (8 - k)) & 256)] as i32;
+                Sub {
+                    grid: _mm256_setr_epi32(g(0), g(1), g(2), g(3), g(4), g(5), g(6), g(7)),
+                    signs: sign_bits(p.add(74 + 4 * ib)),
+                    scale: one(((b(106 + ib / 2) >> (4 * (ib % 2))) & 0xF) as u32),
+                    delta: zero,
+                }
+            }
+            IQ1_S => {
+                let qh = p.add(34 + 2 * ib).cast::<u16>().read_unaligned() as usize;
+                let g =
+                    |l: usize| IQ1S_GRID[b(2 + 4 * ib + l) | (((qh >> (3 * l)) & 7) << 8)] as i64;
+                let v = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                Sub {
+                    grid: _mm256_abs_epi8(v),
+                    signs: v,
+                    scale: one(((qh >> 12) & 7) as u32),
+                    delta: _mm256_set1_epi8(if qh & 0x8000 != 0 { -1 } else { 1 }),
+                }
+            }
+            _ => {
+                // IQ1_M: per group of 8 values a nibble of qh (three index bits, the delta's
+                // sign in bit 3); the 16-value scales six bits per 32 values in the words at 48.
+                let h = |l: usize| b(32 + 2 * ib + l / 2) >> (4 * (l % 2));
+                let g = |l: usize| IQ1S_GRID[b(4 * ib + l) | ((h(l) & 7) << 8)] as i64;
+                let dl = |l: usize| {
+                    if h(l) & 8 != 0 {
+                        -1i64
+                    } else {
+                        0x0101_0101_0101_0101
+                    }
+                };
+                let v = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                let w = p.add(48 + 2 * (ib / 2)).cast::<u16>().read_unaligned() as u32;
+                let sh = 6 * (ib % 2) as u32;
+                Sub {
+                    grid: _mm256_abs_epi8(v),
+                    signs: v,
+                    scale: scale_pair(2 * ((w >> sh) & 7) + 1, 2 * ((w >> (sh + 3)) & 7) + 1),
+                    delta: _mm256_setr_epi64x(dl(0), dl(1), dl(2), dl(3)),
+                }
+            }
+        }
     }
 }
 
-/// The super-block at `p` as the tokens-in-lanes GEMM wants it: its 256 signed values as
-/// unsigned `value + 128`, eight 32-value chunks in value order.
+/// The super-block at `p` as the tokens-in-lanes GEMM wants it: its 256 signed values (the
+/// IQ1 types' `8 · grid + delta`) as unsigned `value + 128`, eight 32-value chunks in value
+/// order.
 ///
 /// # Safety
 /// AVX2 available; `p` readable for one super-block.
@@ -95,14 +259,43 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> (__m2
 pub(super) unsafe fn codes_u8<const KIND: u8>(p: *const u8) -> [__m256i; 8] {
     core::array::from_fn(|ib| {
         // SAFETY: as the contract.
-        let (g, s, _) = unsafe { sub_block::<KIND>(p, ib) };
-        _mm256_xor_si256(_mm256_sign_epi8(g, s), _mm256_set1_epi8(-128))
+        let s = unsafe { sub_block::<KIND>(p, ib) };
+        let v = if is_iq1(KIND) {
+            _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), s.signs), s.delta)
+        } else {
+            _mm256_sign_epi8(s.grid, s.signs)
+        };
+        _mm256_xor_si256(v, _mm256_set1_epi8(-128))
     })
+}
+
+/// The sub-block scales `2·ls + 1` of the `KIND` super-block at `p`: 8 of 32 values, or 16 of
+/// 16 ([`scales16`]); the rest zero.
+///
+/// # Safety
+/// AVX2 available; `p` readable for one super-block.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn scales<const KIND: u8>(p: *const u8) -> [i32; 16] {
+    let mut out = [0i32; 16];
+    for ib in 0..8 {
+        // SAFETY: as the contract.
+        let sc = unsafe { sub_block::<KIND>(p, ib) }.scale;
+        let lo = _mm256_extract_epi16::<0>(sc);
+        let hi = _mm256_extract_epi16::<8>(sc);
+        if scales16(KIND) {
+            out[2 * ib] = lo;
+            out[2 * ib + 1] = hi;
+        } else {
+            out[ib] = lo;
+        }
+    }
+    out
 }
 
 /// # Safety
 /// The CPU has AVX2, FMA and F16C; `g` comes from `Gemm::new` with `out.len() == g.ntok *
-/// g.nrows` and weights of kind `KIND` (IQ2_XXS or IQ3_XXS).
+/// g.nrows` and weights of kind `KIND` (an IQ grid type).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run_grid<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok == 1 {
@@ -144,8 +337,8 @@ macro_rules! tile_fn {
             out: &mut [f32],
         ) {
             let nb = g.cols / QK_K;
-            let (wb, post) = geometry(KIND);
-            let mut ch = Chains::<R, T>::new(g, t0, post);
+            let (wb, post, delta) = geometry(KIND);
+            let mut ch = Chains::<R, T>::new(g, t0, post, delta);
             // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens
             // t0..t0+T.
             unsafe {
@@ -153,21 +346,34 @@ macro_rules! tile_fn {
                     let ad = Chains::<R, T>::dy(g, t0, b);
                     for r in 0..R {
                         let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * wb);
-                        let dw = f16_at(wp);
+                        let dw = d_of::<KIND>(wp);
                         // Sub-block by sub-block, each unpacked once for the tile's tokens.
                         let mut lanes = [_mm256_setzero_si256(); T];
+                        let mut dl = [_mm256_setzero_si256(); T];
                         for ib in 0..8 {
-                            let (gv, sv, ls) = sub_block::<KIND>(wp, ib);
-                            let ls = _mm256_set1_epi16(ls);
+                            let sb = sub_block::<KIND>(wp, ib);
                             for t in 0..T {
                                 let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
                                 let a = _mm256_loadu_si256(q8.add(32 * ib).cast());
-                                let p = _mm256_maddubs_epi16(gv, _mm256_sign_epi8(a, sv));
-                                lanes[t] = _mm256_add_epi32(lanes[t], _mm256_madd_epi16(p, ls));
+                                let p =
+                                    _mm256_maddubs_epi16(sb.grid, _mm256_sign_epi8(a, sb.signs));
+                                lanes[t] =
+                                    _mm256_add_epi32(lanes[t], _mm256_madd_epi16(p, sb.scale));
+                                if is_iq1(KIND) {
+                                    let p = _mm256_maddubs_epi16(
+                                        _mm256_set1_epi8(1),
+                                        _mm256_sign_epi8(a, sb.delta),
+                                    );
+                                    dl[t] = _mm256_add_epi32(dl[t], _mm256_madd_epi16(p, sb.scale));
+                                }
                             }
                         }
                         for t in 0..T {
-                            ch.step(r, t, lanes[t], dw, ad[t]);
+                            if is_iq1(KIND) {
+                                ch.step_delta(r, t, lanes[t], dl[t], dw, ad[t]);
+                            } else {
+                                ch.step(r, t, lanes[t], dw, ad[t]);
+                            }
                         }
                     }
                 }

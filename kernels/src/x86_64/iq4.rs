@@ -24,7 +24,7 @@ use super::lanes8::{f16_at, Chains};
 use super::{drive, IQ4_NL, Q4_0};
 use crate::matmul::Gemm;
 use crate::quant::{QK, QK_K};
-use crate::scalar::{iq4xs_scale, KVALUES_IQ4NL};
+use crate::scalar::{iq4xs_scale, Delta, KVALUES_IQ4NL};
 use core::arch::x86_64::*;
 
 /// Bytes of an IQ4_NL block, a q8_0 block, an IQ4_XS super-block and a q8_K one.
@@ -405,7 +405,7 @@ macro_rules! xs_tile_fn {
         ) {
             let nb = g.cols / QK_K;
             let lut = lut_signed();
-            let mut ch = Chains::<R, T>::new(g, t0, 1.0);
+            let mut ch = Chains::<R, T>::new(g, t0, 1.0, Delta::No);
             // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens
             // t0..t0+T.
             unsafe {
@@ -499,7 +499,7 @@ unsafe fn xs_tile512<const R: usize, const T: usize>(
             _mm256_set1_epi16(2 * m as i16 + 1),
         )
     });
-    let mut ch = Chains::<R, T>::new(g, t0, 1.0);
+    let mut ch = Chains::<R, T>::new(g, t0, 1.0, Delta::No);
     // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T.
     unsafe {
         for b in 0..nb {

@@ -1,4 +1,4 @@
-//! The prefill GEMM of the k-quants (q2_K, q3_K, q4_K, q5_K, q6_K), IQ4_XS, IQ2_XXS and IQ3_XXS
+//! The prefill GEMM of the k-quants (q2_K, q3_K, q4_K, q5_K, q6_K), IQ4_XS and the IQ grid types
 //! with tokens in the register lanes, as
 //! llama.cpp's `ggml-cpu/tiled` VNNI kernel shapes it: one `vpdpbusd` per 64 multiply-adds,
 //! each weight super-block unpacked once per panel and token band, no horizontal reductions.
@@ -23,7 +23,8 @@
 
 #![allow(clippy::needless_range_loop)]
 
-use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod, IQ2_XXS, IQ3_XXS, IQ4_XS};
+use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod, IQ1_M, IQ1_S, IQ2_S, IQ2_XS};
+use super::{IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_XS};
 use super::{Q2_K, Q3_K, Q6_K};
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
@@ -77,6 +78,19 @@ pub(super) struct WRow {
 
 // SAFETY: plain integers and floats; alignment 64.
 unsafe impl Pod for WRow {}
+
+/// The IQ grid kinds (`super::iq2`).
+const fn is_grid(kind: u8) -> bool {
+    matches!(
+        kind,
+        IQ2_XXS | IQ2_XS | IQ2_S | IQ3_XXS | IQ3_S | IQ1_S | IQ1_M
+    )
+}
+
+/// The kinds whose sub-blocks are 16 values (16 scales, block sums taken as they are).
+const fn sub16(kind: u8) -> bool {
+    matches!(kind, Q6_K | Q3_K | Q2_K) || super::iq2::scales16(kind)
+}
 
 /// Whether [`gemm`] computes this order.
 pub(super) fn handles(order: KOrder) -> bool {
@@ -155,7 +169,8 @@ pub(super) unsafe fn gemm<const KIND: u8>(
     // The (kind, order) pairs `micro` implements: the IQ types and q6_K / q3_K only tiled
     // (their offset comes out there), q2_K never tiled.
     debug_assert!(match KIND {
-        Q6_K | Q3_K | IQ4_XS | IQ2_XXS | IQ3_XXS => order == KOrder::Tiled,
+        Q6_K | Q3_K | IQ4_XS => order == KOrder::Tiled,
+        _ if is_grid(KIND) => order == KOrder::Tiled,
         Q2_K => matches!(order, KOrder::Sb256 | KOrder::Sb128),
         _ => matches!(order, KOrder::Sb256 | KOrder::Sb64 | KOrder::Tiled),
     });
@@ -248,10 +263,11 @@ unsafe fn prep_band(
     acts: &mut [ActBlock],
 ) {
     let nsb = g.cols / QK_K;
-    // 16-value sub-blocks (q6_K, q3_K, q2_K) take their block sums as they are.
+    // 16-value sub-blocks take their block sums as they are.
+    use crate::quant::GgmlType as T;
     let sub16 = matches!(
         g.wty,
-        crate::quant::GgmlType::Q6_K | crate::quant::GgmlType::Q3_K | crate::quant::GgmlType::Q2_K
+        T::Q6_K | T::Q3_K | T::Q2_K | T::IQ2_XS | T::IQ2_S | T::IQ1_M
     );
     for gi in b0..b1 {
         let ts = t0 + gi * LANES;
@@ -371,23 +387,14 @@ pub(super) unsafe fn unpack_row<const KIND: u8>(
             wr.d = f16_at(p.add(80));
             wr.dmin = f16_at(p.add(82));
             return;
-        } else if KIND == IQ2_XXS || KIND == IQ3_XXS {
+        } else if is_grid(KIND) {
             store(wr, &super::iq2::codes_u8::<KIND>(p));
-            for j in 0..8 {
-                // Sub-block j's sign/scale word (IQ2_XXS at 6 + 8j, IQ3_XXS 66 + 4j).
-                let o = if KIND == IQ2_XXS {
-                    6 + 8 * j
-                } else {
-                    66 + 4 * j
-                };
-                let w1 = p.add(o).cast::<u32>().read_unaligned();
-                wr.sc[j] = 2 * (w1 >> 28) as i32 + 1;
-            }
-            for q in 0..4 {
+            wr.sc = super::iq2::scales::<KIND>(p);
+            for q in 0..8 {
                 wr.pairs[q] = pair(wr.sc[2 * q], wr.sc[2 * q + 1]);
             }
-            // The f16 scale at 0; ggml's tiled matmul folds 1/8 (1/4) into it.
-            wr.d = f16_at(p) * super::iq2::geometry(KIND).1;
+            // ggml's tiled matmul folds 1/8 (IQ3_XXS 1/4, IQ3_S 1) into the f16 scale.
+            wr.d = super::iq2::d_of::<KIND>(p) * super::iq2::geometry(KIND).1;
             wr.dmin = 0.0;
             return;
         } else if KIND == IQ4_XS {
@@ -470,9 +477,9 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
     band: usize,
     base: usize,
 ) {
-    // q6_K, q3_K, q2_K: 16-value sub-blocks (q6_K's and q3_K's with signed scales and codes
-    // carrying an offset, q2_K's with mins).
-    let sub16 = KIND == Q6_K || KIND == Q3_K || KIND == Q2_K;
+    // q6_K, q3_K, q2_K, IQ2_XS, IQ2_S, IQ1_M: 16-value sub-blocks (q6_K's and q3_K's with
+    // signed scales and codes carrying an offset, q2_K's with mins).
+    let sub16 = sub16(KIND);
     // Sub-blocks, quads per sub-block, and sub-blocks per float step.
     let (nsub, nq) = if sub16 { (16, 4) } else { (8, 8) };
     let per = match order {
@@ -535,11 +542,12 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
         }
         match order {
             KOrder::Sb64 | KOrder::Sb128 => {}
-            KOrder::Tiled if KIND == IQ4_XS || KIND == IQ2_XXS || KIND == IQ3_XXS => {
-                // Codes carry +128: remove 128 · Σ_j sc_j · (the 32-value block sums).
+            KOrder::Tiled if KIND == IQ4_XS || is_grid(KIND) => {
+                // Codes carry +128: remove 128 · Σ_j sc_j · (the sub-blocks' sums).
                 for i in 0..R {
                     for k in 0..NG {
-                        let corr = _mm512_slli_epi32::<7>(pair_dot(w[i], a[k], 4));
+                        let n = if sub16 { 8 } else { 4 };
+                        let corr = _mm512_slli_epi32::<7>(pair_dot(w[i], a[k], n));
                         let isum = _mm512_sub_epi32(s1[i][k], corr);
                         let res = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w[i].d));
                         let x = accs.add(base + acc(i, k));

@@ -1,12 +1,13 @@
 //! The float side shared by the tiles of the types whose `vec_dot` keeps eight f32 lanes per
 //! super-block and whose tiled matmul takes one f32 step (`scalar::lanes8_then_tiled`: q3_K,
-//! IQ4_XS, IQ2_XXS, IQ3_XXS): each (row, token) of a tile keeps the chain of the order its token
-//! takes, [`KOrder::Lanes8`] (eight lanes, `post · hsum8` at the end) or [`KOrder::Tiled`] (one
-//! scalar, `dw · post` per step), exactly as `scalar::vec_dot_lanes8` does.
+//! IQ4_XS and the IQ grid types): each (row, token) of a tile keeps the chain of the order its
+//! token takes, [`KOrder::Lanes8`] (eight lanes, `post · hsum8` at the end; the IQ1 types'
+//! delta in a chain of its own, `scalar::Delta`) or [`KOrder::Tiled`] (one scalar, `dw · post`
+//! per step), exactly as `scalar::vec_dot_lanes8` does.
 
 use super::avx2::{hsum as hsum8, hsum_i32};
 use crate::matmul::Gemm;
-use crate::scalar::{token_order, KOrder};
+use crate::scalar::{token_order, Delta, KOrder};
 use core::arch::x86_64::*;
 
 /// Bytes of a q8_K super-block.
@@ -16,20 +17,27 @@ const AB: usize = 292;
 pub(super) struct Chains<const R: usize, const T: usize> {
     order: [KOrder; T],
     post: f32,
+    delta: Delta,
     acc: [[__m256; T]; R],
+    /// IQ1_M's delta lanes.
+    acc2: [[__m256; T]; R],
+    /// The tiled order's chain, or IQ1_S's delta chain.
     acc_s: [[f32; T]; R],
 }
 
 impl<const R: usize, const T: usize> Chains<R, T> {
     /// Empty chains for tokens `t0..t0+T` of `g`; `post` is the type's factor after the lanes
-    /// (and inside the tiled step's scale): 1, or 0.125 / 0.25 for IQ2_XXS / IQ3_XXS.
+    /// (and inside the tiled step's scale): 1, or 0.125 / 0.25 for the IQ2 types / IQ3_XXS;
+    /// the IQ1 types (0.125) with their `delta`.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
-    pub(super) fn new(g: &Gemm<'_>, t0: usize, post: f32) -> Self {
+    pub(super) fn new(g: &Gemm<'_>, t0: usize, post: f32, delta: Delta) -> Self {
         Chains {
             order: core::array::from_fn(|t| token_order(g, t0 + t)),
             post,
+            delta,
             acc: [[_mm256_setzero_ps(); T]; R],
+            acc2: [[_mm256_setzero_ps(); T]; R],
             acc_s: [[0f32; T]; R],
         }
     }
@@ -69,6 +77,39 @@ impl<const R: usize, const T: usize> Chains<R, T> {
         }
     }
 
+    /// One super-block of (row `r`, token `t`) of an IQ1 type: the exact lanes of the grid
+    /// values and of the deltas (each times its sub-block's scale).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) fn step_delta(
+        &mut self,
+        r: usize,
+        t: usize,
+        grid: __m256i,
+        delta: __m256i,
+        dw: f32,
+        dy: f32,
+    ) {
+        if self.order[t] == KOrder::Tiled {
+            // The codes are `8 · grid + delta`.
+            let full = _mm256_add_epi32(_mm256_slli_epi32::<3>(grid), delta);
+            self.step(r, t, full, dw, dy);
+            return;
+        }
+        let d = dw * dy;
+        self.acc[r][t] =
+            _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(grid), self.acc[r][t]);
+        if self.delta == Delta::Lanes {
+            self.acc2[r][t] = _mm256_fmadd_ps(
+                _mm256_set1_ps(d),
+                _mm256_cvtepi32_ps(delta),
+                self.acc2[r][t],
+            );
+        } else {
+            self.acc_s[r][t] = d.mul_add(hsum_i32(delta) as f32, self.acc_s[r][t]);
+        }
+    }
+
     /// Writes the tile's results to `out` (token-major).
     ///
     /// # Safety
@@ -78,10 +119,11 @@ impl<const R: usize, const T: usize> Chains<R, T> {
     pub(super) unsafe fn finish(&self, g: &Gemm<'_>, r0: usize, t0: usize, out: &mut [f32]) {
         for r in 0..R {
             for t in 0..T {
-                let v = if self.order[t] == KOrder::Tiled {
-                    self.acc_s[r][t]
-                } else {
-                    self.post * hsum8(self.acc[r][t])
+                let v = match (self.order[t], self.delta) {
+                    (KOrder::Tiled, _) => self.acc_s[r][t],
+                    (_, Delta::No) => self.post * hsum8(self.acc[r][t]),
+                    (_, Delta::Scalar) => hsum8(self.acc[r][t]) + self.post * self.acc_s[r][t],
+                    (_, Delta::Lanes) => hsum8(self.acc[r][t]) + self.post * hsum8(self.acc2[r][t]),
                 };
                 // SAFETY: as the contract.
                 unsafe { *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) = v };

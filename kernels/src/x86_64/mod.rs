@@ -151,6 +151,11 @@ pub(crate) const IQ4_NL: u8 = 17;
 pub(crate) const Q2_K: u8 = 18;
 pub(crate) const IQ2_XXS: u8 = 19;
 pub(crate) const IQ3_XXS: u8 = 20;
+pub(crate) const IQ2_XS: u8 = 21;
+pub(crate) const IQ2_S: u8 = 22;
+pub(crate) const IQ3_S: u8 = 23;
+pub(crate) const IQ1_S: u8 = 24;
+pub(crate) const IQ1_M: u8 = 25;
 
 /// Bytes per block of a legacy (32-value) kind.
 pub(crate) const fn legacy_block_bytes(kind: u8) -> usize {
@@ -204,6 +209,11 @@ pub(crate) const fn k_block_bytes(kind: u8) -> usize {
         Q2_K => 84,
         IQ2_XXS => 66,
         IQ3_XXS => 98,
+        IQ2_XS => 74,
+        IQ2_S => 82,
+        IQ3_S => 110,
+        IQ1_S => 50,
+        IQ1_M => 56,
         Q3_K => 110,
         IQ4_XS => 136,
         Q4_K => 144,

@@ -15,7 +15,7 @@ use super::drive;
 use super::lanes8::{f16_at, Chains};
 use crate::matmul::Gemm;
 use crate::quant::QK_K;
-use crate::scalar::q3k_scale_words;
+use crate::scalar::{q3k_scale_words, Delta};
 use core::arch::x86_64::*;
 
 /// Bytes of a q3_K super-block and of a q8_K one.
@@ -151,7 +151,7 @@ macro_rules! tile_fn {
             out: &mut [f32],
         ) {
             let nb = g.cols / QK_K;
-            let mut ch = Chains::<R, T>::new(g, t0, 1.0);
+            let mut ch = Chains::<R, T>::new(g, t0, 1.0, Delta::No);
             // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T.
             unsafe {
                 for b in 0..nb {
