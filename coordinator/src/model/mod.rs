@@ -87,6 +87,9 @@ impl Observer for NoObserver {
 struct Flight {
     layer: usize,
     routes: Vec<Route>,
+    /// The lane rows of the routes' tokens when the call carried only some rows (the last
+    /// layer's, pruned to the rows that want logits); `None`: token `t` is lane row `t`.
+    rows: Option<Vec<usize>>,
     call: Box<dyn ternfleet_shared::expert::InFlight>,
     sent: Instant,
 }
@@ -664,6 +667,14 @@ impl Model {
         // Per row: its position, and its sequence's expert count.
         let mut positions = Vec::with_capacity(n);
         let mut ks = Vec::with_capacity(n);
+        // Per row: whether it returns logits. llama.cpp keeps only those rows for the last
+        // layer's FFN (`inp_out_ids`), so its matmuls there see just them, which in parity
+        // numerics decides their float order; so do we (unless an observer wants every row).
+        let mut wants = vec![false; n];
+        for (s, inp) in segs.iter().zip(inputs) {
+            wants[s.row0 + inp.logits.first(s.n)..s.row0 + s.n].fill(true);
+        }
+        let prune = obs.is_noop();
         for (s, inp) in segs.iter().zip(inputs) {
             positions.extend(s.p0..s.p0 + s.n);
             let k = inp
@@ -750,6 +761,7 @@ impl Model {
                     o.iter_mut().for_each(|v| *v = 0.0);
                     for (r, y) in f.routes.iter().zip(ys.chunks_exact(d)) {
                         let t = r.token as usize;
+                        let t = f.rows.as_ref().map_or(t, |rows| rows[t]);
                         let dst = &mut o[t * d..(t + 1) * d];
                         if r.weight == 1.0 {
                             dst.iter_mut().zip(y).for_each(|(o, v)| *o += v);
@@ -859,14 +871,32 @@ impl Model {
                 ops::rms_norm_rows(h, &lw.ffn_norm, cfg.rms_eps);
                 dump(&format!("ffn_norm-{il}"), h, d);
                 obs.ffn_input(il, h);
-                let lks = &ks[r0..r1];
+                // The last layer: only the rows that want logits (see `wants`).
+                let keep: Option<Vec<usize>> = (prune && il + 1 == w.layers.len())
+                    .then(|| (0..nl).filter(|&t| wants[r0 + t]).collect::<Vec<_>>())
+                    .filter(|rows| rows.len() < nl);
+                let kept;
+                let (fh, fnl, lks): (&[f32], usize, &[usize]) = match &keep {
+                    Some(rows) if rows.is_empty() => continue,
+                    Some(rows) => {
+                        let mut hk = Vec::with_capacity(rows.len() * d);
+                        let mut kk = Vec::with_capacity(rows.len());
+                        for &t in rows {
+                            hk.extend_from_slice(&h[t * d..(t + 1) * d]);
+                            kk.push(ks[r0 + t]);
+                        }
+                        kept = (hk, kk);
+                        (&kept.0, rows.len(), &kept.1)
+                    }
+                    None => (h, nl, &ks[r0..r1]),
+                };
                 let routes = match (&lw.router, &cfg.moe) {
                     (Some(r), Some(m)) => {
-                        let (routed, scores) = r.route_rows(m, h, nl, lks, numerics);
+                        let (routed, scores) = r.route_rows(m, fh, fnl, lks, numerics);
                         obs.routes(il, &routed, &scores);
                         routed
                     }
-                    _ => (0..nl as u32)
+                    _ => (0..fnl as u32)
                         .map(|t| Route {
                             token: t,
                             expert: 0,
@@ -897,7 +927,7 @@ impl Model {
                 }
                 // The rows cross the backend quantized to what the layer's experts read.
                 let in_ty = self.experts.input_type(il)?;
-                ternfleet_shared::compute::quantize_as(&mut expert_in, in_ty, h, nl, d)?;
+                ternfleet_shared::compute::quantize_as(&mut expert_in, in_ty, fh, fnl, d)?;
                 let batch = ExpertBatch {
                     layer: il,
                     input: &expert_in,
@@ -922,6 +952,7 @@ impl Model {
                 *flight = Some(Flight {
                     layer: il,
                     routes,
+                    rows: keep,
                     call,
                     sent,
                 });
