@@ -115,6 +115,9 @@ pub(super) struct Sub {
     pub(super) scale: __m256i,
     /// The IQ1 types: the delta of each value as ±1 bytes (else unused).
     pub(super) delta: __m256i,
+    /// IQ1_S: its one scale times its one delta (its delta's sum comes from the activations'
+    /// block sums); else 0.
+    pub(super) dscale: i32,
 }
 
 /// The f16 super-block scale of the `KIND` super-block at `p` (IQ1_M's from the top nibbles
@@ -174,6 +177,7 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
                     signs: _mm256_setr_epi64x(s(0), s(1), s(2), s(3)),
                     scale: one(w1 >> 28),
                     delta: zero,
+                    dscale: 0,
                 }
             }
             IQ2_XS => {
@@ -186,6 +190,7 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
                     signs: _mm256_setr_epi64x(s(0), s(1), s(2), s(3)),
                     scale: scale_pair(2 * (sc & 0xF) + 1, 2 * (sc >> 4) + 1),
                     delta: zero,
+                    dscale: 0,
                 }
             }
             IQ2_S => {
@@ -198,6 +203,7 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
                     signs: sign_bits(p.add(34 + 4 * ib)),
                     scale: scale_pair(2 * (sc & 0xF) + 1, 2 * (sc >> 4) + 1),
                     delta: zero,
+                    dscale: 0,
                 }
             }
             IQ3_S => {
@@ -208,6 +214,7 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
                     signs: sign_bits(p.add(74 + 4 * ib)),
                     scale: one(((b(106 + ib / 2) >> (4 * (ib % 2))) & 0xF) as u32),
                     delta: zero,
+                    dscale: 0,
                 }
             }
             IQ1_S => {
@@ -215,33 +222,38 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
                 let g =
                     |l: usize| IQ1S_GRID[b(2 + 4 * ib + l) | (((qh >> (3 * l)) & 7) << 8)] as i64;
                 let v = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                let ls = ((qh >> 12) & 7) as i32;
+                let delta = if qh & 0x8000 != 0 { -1 } else { 1 };
                 Sub {
                     grid: _mm256_abs_epi8(v),
                     signs: v,
-                    scale: one(((qh >> 12) & 7) as u32),
-                    delta: _mm256_set1_epi8(if qh & 0x8000 != 0 { -1 } else { 1 }),
+                    scale: one(ls as u32),
+                    delta: _mm256_set1_epi8(delta as i8),
+                    dscale: delta * (2 * ls + 1),
                 }
             }
             _ => {
-                // IQ1_M: per group of 8 values a nibble of qh (three index bits, the delta's
-                // sign in bit 3); the 16-value scales six bits per 32 values in the words at 48.
-                let h = |l: usize| b(32 + 2 * ib + l / 2) >> (4 * (l % 2));
-                let g = |l: usize| IQ1S_GRID[b(4 * ib + l) | ((h(l) & 7) << 8)] as i64;
-                let dl = |l: usize| {
-                    if h(l) & 8 != 0 {
-                        -1i64
-                    } else {
-                        0x0101_0101_0101_0101
-                    }
-                };
+                // IQ1_M: per group `l` of 8 values a nibble of the u16 `h` at 32 + 2ib (three
+                // index bits, the delta's sign in bit 3); the 16-value scales six bits per 32
+                // values in the words at 48.
+                let h = p.add(32 + 2 * ib).cast::<u16>().read_unaligned() as usize;
+                let g = |l: usize| IQ1S_GRID[b(4 * ib + l) | (((h >> (4 * l)) & 7) << 8)] as i64;
                 let v = _mm256_setr_epi64x(g(0), g(1), g(2), g(3));
+                // Group l is i16 lanes 4l..4l+4: its bit 3 + 4l set gives -1 bytes, else 1.
+                let bit = _mm256_setr_epi16(
+                    8, 8, 8, 8, 0x80, 0x80, 0x80, 0x80, 0x800, 0x800, 0x800, 0x800, -0x8000,
+                    -0x8000, -0x8000, -0x8000,
+                );
+                let set =
+                    _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(h as i16), bit), bit);
                 let w = p.add(48 + 2 * (ib / 2)).cast::<u16>().read_unaligned() as u32;
                 let sh = 6 * (ib % 2) as u32;
                 Sub {
                     grid: _mm256_abs_epi8(v),
                     signs: v,
                     scale: scale_pair(2 * ((w >> sh) & 7) + 1, 2 * ((w >> (sh + 3)) & 7) + 1),
-                    delta: _mm256_setr_epi64x(dl(0), dl(1), dl(2), dl(3)),
+                    delta: _mm256_or_si256(set, _mm256_set1_epi8(1)),
+                    dscale: 0,
                 }
             }
         }
@@ -250,47 +262,36 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
 
 /// The super-block at `p` as the tokens-in-lanes GEMM wants it: its 256 signed values (the
 /// IQ1 types' `8 · grid + delta`) as unsigned `value + 128`, eight 32-value chunks in value
-/// order.
+/// order, and its sub-block scales `2·ls + 1`: 8 of 32 values, or 16 of 16 ([`scales16`]),
+/// the rest zero.
 ///
 /// # Safety
 /// AVX2 available; `p` readable for one super-block.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn codes_u8<const KIND: u8>(p: *const u8) -> [__m256i; 8] {
-    core::array::from_fn(|ib| {
+pub(super) unsafe fn unpack<const KIND: u8>(p: *const u8) -> ([__m256i; 8], [i32; 16]) {
+    let mut sc = [0i32; 16];
+    let codes = core::array::from_fn(|ib| {
         // SAFETY: as the contract.
         let s = unsafe { sub_block::<KIND>(p, ib) };
+        let (lo, hi) = (
+            _mm256_extract_epi16::<0>(s.scale),
+            _mm256_extract_epi16::<8>(s.scale),
+        );
+        if scales16(KIND) {
+            sc[2 * ib] = lo;
+            sc[2 * ib + 1] = hi;
+        } else {
+            sc[ib] = lo;
+        }
         let v = if is_iq1(KIND) {
             _mm256_add_epi8(_mm256_sign_epi8(_mm256_set1_epi8(8), s.signs), s.delta)
         } else {
             _mm256_sign_epi8(s.grid, s.signs)
         };
         _mm256_xor_si256(v, _mm256_set1_epi8(-128))
-    })
-}
-
-/// The sub-block scales `2·ls + 1` of the `KIND` super-block at `p`: 8 of 32 values, or 16 of
-/// 16 ([`scales16`]); the rest zero.
-///
-/// # Safety
-/// AVX2 available; `p` readable for one super-block.
-#[target_feature(enable = "avx2,fma,f16c")]
-#[inline]
-pub(super) unsafe fn scales<const KIND: u8>(p: *const u8) -> [i32; 16] {
-    let mut out = [0i32; 16];
-    for ib in 0..8 {
-        // SAFETY: as the contract.
-        let sc = unsafe { sub_block::<KIND>(p, ib) }.scale;
-        let lo = _mm256_extract_epi16::<0>(sc);
-        let hi = _mm256_extract_epi16::<8>(sc);
-        if scales16(KIND) {
-            out[2 * ib] = lo;
-            out[2 * ib + 1] = hi;
-        } else {
-            out[ib] = lo;
-        }
-    }
-    out
+    });
+    (codes, sc)
 }
 
 /// # Safety
@@ -350,6 +351,7 @@ macro_rules! tile_fn {
                         // Sub-block by sub-block, each unpacked once for the tile's tokens.
                         let mut lanes = [_mm256_setzero_si256(); T];
                         let mut dl = [_mm256_setzero_si256(); T];
+                        let mut dsum = [0i32; T];
                         for ib in 0..8 {
                             let sb = sub_block::<KIND>(wp, ib);
                             for t in 0..T {
@@ -359,7 +361,12 @@ macro_rules! tile_fn {
                                     _mm256_maddubs_epi16(sb.grid, _mm256_sign_epi8(a, sb.signs));
                                 lanes[t] =
                                     _mm256_add_epi32(lanes[t], _mm256_madd_epi16(p, sb.scale));
-                                if is_iq1(KIND) {
+                                if KIND == IQ1_S {
+                                    // The sub-block's sum: two of the q8_K block sums at 256.
+                                    let bs =
+                                        q8.add(256 + 4 * ib).cast::<[i16; 2]>().read_unaligned();
+                                    dsum[t] += sb.dscale * (bs[0] as i32 + bs[1] as i32);
+                                } else if KIND == IQ1_M {
                                     let p = _mm256_maddubs_epi16(
                                         _mm256_set1_epi8(1),
                                         _mm256_sign_epi8(a, sb.delta),
@@ -369,7 +376,11 @@ macro_rules! tile_fn {
                             }
                         }
                         for t in 0..T {
-                            if is_iq1(KIND) {
+                            if KIND == IQ1_S {
+                                // Its delta's total, as lane 0 of the delta lanes.
+                                let d = _mm256_zextsi128_si256(_mm_cvtsi32_si128(dsum[t]));
+                                ch.step_delta(r, t, lanes[t], d, dw, ad[t]);
+                            } else if is_iq1(KIND) {
                                 ch.step_delta(r, t, lanes[t], dl[t], dw, ad[t]);
                             } else {
                                 ch.step(r, t, lanes[t], dw, ad[t]);

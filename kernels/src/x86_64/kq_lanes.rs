@@ -388,8 +388,9 @@ pub(super) unsafe fn unpack_row<const KIND: u8>(
             wr.dmin = f16_at(p.add(82));
             return;
         } else if is_grid(KIND) {
-            store(wr, &super::iq2::codes_u8::<KIND>(p));
-            wr.sc = super::iq2::scales::<KIND>(p);
+            let (codes, sc) = super::iq2::unpack::<KIND>(p);
+            store(wr, &codes);
+            wr.sc = sc;
             for q in 0..8 {
                 wr.pairs[q] = pair(wr.sc[2 * q], wr.sc[2 * q + 1]);
             }
