@@ -96,12 +96,74 @@ unsafe fn sign_bits(p: *const u8) -> __m256i {
     _mm256_or_si256(set, _mm256_set1_epi8(1))
 }
 
-/// The i16 scale vector of a sub-block: `lo` for values 0..16 (the first eight `vpmaddubsw`
-/// pairs), `hi` for 16..32.
+/// The 16-value sub-block scales `2·ls + 1` of an IQ2_XS, IQ2_S or IQ1_M super-block at `p`,
+/// once per super-block: i16 lane `j` of the low half is sub-block `j`'s scale of values 0..16,
+/// of the high half its scale of values 16..32 ([`pick`] takes one sub-block's). Zero for the
+/// other kinds.
+///
+/// # Safety
+/// AVX2 available; `p` readable for one super-block.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-fn scale_pair(lo: u32, hi: u32) -> __m256i {
-    _mm256_set_m128i(_mm_set1_epi16(hi as i16), _mm_set1_epi16(lo as i16))
+pub(super) unsafe fn scales16_vec<const KIND: u8>(p: *const u8) -> __m256i {
+    // SAFETY (whole body): the scale bytes lie in the super-block.
+    unsafe {
+        let ls = match KIND {
+            IQ2_XS | IQ2_S => {
+                // Eight bytes (at 66 / 74): the low nibbles, then the high ones.
+                let o = if KIND == IQ2_XS { 66 } else { 74 };
+                let v = _mm_cvtepu8_epi16(_mm_loadl_epi64(p.add(o).cast()));
+                _mm256_set_m128i(
+                    _mm_srli_epi16::<4>(v),
+                    _mm_and_si128(v, _mm_set1_epi16(0xF)),
+                )
+            }
+            IQ1_M => {
+                // Four words at 48, 12 bits per pair of sub-blocks: sub-block j's two scales
+                // at bits 6(j%2) (low half) and 6(j%2) + 3 (high half) of word j/2. Lane j
+                // takes word j/2 (`vpshufb`), then a multiply by 2^(13 - shift) and a shift
+                // right by 13 isolate the three bits.
+                let x = p.add(48).cast::<i64>().read_unaligned();
+                let w = _mm256_shuffle_epi8(
+                    _mm256_set1_epi64x(x),
+                    _mm256_setr_epi8(
+                        0, 1, 0, 1, 2, 3, 2, 3, 4, 5, 4, 5, 6, 7, 6, 7, 0, 1, 0, 1, 2, 3, 2, 3, 4,
+                        5, 4, 5, 6, 7, 6, 7,
+                    ),
+                );
+                let m = _mm256_setr_epi16(
+                    1 << 13,
+                    1 << 7,
+                    1 << 13,
+                    1 << 7,
+                    1 << 13,
+                    1 << 7,
+                    1 << 13,
+                    1 << 7,
+                    1 << 10,
+                    1 << 4,
+                    1 << 10,
+                    1 << 4,
+                    1 << 10,
+                    1 << 4,
+                    1 << 10,
+                    1 << 4,
+                );
+                _mm256_srli_epi16::<13>(_mm256_mullo_epi16(w, m))
+            }
+            _ => return _mm256_setzero_si256(),
+        };
+        _mm256_add_epi16(_mm256_add_epi16(ls, ls), _mm256_set1_epi16(1))
+    }
+}
+
+/// Sub-block `ib`'s i16 scale vector from [`scales16_vec`]: its scale of values 0..16 in the
+/// first eight lanes (the first eight `vpmaddubsw` pairs), of values 16..32 in the rest.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+fn pick(sv: __m256i, ib: usize) -> __m256i {
+    let k = 2 * ib as i16;
+    _mm256_shuffle_epi8(sv, _mm256_set1_epi16(k | ((k + 1) << 8)))
 }
 
 /// One 32-value sub-block, as the tile multiplies it: `maddubs(grid, sign(a, signs))` is the
@@ -149,9 +211,9 @@ pub(super) unsafe fn d_of<const KIND: u8>(p: *const u8) -> f32 {
 /// AVX2 available; `p` readable for one super-block; `ib < 8`.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
+pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize, sv: __m256i) -> Sub {
     let zero = _mm256_setzero_si256();
-    let one = |ls: u32| scale_pair(2 * ls + 1, 2 * ls + 1);
+    let one = |ls: u32| _mm256_set1_epi16((2 * ls + 1) as i16);
     // SAFETY (whole body): reads within the super-block at `p`.
     unsafe {
         let b = |o: usize| *p.add(o) as usize;
@@ -184,11 +246,10 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
                 let q = p.add(2 + 8 * ib).cast::<[u16; 4]>().read_unaligned();
                 let g = |l: usize| IQ2XS_GRID[(q[l] & 511) as usize] as i64;
                 let s = |l: usize| SIGNS64[(q[l] >> 9) as usize] as i64;
-                let sc = b(66 + ib) as u32;
                 Sub {
                     grid: _mm256_setr_epi64x(g(0), g(1), g(2), g(3)),
                     signs: _mm256_setr_epi64x(s(0), s(1), s(2), s(3)),
-                    scale: scale_pair(2 * (sc & 0xF) + 1, 2 * (sc >> 4) + 1),
+                    scale: pick(sv, ib),
                     delta: zero,
                     dscale: 0,
                 }
@@ -197,11 +258,10 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
                 let qh = b(66 + ib);
                 let g =
                     |l: usize| IQ2S_GRID[b(2 + 4 * ib + l) | ((qh << (8 - 2 * l)) & 0x300)] as i64;
-                let sc = b(74 + ib) as u32;
                 Sub {
                     grid: _mm256_setr_epi64x(g(0), g(1), g(2), g(3)),
                     signs: sign_bits(p.add(34 + 4 * ib)),
-                    scale: scale_pair(2 * (sc & 0xF) + 1, 2 * (sc >> 4) + 1),
+                    scale: pick(sv, ib),
                     delta: zero,
                     dscale: 0,
                 }
@@ -246,12 +306,10 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
                 );
                 let set =
                     _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16(h as i16), bit), bit);
-                let w = p.add(48 + 2 * (ib / 2)).cast::<u16>().read_unaligned() as u32;
-                let sh = 6 * (ib % 2) as u32;
                 Sub {
                     grid: _mm256_abs_epi8(v),
                     signs: v,
-                    scale: scale_pair(2 * ((w >> sh) & 7) + 1, 2 * ((w >> (sh + 3)) & 7) + 1),
+                    scale: pick(sv, ib),
                     delta: _mm256_or_si256(set, _mm256_set1_epi8(1)),
                     dscale: 0,
                 }
@@ -271,9 +329,11 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize) -> Sub {
 #[inline]
 pub(super) unsafe fn unpack<const KIND: u8>(p: *const u8) -> ([__m256i; 8], [i32; 16]) {
     let mut sc = [0i32; 16];
+    // SAFETY: as the contract.
+    let sv = unsafe { scales16_vec::<KIND>(p) };
     let codes = core::array::from_fn(|ib| {
         // SAFETY: as the contract.
-        let s = unsafe { sub_block::<KIND>(p, ib) };
+        let s = unsafe { sub_block::<KIND>(p, ib, sv) };
         let (lo, hi) = (
             _mm256_extract_epi16::<0>(s.scale),
             _mm256_extract_epi16::<8>(s.scale),
@@ -352,8 +412,9 @@ macro_rules! tile_fn {
                         let mut lanes = [_mm256_setzero_si256(); T];
                         let mut dl = [_mm256_setzero_si256(); T];
                         let mut dsum = [0i32; T];
+                        let sv = scales16_vec::<KIND>(wp);
                         for ib in 0..8 {
-                            let sb = sub_block::<KIND>(wp, ib);
+                            let sb = sub_block::<KIND>(wp, ib, sv);
                             for t in 0..T {
                                 let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
                                 let a = _mm256_loadu_si256(q8.add(32 * ib).cast());
