@@ -1052,18 +1052,20 @@ pub(crate) fn repacked_k(ty: GgmlType) -> bool {
 }
 
 /// The types whose `vec_dot` keeps eight f32 lanes per super-block ([`KOrder::Lanes8`]) and
-/// which ggml's tiled matmul takes from 8 tokens ([`KOrder::Tiled`]): q6_K, q3_K, IQ4_XS,
-/// IQ2_XXS, IQ3_XXS.
+/// which ggml's tiled matmul takes from 8 tokens ([`KOrder::Tiled`]): q6_K, q3_K, IQ4_XS and
+/// the IQ grid types.
 pub(crate) fn lanes8_then_tiled(ty: GgmlType) -> bool {
+    matches!(ty, GgmlType::Q6_K | GgmlType::Q3_K | GgmlType::IQ4_XS) || iq_grid(ty)
+}
+
+/// The IQ types whose values come from ggml's grid tables (`crate::iq_grids`).
+pub(crate) fn iq_grid(ty: GgmlType) -> bool {
     matches!(
         ty,
-        GgmlType::Q6_K
-            | GgmlType::Q3_K
-            | GgmlType::IQ4_XS
-            | GgmlType::IQ2_XXS
-            | GgmlType::IQ3_XXS
+        GgmlType::IQ2_XXS
             | GgmlType::IQ2_XS
             | GgmlType::IQ2_S
+            | GgmlType::IQ3_XXS
             | GgmlType::IQ3_S
             | GgmlType::IQ1_S
             | GgmlType::IQ1_M
@@ -1078,7 +1080,7 @@ pub(crate) fn lanes8_then_tiled(ty: GgmlType) -> bool {
 ///   q2_K likewise (`q2_K_8x8`), but only on AVX-512 machines, and its GEMM steps per 128
 ///   values; we follow those machines everywhere (an AVX2-only llama.cpp runs q2_K's
 ///   `vec_dot` and tiled orders instead: docs/quant-types.md).
-/// - q6_K, q3_K, IQ4_XS, IQ2_XXS and IQ3_XXS run the tiled matmul from 8 tokens on and their
+/// - q6_K, q3_K, IQ4_XS and the IQ grid types run the tiled matmul from 8 tokens on and their
 ///   `vec_dot` below.
 /// - q5_K is not repacked on x86: ggml runs it through the tiled matmul from 8 tokens on, as
 ///   q6_K. Below 8 tokens (`ggml_vec_dot_q5_K_q8_K`) we keep the q4_K GEMV order: no model we
@@ -1321,18 +1323,12 @@ pub(crate) fn has_dot(w: GgmlType) -> bool {
             | GgmlType::Q6_K
             | GgmlType::IQ4_NL
             | GgmlType::IQ4_XS
-            | GgmlType::IQ2_XXS
-            | GgmlType::IQ3_XXS
-            | GgmlType::IQ2_XS
-            | GgmlType::IQ2_S
-            | GgmlType::IQ3_S
-            | GgmlType::IQ1_S
-            | GgmlType::IQ1_M
             | GgmlType::TQ1_0
             | GgmlType::TQ2_0
             | GgmlType::TF2
             | GgmlType::TF1
-    ) || float_dot_fn(w).is_some()
+    ) || iq_grid(w)
+        || float_dot_fn(w).is_some()
 }
 
 /// The reference dot of weight row `w` with activation row `a` (`n` elements); k-quants sum in

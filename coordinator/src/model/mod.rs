@@ -69,7 +69,9 @@ pub trait Observer: Send {
     /// router's scores (`n_tokens × n_expert`).
     fn routes(&mut self, _layer: usize, _routes: &[Route], _scores: &[f32]) {}
     /// Whether it looks at nothing (a step may then be split into micro-batches, whose
-    /// layers would reach an observer as separate row ranges).
+    /// layers would reach an observer as separate row ranges). Observed or not, a step
+    /// computes the same bits (the last layer's FFN runs on the rows that want logits either
+    /// way; an observer is shown every row's input and routing there).
     fn is_noop(&self) -> bool {
         false
     }
@@ -668,13 +670,14 @@ impl Model {
         let mut positions = Vec::with_capacity(n);
         let mut ks = Vec::with_capacity(n);
         // Per row: whether it returns logits. llama.cpp keeps only those rows for the last
-        // layer's FFN (`inp_out_ids`), so its matmuls there see just them, which in parity
-        // numerics decides their float order; so do we (unless an observer wants every row).
+        // layer's FFN (`inp_out_ids`), so its matmuls (and router) there see just them, which
+        // in parity numerics decides their float order; so do we. An observer still sees
+        // every row's FFN input and routing there.
         let mut wants = vec![false; n];
         for (s, inp) in segs.iter().zip(inputs) {
             wants[s.row0 + inp.logits.first(s.n)..s.row0 + s.n].fill(true);
         }
-        let prune = obs.is_noop();
+        let last = w.layers.len().saturating_sub(1);
         for (s, inp) in segs.iter().zip(inputs) {
             positions.extend(s.p0..s.p0 + s.n);
             let k = inp
@@ -872,9 +875,17 @@ impl Model {
                 dump(&format!("ffn_norm-{il}"), h, d);
                 obs.ffn_input(il, h);
                 // The last layer: only the rows that want logits (see `wants`).
-                let keep: Option<Vec<usize>> = (prune && il + 1 == w.layers.len())
+                let keep: Option<Vec<usize>> = (il == last)
                     .then(|| (0..nl).filter(|&t| wants[r0 + t]).collect::<Vec<_>>())
                     .filter(|rows| rows.len() < nl);
+                if let (Some(_), Some(r), Some(m), false) =
+                    (&keep, &lw.router, &cfg.moe, obs.is_noop())
+                {
+                    // The observer's routing of every row (the FFN routes the kept rows
+                    // below, on those rows alone).
+                    let (routed, scores) = r.route_rows(m, h, nl, &ks[r0..r1], numerics);
+                    obs.routes(il, &routed, &scores);
+                }
                 let kept;
                 let (fh, fnl, lks): (&[f32], usize, &[usize]) = match &keep {
                     Some(rows) if rows.is_empty() => continue,
@@ -893,7 +904,9 @@ impl Model {
                 let routes = match (&lw.router, &cfg.moe) {
                     (Some(r), Some(m)) => {
                         let (routed, scores) = r.route_rows(m, fh, fnl, lks, numerics);
-                        obs.routes(il, &routed, &scores);
+                        if keep.is_none() {
+                            obs.routes(il, &routed, &scores);
+                        }
                         routed
                     }
                     _ => (0..fnl as u32)
@@ -912,12 +925,36 @@ impl Model {
                         // The most experts any row of this step uses (per-request
                         // --top-experts).
                         let kmax = lks.iter().copied().max().unwrap_or(m.n_expert_used);
-                        for target in il + 1..(il + 1 + self.lookahead).min(cfg.n_layer) {
+                        // The last layer routes only the rows that want logits: predict
+                        // its experts from those.
+                        let targets = il + 1..(il + 1 + self.lookahead).min(cfg.n_layer);
+                        let wanted: Vec<usize> = if targets.contains(&last) {
+                            (0..nl).filter(|&t| wants[r0 + t]).collect()
+                        } else {
+                            (0..nl).collect()
+                        };
+                        let xw: Vec<f32> = if wanted.len() < nl {
+                            wanted
+                                .iter()
+                                .flat_map(|&t| x[t * d..(t + 1) * d].iter().copied())
+                                .collect()
+                        } else {
+                            Vec::new()
+                        };
+                        for target in targets {
+                            let (xs, ns) = if target == last && wanted.len() < nl {
+                                if wanted.is_empty() {
+                                    continue;
+                                }
+                                (&xw[..], wanted.len())
+                            } else {
+                                (&x[..], nl)
+                            };
                             let mut set = match &self.learned {
                                 Some(lp) if lp.has(il, target) => {
-                                    lp.predict(x, nl, il, target, kmax)
+                                    lp.predict(xs, ns, il, target, kmax)
                                 }
-                                _ => p.predict(x, nl, target, kmax),
+                                _ => p.predict(xs, ns, target, kmax),
                             };
                             set.sort_unstable();
                             set.dedup();

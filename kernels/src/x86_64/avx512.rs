@@ -120,24 +120,7 @@ fn mm_q3_k(g: &Gemm<'_>, out: &mut [f32]) {
 }
 entry!(mm_q5_k, run_k, Q5_K);
 
-/// The IQ grid types' entries (`iq2::run_grid`).
-macro_rules! grid_entry {
-    ($($name:ident: $kind:ident),*) => {$(
-        fn $name(g: &Gemm<'_>, out: &mut [f32]) {
-            // SAFETY: as `mm_iq4_nl`.
-            unsafe { super::iq2::run_grid_avx512::<{ super::$kind }>(g, out) }
-        }
-    )*};
-}
-grid_entry!(
-    mm_iq2_xxs: IQ2_XXS,
-    mm_iq3_xxs: IQ3_XXS,
-    mm_iq2_xs: IQ2_XS,
-    mm_iq2_s: IQ2_S,
-    mm_iq3_s: IQ3_S,
-    mm_iq1_s: IQ1_S,
-    mm_iq1_m: IQ1_M
-);
+super::grid_entries!(run_grid_avx512);
 
 fn mm_q2_k(g: &Gemm<'_>, out: &mut [f32]) {
     // SAFETY: as `mm_iq4_nl`.

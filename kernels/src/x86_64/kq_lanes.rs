@@ -6,7 +6,8 @@
 //! - Activations (q8_K) are rearranged once per token band: for each group of 16 tokens and
 //!   each super-block, quad `q` (values `4q..4q+4`) of the 16 tokens fills one 64-byte line,
 //!   so a register holds the same four values of 16 tokens. The per-sub-block sums the
-//!   k-quants need (q4_K/q5_K: `bsums[2j] + bsums[2j+1]`; q6_K, q3_K, q2_K: `bsums[j]`) sit beside
+//!   k-quants need (q4_K/q5_K and the 32-value IQ types: `bsums[2j] + bsums[2j+1]`; q6_K,
+//!   q3_K, q2_K, IQ2_XS, IQ2_S, IQ1_M: `bsums[j]`) sit beside
 //!   them as i16 pairs, and the 16 scales as f32.
 //! - Weights: four codes of one row, broadcast to all lanes, are the unsigned operand. A
 //!   sub-block's 16 raw sums are scaled by one `vpmulld`; the mins (q4_K/q5_K) and the codes'
@@ -50,8 +51,8 @@ struct ActBlock {
     /// Quad `q`: bytes `4t..4t+4` = token `t`'s values `4q..4q+4`.
     codes: [__m512i; 64],
     /// Pair `p`: lane `t` = token `t`'s sub-block sums `2p` and `2p + 1` as two i16 (q4_K /
-    /// q5_K and the IQ types: 4 pairs over 32-value sub-blocks; q6_K, q3_K, q2_K: 8 pairs over
-    /// 16-value sub-blocks).
+    /// q5_K, IQ4_XS and the 32-value IQ grid types: 4 pairs over 32-value sub-blocks; the
+    /// [`sub16`] kinds: 8 pairs over 16-value sub-blocks).
     pairs: [__m512i; 8],
     /// Lane `t` = token `t`'s q8_K scale.
     d: __m512,
@@ -65,12 +66,12 @@ unsafe impl Pod for ActBlock {}
 #[repr(C, align(64))]
 pub(super) struct WRow {
     pub(super) codes: [u8; QK_K],
-    /// Sub-block scales (q4_K/q5_K: 8, 6-bit; q6_K, q3_K: 16, signed; q2_K: 16, 4-bit; the IQ
-    /// types: 8, signed).
+    /// Sub-block scales (q4_K/q5_K: 8, 6-bit; q6_K, q3_K: 16, signed; q2_K: 16, 4-bit; IQ4_XS
+    /// and the 32-value IQ grid types: 8, signed; IQ2_XS, IQ2_S, IQ1_M: 16, positive).
     pub(super) sc: [i32; 16],
     /// i16 pairs for `vpdpwssd`: q4_K/q5_K (4) and q2_K (8) the mins `(m[2p], m[2p+1])`; q6_K,
-    /// q3_K (8) and the IQ types (4) the scales `(sc[2p], sc[2p+1])`, which remove the codes'
-    /// offset.
+    /// q3_K (8) and the IQ types (4, or 8 for the 16-value ones) the scales `(sc[2p],
+    /// sc[2p+1])`, which remove the codes' offset.
     pub(super) pairs: [i32; 8],
     pub(super) d: f32,
     pub(super) dmin: f32,
@@ -185,7 +186,7 @@ pub(super) unsafe fn gemm<const KIND: u8>(
             while b0 < ngroups {
                 let b1 = (b0 + band).min(ngroups);
                 // SAFETY: as this function's contract; `acts` holds `band · nsb` blocks.
-                unsafe { prep_band(g, t0, t1, b0, b1, acts) };
+                unsafe { prep_band::<KIND>(g, t0, t1, b0, b1, acts) };
                 let mut r0 = 0;
                 while r0 < g.nrows {
                     let np = panel.min(g.nrows - r0);
@@ -254,7 +255,7 @@ pub(super) unsafe fn gemm<const KIND: u8>(
 /// # Safety
 /// As [`gemm`]; `acts.len() >= (b1 - b0) · nsb`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn prep_band(
+unsafe fn prep_band<const KIND: u8>(
     g: &Gemm<'_>,
     t0: usize,
     t1: usize,
@@ -264,11 +265,7 @@ unsafe fn prep_band(
 ) {
     let nsb = g.cols / QK_K;
     // 16-value sub-blocks take their block sums as they are.
-    use crate::quant::GgmlType as T;
-    let sub16 = matches!(
-        g.wty,
-        T::Q6_K | T::Q3_K | T::Q2_K | T::IQ2_XS | T::IQ2_S | T::IQ1_M
-    );
+    let sub16 = sub16(KIND);
     for gi in b0..b1 {
         let ts = t0 + gi * LANES;
         let n = (t1 - ts).min(LANES);
@@ -450,7 +447,8 @@ pub(super) unsafe fn unpack_row<const KIND: u8>(
 
 /// `Σ_{p < n} pairs_w[p] · pairs_a[p]` per token lane (i16 pairs, exact): a row's mins
 /// against the tokens' block sums (q4_K/q5_K `n = 4`, q2_K `n = 8`), or the scales against
-/// them to remove the codes' offset (q6_K, q3_K `n = 8`; the IQ types `n = 4`).
+/// them to remove the codes' offset (q6_K, q3_K and the 16-value IQ types `n = 8`; the others
+/// `n = 4`).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 fn pair_dot(w: &WRow, a: &ActBlock, n: usize) -> __m512i {

@@ -75,6 +75,29 @@ macro_rules! drive {
 }
 pub(crate) use drive;
 
+/// An ISA table's entries for the IQ grid types: `mm_iq*` functions calling `iq2::$run`
+/// (`run_grid` for AVX2, `run_grid_avx512`), one per kind.
+macro_rules! grid_entries {
+    ($run:ident) => {
+        $crate::x86_64::grid_entries!(@ $run,
+            mm_iq2_xxs: IQ2_XXS,
+            mm_iq3_xxs: IQ3_XXS,
+            mm_iq2_xs: IQ2_XS,
+            mm_iq2_s: IQ2_S,
+            mm_iq3_s: IQ3_S,
+            mm_iq1_s: IQ1_S,
+            mm_iq1_m: IQ1_M);
+    };
+    (@ $run:ident, $($name:ident: $kind:ident),*) => {$(
+        fn $name(g: &Gemm<'_>, out: &mut [f32]) {
+            // SAFETY: reachable only through the table built from this module's token, which
+            // proves the features `iq2::$run` needs; `g` was validated by `Gemm::new`.
+            unsafe { super::iq2::$run::<{ super::$kind }>(g, out) }
+        }
+    )*};
+}
+pub(crate) use grid_entries;
+
 /// Plain data: every bit pattern of its size is a valid value (SIMD vectors, floats, integers,
 /// and arrays / structs of them), so a scratch buffer may hand out stale bytes as one.
 ///
