@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use ternfleet_coordinator::engine::{self, EngineOptions, Output};
-use ternfleet_coordinator::model::{Logits, Model, NoObserver, SeqInput, StepOptions};
+use ternfleet_coordinator::model::{Logits, Model, NoObserver, Observer, SeqInput, StepOptions};
 use ternfleet_coordinator::sampler::SamplerParams;
 use ternfleet_kernels::{GgmlType, Numerics};
 use ternfleet_shared::expert::{ExpertBackend, ExpertBatch, ExpertError, InFlight};
@@ -346,4 +346,57 @@ fn a_shared_1000_token_prefix_is_computed_once_for_8_sequences() {
         t_shared,
         t_unshared
     );
+}
+
+/// The rows an observer is shown, per layer: FFN inputs and routed tokens.
+struct RowCounter {
+    d: usize,
+    ffn_rows: Vec<usize>,
+    routed_rows: Vec<usize>,
+}
+
+impl Observer for RowCounter {
+    fn ffn_input(&mut self, layer: usize, x: &[f32]) {
+        self.ffn_rows[layer] += x.len() / self.d;
+    }
+    fn routes(&mut self, layer: usize, routes: &[ternfleet_shared::expert::Route], _: &[f32]) {
+        let mut tokens: Vec<u32> = routes.iter().map(|r| r.token).collect();
+        tokens.dedup();
+        self.routed_rows[layer] += tokens.len();
+    }
+}
+
+/// The last layer's FFN runs only on the rows that want logits (llama.cpp's `inp_out_ids`;
+/// in parity numerics the row count decides its matmuls' float order): an observed pass must
+/// give the same bits as a plain one, and still show its observer every row there.
+#[test]
+fn an_observed_pass_gives_the_same_logits_and_sees_every_row_of_the_last_layer() {
+    set_threads();
+    // A dense model whose matmul order moves with the row count at any prompt of 8 or more
+    // tokens (the IQ grid types' vec_dot / tiled orders; whether that reaches the logits
+    // depends on the prompt: one of these 16 does when the observed pass runs the last FFN
+    // on every row), and an MoE model for the routes.
+    let iq2_xs = Model::open(&root().join("tests/data/models/tiny-llama-iq2_xs.gguf"))
+        .expect("IQ2_XS test model");
+    for (m, routed) in [(iq2_xs, false), (moe(), true)] {
+        let n_layer = m.cfg.n_layer;
+        for prompt in prompts(&m).into_iter().filter(|p| p.len() >= 8) {
+            let mut c = m.new_cache(prompt.len() + 1);
+            let plain = m.forward(&mut c, &prompt, Logits::Last).unwrap();
+            let mut obs = RowCounter {
+                d: m.cfg.n_embd,
+                ffn_rows: vec![0; n_layer],
+                routed_rows: vec![0; n_layer],
+            };
+            let mut c = m.new_cache(prompt.len() + 1);
+            let observed = m
+                .forward_observed(&mut c, &prompt, Logits::Last, &mut obs)
+                .unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&plain), bits(&observed), "observed logits differ");
+            assert_eq!(obs.ffn_rows, vec![prompt.len(); n_layer]);
+            let want_routed = if routed { prompt.len() } else { 0 };
+            assert_eq!(obs.routed_rows, vec![want_routed; n_layer]);
+        }
+    }
 }
