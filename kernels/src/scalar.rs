@@ -962,6 +962,7 @@ fn vec_dot_lanes8<const NS: usize>(
         let dw = (ty.dw)(x);
         let (v, sc) = (ty.values)(x);
         // The full values' lanes; for the IQ1 types also the grid's and the delta's.
+        let iq1 = ty.delta != Delta::No;
         let mut lanes = [0i32; 8];
         let mut grid = [0i32; 8];
         let mut delta = [0i32; 8];
@@ -969,9 +970,11 @@ fn vec_dot_lanes8<const NS: usize>(
             let (s, q, v) = (sc[e / (QK_K / NS)], (q8[e] as i8) as i32, v[e] as i32);
             let l = (e % 32) / 4;
             lanes[l] += s * v * q;
-            let g = (v + 4).div_euclid(8);
-            grid[l] += s * g * q;
-            delta[l] += s * (v - 8 * g) * q;
+            if iq1 {
+                let g = (v + 4).div_euclid(8);
+                grid[l] += s * g * q;
+                delta[l] += s * (v - 8 * g) * q;
+            }
         }
         if order == KOrder::Tiled {
             let isum: i32 = lanes.iter().sum();
@@ -979,14 +982,21 @@ fn vec_dot_lanes8<const NS: usize>(
             continue;
         }
         let d = dw * yd;
-        let lanes = if ty.delta == Delta::No { lanes } else { grid };
+        let lanes = if iq1 { grid } else { lanes };
         for l in 0..8 {
             lanes_acc[l] = d.mul_add(lanes[l] as f32, lanes_acc[l]);
-            delta_acc[l] = d.mul_add(delta[l] as f32, delta_acc[l]);
         }
-        // IQ1_S: `accum1 += d * sumi1`, contracted to an FMA (`vfmadd231ss` in the
-        // reference build).
-        acc = d.mul_add(delta.iter().sum::<i32>() as f32, acc);
+        match ty.delta {
+            Delta::No => {}
+            Delta::Lanes => {
+                for l in 0..8 {
+                    delta_acc[l] = d.mul_add(delta[l] as f32, delta_acc[l]);
+                }
+            }
+            // IQ1_S: `accum1 += d * sumi1`, contracted to an FMA (`vfmadd231ss` in the
+            // reference build).
+            Delta::Scalar => acc = d.mul_add(delta.iter().sum::<i32>() as f32, acc),
+        }
     }
     match (order, ty.delta) {
         (KOrder::Tiled, _) => acc,
