@@ -877,11 +877,14 @@ fn iq1m_words(x: &[u8]) -> [u16; 4] {
     core::array::from_fn(|i| u16::from_le_bytes([x[48 + 2 * i], x[49 + 2 * i]]))
 }
 
-/// IQ1_M's f16 super-block scale, assembled from the top nibbles of its four scale words.
+/// The bits of IQ1_M's f16 super-block scale: the top nibbles of its four scale words.
+pub(crate) fn iq1m_d_bits(sc: [u16; 4]) -> u16 {
+    (sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) | ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000)
+}
+
+/// IQ1_M's f16 super-block scale ([`iq1m_d_bits`]).
 pub(crate) fn iq1m_d(x: &[u8]) -> f32 {
-    let sc = iq1m_words(x);
-    let u = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00F0) | ((sc[2] >> 4) & 0x0F00) | (sc[3] & 0xF000);
-    f16::from_bits(u).to_f32()
+    f16::from_bits(iq1m_d_bits(iq1m_words(x))).to_f32()
 }
 
 /// IQ1_M (`dequantize_row_iq1_m`) as `8 · grid + delta`: 32 index bytes at 0, per group of 8

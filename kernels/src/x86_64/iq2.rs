@@ -193,11 +193,7 @@ pub(super) unsafe fn d_of<const KIND: u8>(p: *const u8) -> f32 {
     // SAFETY: as the contract.
     unsafe {
         if KIND == IQ1_M {
-            let sc = p.add(48).cast::<[u16; 4]>().read_unaligned();
-            let u = (sc[0] >> 12)
-                | ((sc[1] >> 8) & 0x00F0)
-                | ((sc[2] >> 4) & 0x0F00)
-                | (sc[3] & 0xF000);
+            let u = crate::scalar::iq1m_d_bits(p.add(48).cast::<[u16; 4]>().read_unaligned());
             _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(u as i32)))
         } else {
             f16_at(p)
