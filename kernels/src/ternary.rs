@@ -40,7 +40,7 @@ fn pack_trits(n: u32) -> u8 {
 
 /// Trit `n` (0 = most significant) of a base-3 byte made by [`pack_trits`].
 #[inline(always)]
-pub(crate) fn trit(q: u8, n: usize) -> u8 {
+pub(crate) const fn trit(q: u8, n: usize) -> u8 {
     const POW3: [u8; 5] = [1, 3, 9, 27, 81];
     ((q.wrapping_mul(POW3[n]) as u16 * 3) >> 8) as u8
 }

@@ -982,6 +982,26 @@ fn every_isa_quantizes_activations_bit_identically_to_the_scalar_reference() {
             }
         }
     }
+    // Q8_TF has one scale per row: each 256-value block above is a row of its own (the
+    // infinity and NaN rows, the denormal row whose factor overflows, and the huge row take
+    // the reference's path), then the finite rows together, and a row with a 128-value tail.
+    let q8tf = |row: &[f32]| {
+        let ty = GgmlType::Q8_TF;
+        let rb = ty.row_size(row.len() as u64).unwrap() as usize;
+        let mut want = vec![0u8; rb];
+        assert!(crate::scalar::quantize(ty, row, &mut want));
+        for isa in Isa::ALL {
+            let Some(k) = kernels_for(isa) else { continue };
+            let mut got = vec![0xA5u8; rb];
+            assert!((k.quantize)(ty, row, &mut got));
+            assert_eq!(got, want, "Q8_TF {} row of {}", isa.name(), row.len());
+        }
+    };
+    for row in x.chunks(QK_K) {
+        q8tf(row);
+    }
+    q8tf(&x[..6 * QK_K]);
+    q8tf(&x[QK_K..4 * QK_K + 128]);
     // The float activation types, element by element: also random bit patterns, NaNs with
     // their payload only in the low half (plain rounding would make them infinities) or
     // signalling, the largest finite value, exact bf16 rounding ties, and a tail shorter than

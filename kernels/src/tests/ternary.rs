@@ -222,3 +222,40 @@ fn ternary_quantize_row_checks_sizes() {
         Err(KernelError::PartialBlock { .. })
     ));
 }
+
+#[test]
+fn avx512_plain_and_table_decoders_match_scalar() {
+    // On a CPU with AVX512-VBMI and GFNI, `every_simd_matmul_matches_scalar` runs the table
+    // decoder of TQ1_0 / TF1; this runs the plain one (the path of AVX-512 CPUs without VBMI)
+    // beside it. Random bytes include invalid base-3 bytes (>= 243); one-block rows make every
+    // block a row's last (the masked loads), wider rows the plain loads.
+    if !Isa::Avx512.is_available() {
+        eprintln!("skipped: this CPU lacks AVX-512");
+        return;
+    }
+    let mut rng = Rng(0x7E57);
+    for ty in [GgmlType::TQ1_0, GgmlType::TF1] {
+        let bv = ty.block_size();
+        for blocks in [1usize, 2, 5] {
+            let cols = bv * blocks;
+            let rows = 7;
+            let w = super::random_weights(ty, cols * rows, &mut rng);
+            let m = QMatrix::new(ty, rows, cols, &w).unwrap();
+            for n in [1usize, 3, 9] {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+                let mut act = Activations::new();
+                act.quantize_for(ty, &x, n, cols).unwrap();
+                let run = |isa| {
+                    let mut out = vec![f32::NAN; n * rows];
+                    matmul_with(isa, &m, &act, 0..rows, &mut out, Numerics::Parity).unwrap();
+                    out.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+                };
+                let want = run(Isa::Scalar);
+                let table = run(Isa::Avx512);
+                let plain = crate::x86_64::tern_avx512::without_vbmi(|| run(Isa::Avx512));
+                assert_eq!(table, want, "{ty:?} cols={cols} n={n}: table decoder");
+                assert_eq!(plain, want, "{ty:?} cols={cols} n={n}: plain decoder");
+            }
+        }
+    }
+}

@@ -16,7 +16,7 @@ mod q2k;
 mod q3k;
 mod quant_avx2;
 mod tern_avx2;
-mod tern_avx512;
+pub(crate) mod tern_avx512;
 
 /// Cover `g.nrows` × `g.ntok` with tiles of R rows × T tokens: the tokens a block leaves over
 /// (fewer than T) in narrower tiles of at most 3, so each row's blocks are loaded and unpacked

@@ -5,7 +5,7 @@
 //! A block holding an infinity or a NaN, or whose scale factor overflows, takes the scalar reference (the SIMD max and
 //! round-to-int treat them differently from the reference's folds and saturating casts).
 
-use crate::quant::{GgmlType, QK, QK_K};
+use crate::quant::{GgmlType, QK, QK_K, QK_TF};
 use crate::scalar;
 use core::arch::x86_64::*;
 
@@ -20,6 +20,8 @@ pub(super) unsafe fn quantize(ty: GgmlType, x: &[f32], y: &mut [u8]) -> bool {
         GgmlType::Q8_1 => unsafe { quantize_q8::<true>(x, y) },
         // SAFETY: as above.
         GgmlType::Q8_K => unsafe { quantize_q8_k(x, y) },
+        // SAFETY: as above.
+        GgmlType::Q8_TF => unsafe { quantize_q8_tf(x, y) },
         // SAFETY: as above.
         GgmlType::F16 => unsafe { to_f16(x, y) },
         // SAFETY: as above.
@@ -175,6 +177,62 @@ unsafe fn quantize_q8<const Q81: bool>(x: &[f32], y: &mut [u8]) {
         }
         // SAFETY: `yb` holds `qoff` + 32 bytes.
         unsafe { _mm256_storeu_si256(yb.as_mut_ptr().add(qoff).cast(), pack32(q)) };
+    }
+}
+
+/// Q8_TF (`ternary::quantize_q8_tf`): one `d = amax / 127` for the whole row, codes rounded
+/// half to even (the conversion under the default MXCSR, as `nearest_int` for |v| <= 127),
+/// and per block the eight lane sums (`vpmaddubsw` by ones, `vpmaddwd` by ones: exact).
+///
+/// # Safety
+/// As [`quantize`].
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn quantize_q8_tf(x: &[f32], y: &mut [u8]) {
+    let n = x.len() / QK_TF * QK_TF;
+    let mut odd = 0;
+    let mut m = _mm256_setzero_ps();
+    for c in x[..n].chunks_exact(8) {
+        // SAFETY: 8 floats.
+        let (a, o) = abs_and_odd(unsafe { _mm256_loadu_ps(c.as_ptr()) });
+        odd |= o;
+        m = _mm256_max_ps(m, a);
+    }
+    let amax = hmax(m);
+    let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
+    if odd != 0 || !id.is_finite() {
+        // Infinities, NaNs, or a denormal amax whose factor overflows: the reference's
+        // saturating integer conversion.
+        crate::ternary::quantize_q8_tf(x, y);
+        return;
+    }
+    let d = amax / 127.0;
+    let idv = _mm256_set1_ps(id);
+    let (lo, hi) = (_mm256_set1_epi32(-127), _mm256_set1_epi32(127));
+    let (ones8, ones16) = (_mm256_set1_epi8(1), _mm256_set1_epi16(1));
+    let bs = GgmlType::Q8_TF.type_size();
+    for (xb, yb) in x[..n].chunks_exact(QK_TF).zip(y.chunks_exact_mut(bs)) {
+        yb[0..4].copy_from_slice(&d.to_le_bytes());
+        let mut lsums = _mm256_setzero_si256();
+        for ch in 0..QK_TF / 32 {
+            // SAFETY: `xb` holds 128 floats.
+            let v: [__m256; 4] = core::array::from_fn(|i| unsafe {
+                _mm256_loadu_ps(xb.as_ptr().add(32 * ch + 8 * i))
+            });
+            let q = v.map(|vi| {
+                let r = _mm256_cvtps_epi32(_mm256_mul_ps(vi, idv));
+                _mm256_min_epi32(_mm256_max_epi32(r, lo), hi)
+            });
+            let b = pack32(q);
+            // Byte e of the chunk lands in lane e / 4 (value e of the chunk: lane (e % 32) / 4).
+            lsums = _mm256_add_epi32(
+                lsums,
+                _mm256_madd_epi16(_mm256_maddubs_epi16(ones8, b), ones16),
+            );
+            // SAFETY: `yb` holds 4 + 128 + 32 bytes.
+            unsafe { _mm256_storeu_si256(yb.as_mut_ptr().add(4 + 32 * ch).cast(), b) };
+        }
+        // SAFETY: as above.
+        unsafe { _mm256_storeu_si256(yb.as_mut_ptr().add(4 + QK_TF).cast(), lsums) };
     }
 }
 

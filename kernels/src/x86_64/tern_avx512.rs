@@ -6,13 +6,20 @@
 //! serves both rows. Codes are unsigned, activations signed: `vpdpbusd` sums four products
 //! per i32 lane exactly, and the activation correction (Q8_K `bsums` pairs or Q8_TF `lsums`)
 //! turns the codes `c = q + 1` back into `q`.
+//!
+//! The base-3 kinds (TQ1_0, TF1) have a second decoder for CPUs with AVX512-VBMI (Ice Lake,
+//! Sapphire Rapids, Zen 4): each byte's trits come from 256-entry tables, two `vpermi2b` and
+//! a blend per 64 bytes, instead of ggml's byte multiplies and top-trit arithmetic per trit;
+//! one table packs trits 0..3 of a byte as TQ2_0 packs codes, so they come out with the same
+//! shift-and as TQ2_0's, the other holds trit 4. Same codes, so the same sums and bits.
 
 // Tile loops index per-token and per-chunk register arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
 
-use super::tern_avx2::{correction, decode, f16_at, geometry, is_tq};
-use super::{TF2, TQ2_0};
+use super::tern_avx2::{correction, decode, geometry, is_tq};
+use super::{TF1, TF2, TQ1_0, TQ2_0};
 use crate::matmul::Gemm;
+use crate::ternary::trit;
 use core::arch::x86_64::*;
 
 /// The codes of block `b` of rows `a` (low halves) and `bb` (high halves), 32 values per half.
@@ -49,6 +56,327 @@ unsafe fn decode_pair<const KIND: u8>(a: *const u8, bb: *const u8, c: &mut [__m5
     }
 }
 
+/// A 256-entry byte table, aligned for 512-bit loads.
+#[repr(align(64))]
+struct Lut([u8; 256]);
+
+/// Trits 0..3 of each byte packed two bits each (trit n in bits 2n..2n+2), as TQ2_0 packs
+/// codes.
+static PACK4: Lut = Lut({
+    let mut t = [0u8; 256];
+    let mut q = 0;
+    while q < 256 {
+        let b = q as u8;
+        t[q] = trit(b, 0) | trit(b, 1) << 2 | trit(b, 2) << 4 | trit(b, 3) << 6;
+        q += 1;
+    }
+    t
+});
+
+/// Trit 4 of each byte.
+static TRIT4: Lut = Lut({
+    let mut t = [0u8; 256];
+    let mut q = 0;
+    while q < 256 {
+        t[q] = trit(q as u8, 4);
+        q += 1;
+    }
+    t
+});
+
+/// A table as four registers (entries 0..64, ..128, ..192, ..256).
+///
+/// # Safety
+/// AVX-512F available.
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
+#[inline]
+fn lut_regs(t: &Lut) -> [__m512i; 4] {
+    // SAFETY: the table is 256 bytes, 64-byte aligned.
+    unsafe { core::array::from_fn(|i| _mm512_load_si512(t.0.as_ptr().add(64 * i).cast())) }
+}
+
+/// `t[x]` per byte: entries 0..128 and 128..256 looked up by `vpermi2b` (which reads the low
+/// seven bits of the index), chosen by the byte's top bit (`hi`, from `vpmovb2m`).
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
+#[inline]
+fn lut(x: __m512i, hi: __mmask64, t: &[__m512i; 4]) -> __m512i {
+    let lo = _mm512_permutex2var_epi8(t[0], x, t[1]);
+    let up = _mm512_permutex2var_epi8(t[2], x, t[3]);
+    _mm512_mask_blend_epi8(hi, lo, up)
+}
+
+/// What the VBMI decoder keeps in registers across a tile's blocks.
+struct Tables {
+    pack4: [__m512i; 4],
+    trit4: [__m512i; 4],
+    /// TF1: per chunk n, where bytes 26..32 of each half find trit 4 of bytes 6n..6n+6.
+    /// TQ1_0: `[0]` spreads qs[32..48] and qh of each row into lanes (see `decode_pair_vbmi`).
+    idx: [__m512i; 4],
+}
+
+/// # Safety
+/// The VBMI module features.
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
+#[inline]
+fn tables<const KIND: u8>() -> Tables {
+    let idx = if KIND == TF1 { &TF1_TAIL } else { &TQ1_SPREAD };
+    // SAFETY: 64-byte aligned 64-byte rows.
+    let idx = core::array::from_fn(|i| unsafe { _mm512_load_si512(idx[i].0.as_ptr().cast()) });
+    Tables {
+        pack4: lut_regs(&PACK4),
+        trit4: lut_regs(&TRIT4),
+        idx,
+    }
+}
+
+/// 64 index bytes, aligned for a 512-bit load.
+#[repr(align(64))]
+struct Idx([u8; 64]);
+
+/// TF1, per chunk n: bytes 26..32 of each half take trit 4 of qs[6n..6n + 6] of that half's row.
+static TF1_TAIL: [Idx; 4] = {
+    let mut idx = [Idx([0; 64]), Idx([0; 64]), Idx([0; 64]), Idx([0; 64])];
+    let mut n = 0;
+    while n < 4 {
+        let mut j = 0;
+        while j < 6 {
+            idx[n].0[26 + j] = (6 * n + j) as u8;
+            idx[n].0[58 + j] = (32 + 6 * n + j) as u8;
+            j += 1;
+        }
+        n += 1;
+    }
+    idx
+};
+
+/// TQ1_0, `[0]`: lane 0 = qs[32..48] of row a (bytes 0..16 of its load), lane 1 = byte i is
+/// qh[i % 4] (bytes 16..20); lanes 2, 3 the same for row b (bytes 32..). Unused: `[1..]`.
+static TQ1_SPREAD: [Idx; 4] = {
+    let mut idx = [Idx([0; 64]), Idx([0; 64]), Idx([0; 64]), Idx([0; 64])];
+    let mut i = 0;
+    while i < 16 {
+        idx[0].0[i] = i as u8;
+        idx[0].0[16 + i] = (16 + i % 4) as u8;
+        idx[0].0[32 + i] = (32 + i) as u8;
+        idx[0].0[48 + i] = (48 + i % 4) as u8;
+        i += 1;
+    }
+    idx
+};
+
+/// `x`'s two-bit field `n` of every byte, in its low bits: one GF(2) affine transform per byte
+/// (bit 2n of the byte to bit 0, bit 2n + 1 to bit 1), where a shift and a mask take two
+/// operations. `matrix` holds one [`field_matrix`] per qword.
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
+#[inline]
+fn field(x: __m512i, matrix: __m512i) -> __m512i {
+    _mm512_gf2p8affine_epi64_epi8::<0>(x, matrix)
+}
+
+/// The `vgf2p8affineqb` matrix taking bits 2n, 2n + 1 of a byte to bits 0, 1 (row `7 - k`
+/// of the matrix, byte `7 - k` of the qword, selects the source bits of result bit `k`).
+const fn field_matrix(n: u32) -> i64 {
+    (((1u64 << (2 * n)) << 56) | ((1u64 << (2 * n + 1)) << 48)) as i64
+}
+
+/// [`decode_pair`] for the VBMI module: table lookups for TQ1_0 and TF1, the plain decoder
+/// for the others. `last`: the rows' last block, where the loads must not run past the block
+/// (masked loads; elsewhere plain 32-byte loads may read into the next block, whose bytes
+/// land in positions this decoder overwrites or never uses).
+///
+/// # Safety
+/// The VBMI module features; `a` and `bb` readable for one block of `KIND`, and for 6
+/// (TF1) or 10 (TQ1_0) bytes more unless `last`.
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
+#[inline]
+unsafe fn decode_pair_vbmi<const KIND: u8>(
+    a: *const u8,
+    bb: *const u8,
+    c: &mut [__m512i; 8],
+    t: &Tables,
+    last: bool,
+) {
+    // Codes of the packed trits 0..3: chunk n + first is trit n.
+    let unpack4 = |p: __m512i, c: &mut [__m512i; 8], first: usize| {
+        for n in 0..4 {
+            c[first + n] = field(p, _mm512_set1_epi64(field_matrix(n as u32)));
+        }
+    };
+    // 32 bytes of each row from `off`: row a in the low half, row b in the high half (only
+    // the first `len` bytes of each when `last`, zeros after them).
+    let pair_load = |off: usize, len: u32| {
+        // SAFETY: the caller's contract (see above).
+        unsafe {
+            if last {
+                let m = (1u64 << len) - 1;
+                let x = _mm512_maskz_loadu_epi8(m, a.add(off).cast());
+                _mm512_mask_loadu_epi8(x, m << 32, bb.add(off).wrapping_sub(32).cast())
+            } else {
+                _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(a.add(off).cast())),
+                    _mm256_loadu_si256(bb.add(off).cast()),
+                )
+            }
+        }
+    };
+    // SAFETY (whole body): reads as the contract allows.
+    unsafe {
+        match KIND {
+            TF1 => {
+                // qs[0..26] of row a in bytes 0..26, of row b in bytes 32..58; bytes 26..32 of
+                // each half (the next block, or zeros) give codes that are replaced below.
+                let x = pair_load(2, 26);
+                let hi = _mm512_movepi8_mask(x);
+                unpack4(lut(x, hi, &t.pack4), c, 0);
+                let t4 = lut(x, hi, &t.trit4);
+                // Chunk n, positions 26..32 of each half: trit 4 of qs[6n..6n + 6].
+                let tail = (0x3Fu64 << 26) | (0x3Fu64 << 58);
+                for n in 0..4 {
+                    c[n] = permb_merge(c[n], tail, t.idx[n], t4);
+                }
+            }
+            TQ1_0 => {
+                // qs[0..32]: values m + 32n are trit n of qs[m] (n = 0..4). Inside the block.
+                let x = _mm512_inserti64x4::<1>(
+                    _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
+                    _mm256_loadu_si256(bb.cast()),
+                );
+                let hi = _mm512_movepi8_mask(x);
+                unpack4(lut(x, hi, &t.pack4), c, 0);
+                c[4] = lut(x, hi, &t.trit4);
+                // qs[32..48] (values 160 + m + 16n) and qh (values 240 + j + 4n) of each row:
+                // y = [qs_a[32..48] | qh_a spread | qs_b[32..48] | qh_b spread] by lanes.
+                let z = pair_load(32, 20);
+                let y = _mm512_permutexvar_epi8(t.idx[0], z);
+                let hy = _mm512_movepi8_mask(y);
+                let py = lut(y, hy, &t.pack4);
+                // Lanes [0, 0, 2, 2]: chunk 5 = [trit 0 | trit 1] of qs[32..48], chunk 6 =
+                // [trit 2 | trit 3] per row (a field per qword: one matrix per lane).
+                let pr = _mm512_shuffle_i64x2::<0b1010_0000>(py, py);
+                let (f0, f1, f2, f3) = (
+                    field_matrix(0),
+                    field_matrix(1),
+                    field_matrix(2),
+                    field_matrix(3),
+                );
+                c[5] = field(pr, _mm512_set_epi64(f1, f1, f0, f0, f1, f1, f0, f0));
+                c[6] = field(pr, _mm512_set_epi64(f3, f3, f2, f2, f3, f3, f2, f2));
+                // Chunk 7 = [trit 4 of qs[32..48] | byte i = trit i / 4 of qh[i % 4]].
+                let h = _mm512_and_si512(
+                    _mm512_srlv_epi32(
+                        py,
+                        _mm512_set_epi32(6, 4, 2, 0, 0, 0, 0, 0, 6, 4, 2, 0, 0, 0, 0, 0),
+                    ),
+                    _mm512_set1_epi8(3),
+                );
+                c[7] = _mm512_mask_blend_epi64(0b1100_1100, lut(y, hy, &t.trit4), h);
+            }
+            _ => decode_pair::<KIND>(a, bb, c),
+        }
+    }
+}
+
+/// The f16 scales at `a` and `b` as f32: `a` in the low eight lanes, `b` in the high eight.
+/// Each is converted from an 8-byte load that ends at (TQ kinds, scale last) or starts at
+/// (TF kinds, scale first) the scale, inside the block, and one two-source permute spreads
+/// them: fewer shuffle-port operations than broadcasting each f16.
+///
+/// # Safety
+/// This module's features; `a` and `b` point at the scales of two blocks of `KIND`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn pair_scales<const KIND: u8>(a: *const u8, b: *const u8) -> __m512 {
+    let (back, lane) = if is_tq(KIND) { (6, 3) } else { (0, 0) };
+    // SAFETY: the 8 bytes lie inside each block (the scale and the 6 bytes beside it).
+    let (fa, fb) = unsafe {
+        (
+            _mm_cvtph_ps(_mm_loadl_epi64(a.sub(back).cast())),
+            _mm_cvtph_ps(_mm_loadl_epi64(b.sub(back).cast())),
+        )
+    };
+    _mm512_permutex2var_ps(
+        _mm512_castps128_ps512(fa),
+        _mm512_set_epi32(
+            16 + lane,
+            16 + lane,
+            16 + lane,
+            16 + lane,
+            16 + lane,
+            16 + lane,
+            16 + lane,
+            16 + lane,
+            lane,
+            lane,
+            lane,
+            lane,
+            lane,
+            lane,
+            lane,
+            lane,
+        ),
+        _mm512_castps128_ps512(fb),
+    )
+}
+
+/// `vpermb` merged under a mask: byte i is `table[idx[i]]` where `k` is set, else `src[i]`.
+/// Written out because the compiler turns the intrinsic form into a two-source `vpermt2b`,
+/// twice the shuffle-port time on the CPUs measured.
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
+#[inline]
+fn permb_merge(src: __m512i, k: __mmask64, idx: __m512i, table: __m512i) -> __m512i {
+    let mut dst = src;
+    // SAFETY: a register-only instruction of the enabled features.
+    unsafe {
+        core::arch::asm!(
+            "vpermb {dst}{{{k}}}, {idx}, {tab}",
+            dst = inout(zmm_reg) dst,
+            k = in(kreg) k,
+            idx = in(zmm_reg) idx,
+            tab = in(zmm_reg) table,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    dst
+}
+
+/// Whether the table decoder runs (AVX512-VBMI present; tests can turn it off per thread to
+/// check the plain decoder on the same CPU).
+fn use_vbmi<const KIND: u8>() -> bool {
+    #[cfg(test)]
+    if PLAIN.with(|p| p.get()) {
+        return false;
+    }
+    (KIND == TQ1_0 || KIND == TF1)
+        && is_x86_feature_detected!("avx512vbmi")
+        && is_x86_feature_detected!("gfni")
+}
+
+#[cfg(test)]
+std::thread_local! {
+    static PLAIN: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Runs `f` with the VBMI decoder off on this thread (the test of the plain decoder).
+#[cfg(test)]
+pub(crate) fn without_vbmi<R>(f: impl FnOnce() -> R) -> R {
+    PLAIN.with(|p| p.set(true));
+    let r = f();
+    PLAIN.with(|p| p.set(false));
+    r
+}
+
 /// Every tile width sums a (row, token) in the same order (the module's), so the result does
 /// not depend on the batch and `Numerics` changes nothing. Tokens run in blocks whose
 /// activations stay in L2 while the rows stream past; per row pair, tiles of four or eight
@@ -60,108 +388,148 @@ unsafe fn decode_pair<const KIND: u8>(a: *const u8, bb: *const u8, c: &mut [__m5
 /// g.ntok * g.nrows` and `g.wty` of kind `KIND`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_tern<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    // Tokens per tile: eight where decoding the weights costs more than the products
-    // (TQ1_0 and TF1's base-3 digits), else four (more would spill registers).
-    let wide = if KIND == TQ2_0 || KIND == TF2 { 4 } else { 8 };
-    let tb = ((256 * 1024) / g.a_stride.max(1)).max(8) / 8 * 8;
-    let mut t0 = 0;
-    while t0 < g.ntok {
-        let t1 = (t0 + tb).min(g.ntok);
-        let mut r = 0;
-        while r < g.nrows {
-            let pair = g.nrows - r >= 2;
-            let mut t = t0;
-            while t1 - t >= wide {
-                // SAFETY: r (+1 when `pair`) < nrows, t + wide <= ntok; the caller has the
-                // features.
-                unsafe {
-                    if wide == 8 {
-                        tile::<KIND, 8>(g, r, pair, t, out)
-                    } else {
-                        tile::<KIND, 4>(g, r, pair, t, out)
-                    }
-                };
-                t += wide;
-            }
-            // SAFETY: as above with the `t1 - t` (< 8) tokens left.
-            unsafe {
-                match t1 - t {
-                    0 => {}
-                    1 => tile::<KIND, 1>(g, r, pair, t, out),
-                    2 => tile::<KIND, 2>(g, r, pair, t, out),
-                    3 => tile::<KIND, 3>(g, r, pair, t, out),
-                    4 => tile::<KIND, 4>(g, r, pair, t, out),
-                    5 => tile::<KIND, 5>(g, r, pair, t, out),
-                    6 => tile::<KIND, 6>(g, r, pair, t, out),
-                    _ => tile::<KIND, 7>(g, r, pair, t, out),
-                }
-            }
-            r += if pair { 2 } else { 1 };
-        }
-        t0 = t1;
+    if use_vbmi::<KIND>() {
+        // SAFETY: the CPU has AVX512-VBMI (checked just above) and this module's features.
+        unsafe { run_vbmi::<KIND>(g, out) }
+    } else {
+        // SAFETY: this function's contract.
+        unsafe { run_plain::<KIND>(g, out) }
     }
 }
 
-/// Rows `r` and `r + 1` (or row `r` twice when `!pair`, the high half then discarded) against
-/// tokens `t0..t0+T`.
-///
-/// # Safety
-/// As [`run_tern`], with `r + pair < g.nrows` and `t0 + T <= g.ntok`.
-#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
-unsafe fn tile<const KIND: u8, const T: usize>(
-    g: &Gemm<'_>,
-    r: usize,
-    pair: bool,
-    t0: usize,
-    out: &mut [f32],
-) {
-    let (bv, wb, ab, dpos) = geometry(KIND);
-    let nb = g.cols / bv;
-    let nch = bv / 32;
-    let wa = g.w_row(r).as_ptr();
-    let wbb = g.w_row(if pair { r + 1 } else { r }).as_ptr();
-    let mut acc = [_mm512_setzero_ps(); T];
-    let mut c = [_mm512_setzero_si512(); 8];
-    // SAFETY (whole body): block `b < nb` of a row / activation row lies inside it, as
-    // `Gemm::new` checked the sizes.
-    unsafe {
-        for b in 0..nb {
-            let (xa, xb) = (wa.add(b * wb), wbb.add(b * wb));
-            decode_pair::<KIND>(xa, xb, &mut c);
-            let dw = _mm512_insertf32x8::<1>(
-                _mm512_set1_ps(f16_at(xa.add(dpos))),
-                _mm256_set1_ps(f16_at(xb.add(dpos))),
-            );
-            for t in 0..T {
-                let y = g.act_row(t0 + t).as_ptr().add(b * ab);
-                let mut s = _mm512_setzero_si512();
-                for v in 0..nch {
-                    let a = _mm256_loadu_si256(y.add(4 + 32 * v).cast());
-                    s = _mm512_dpbusd_epi32(s, c[v], _mm512_broadcast_i64x4(a));
+/// Defines a driver and its tile over one pair decoder: the same loops for both decoders, each
+/// compiled with its decoder's features so the decoder inlines.
+macro_rules! tern_driver {
+    ($run:ident, $tile:ident, $features:literal, $tables:expr, $decode:expr) => {
+        /// The driver of [`run_tern`] for one decoder.
+        ///
+        /// # Safety
+        /// As [`run_tern`], and the CPU has this function's features.
+        #[target_feature(enable = $features)]
+        unsafe fn $run<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+            // Tokens per tile: eight where decoding the weights costs more than the products
+            // (TQ1_0 and TF1's base-3 digits), else four (more would spill registers).
+            let wide = if KIND == TQ2_0 || KIND == TF2 { 4 } else { 8 };
+            let tb = ((256 * 1024) / g.a_stride.max(1)).max(8) / 8 * 8;
+            let mut t0 = 0;
+            while t0 < g.ntok {
+                let t1 = (t0 + tb).min(g.ntok);
+                let mut r = 0;
+                while r < g.nrows {
+                    let pair = g.nrows - r >= 2;
+                    let mut t = t0;
+                    while t1 - t >= wide {
+                        // SAFETY: r (+1 when `pair`) < nrows, t + wide <= ntok; the caller
+                        // has the features.
+                        unsafe {
+                            if wide == 8 {
+                                $tile::<KIND, 8>(g, r, pair, t, out)
+                            } else {
+                                $tile::<KIND, 4>(g, r, pair, t, out)
+                            }
+                        };
+                        t += wide;
+                    }
+                    // SAFETY: as above with the `t1 - t` (< 8) tokens left.
+                    unsafe {
+                        match t1 - t {
+                            0 => {}
+                            1 => $tile::<KIND, 1>(g, r, pair, t, out),
+                            2 => $tile::<KIND, 2>(g, r, pair, t, out),
+                            3 => $tile::<KIND, 3>(g, r, pair, t, out),
+                            4 => $tile::<KIND, 4>(g, r, pair, t, out),
+                            5 => $tile::<KIND, 5>(g, r, pair, t, out),
+                            6 => $tile::<KIND, 6>(g, r, pair, t, out),
+                            _ => $tile::<KIND, 7>(g, r, pair, t, out),
+                        }
+                    }
+                    r += if pair { 2 } else { 1 };
                 }
-                let lanes = _mm512_sub_epi32(s, _mm512_broadcast_i64x4(correction::<KIND>(y)));
-                let d = if is_tq(KIND) {
-                    _mm512_mul_ps(dw, _mm512_set1_ps(y.cast::<f32>().read_unaligned()))
-                } else {
-                    dw
-                };
-                acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), d, acc[t]);
+                t0 = t1;
             }
         }
-        for t in 0..T {
-            let a = g.act_row(t0 + t);
-            let scale = if !is_tq(KIND) && nb > 0 {
-                a.as_ptr().cast::<f32>().read_unaligned()
-            } else {
-                1.0
-            };
-            let lo = super::avx2::hsum(_mm512_castps512_ps256(acc[t]));
-            let hi = super::avx2::hsum(_mm512_extractf32x8_ps::<1>(acc[t]));
-            let base = (t0 + t) * g.nrows + r;
-            out[base] = if is_tq(KIND) { lo } else { lo * scale };
-            if pair {
-                out[base + 1] = if is_tq(KIND) { hi } else { hi * scale };
+
+        /// Rows `r` and `r + 1` (or row `r` twice when `!pair`, the high half then discarded)
+        /// against tokens `t0..t0+T`.
+        ///
+        /// # Safety
+        /// As the driver, with `r + pair < g.nrows` and `t0 + T <= g.ntok`.
+        #[target_feature(enable = $features)]
+        unsafe fn $tile<const KIND: u8, const T: usize>(
+            g: &Gemm<'_>,
+            r: usize,
+            pair: bool,
+            t0: usize,
+            out: &mut [f32],
+        ) {
+            let (bv, wb, ab, dpos) = geometry(KIND);
+            let nb = g.cols / bv;
+            let nch = bv / 32;
+            let wa = g.w_row(r).as_ptr();
+            let wbb = g.w_row(if pair { r + 1 } else { r }).as_ptr();
+            let mut acc = [_mm512_setzero_ps(); T];
+            let mut c = [_mm512_setzero_si512(); 8];
+            #[allow(clippy::let_unit_value)]
+            let tables = $tables;
+            // SAFETY (whole body): block `b < nb` of a row / activation row lies inside it, as
+            // `Gemm::new` checked the sizes.
+            unsafe {
+                for b in 0..nb {
+                    let (xa, xb) = (wa.add(b * wb), wbb.add(b * wb));
+                    $decode(xa, xb, &mut c, &tables, b + 1 == nb);
+                    let dw = pair_scales::<KIND>(xa.add(dpos), xb.add(dpos));
+                    for t in 0..T {
+                        let y = g.act_row(t0 + t).as_ptr().add(b * ab);
+                        // The products summed onto minus the correction (exact integers).
+                        let mut s = _mm512_sub_epi32(
+                            _mm512_setzero_si512(),
+                            _mm512_broadcast_i64x4(correction::<KIND>(y)),
+                        );
+                        for v in 0..nch {
+                            let a = _mm256_loadu_si256(y.add(4 + 32 * v).cast());
+                            s = _mm512_dpbusd_epi32(s, c[v], _mm512_broadcast_i64x4(a));
+                        }
+                        let lanes = s;
+                        let d = if is_tq(KIND) {
+                            _mm512_mul_ps(dw, _mm512_set1_ps(y.cast::<f32>().read_unaligned()))
+                        } else {
+                            dw
+                        };
+                        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), d, acc[t]);
+                    }
+                }
+                for t in 0..T {
+                    let a = g.act_row(t0 + t);
+                    let scale = if !is_tq(KIND) && nb > 0 {
+                        a.as_ptr().cast::<f32>().read_unaligned()
+                    } else {
+                        1.0
+                    };
+                    let lo = super::avx2::hsum(_mm512_castps512_ps256(acc[t]));
+                    let hi = super::avx2::hsum(_mm512_extractf32x8_ps::<1>(acc[t]));
+                    let base = (t0 + t) * g.nrows + r;
+                    out[base] = if is_tq(KIND) { lo } else { lo * scale };
+                    if pair {
+                        out[base + 1] = if is_tq(KIND) { hi } else { hi * scale };
+                    }
+                }
             }
         }
-    }
+    };
 }
+
+tern_driver!(
+    run_plain,
+    tile_plain,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c",
+    (),
+    |xa, xb, c, _: &(), _| decode_pair::<KIND>(xa, xb, c)
+);
+
+tern_driver!(
+    run_vbmi,
+    tile_vbmi,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c",
+    tables::<KIND>(),
+    |xa, xb, c, t: &Tables, last| decode_pair_vbmi::<KIND>(xa, xb, c, t, last)
+);
