@@ -17,7 +17,7 @@ pub enum Isa {
     Scalar,
     /// AVX2 + FMA + F16C.
     Avx2,
-    /// AVX-512 F/BW/VL/DQ with VNNI (plus AVX2, FMA, F16C).
+    /// AVX-512 F/BW/VL/DQ with VNNI (plus AVX2, FMA, F16C, BMI2).
     Avx512,
 }
 

@@ -30,6 +30,7 @@ impl Avx512 {
             && is_x86_feature_detected!("avx512vl")
             && is_x86_feature_detected!("avx512dq")
             && is_x86_feature_detected!("avx512vnni")
+            && is_x86_feature_detected!("bmi2")
             && is_x86_feature_detected!("avx2")
             && is_x86_feature_detected!("fma")
             && is_x86_feature_detected!("f16c");
