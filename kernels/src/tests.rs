@@ -983,8 +983,9 @@ fn every_isa_quantizes_activations_bit_identically_to_the_scalar_reference() {
         }
     }
     // Q8_TF has one scale per row: each 256-value block above is a row of its own (the
-    // infinity and NaN rows, the denormal row whose factor overflows, and the huge row take
-    // the reference's path), then the finite rows together, and a row with a 128-value tail.
+    // infinity and NaN rows and the denormal row, whose factor overflows, take the reference's
+    // path; the huge row the SIMD one), then the finite rows together, a row of seven 128-value
+    // blocks, and a row of exact ties (amax 127, so every value·127/amax is k + 0.5).
     let q8tf = |row: &[f32]| {
         let ty = GgmlType::Q8_TF;
         let rb = ty.row_size(row.len() as u64).unwrap() as usize;
@@ -1002,6 +1003,16 @@ fn every_isa_quantizes_activations_bit_identically_to_the_scalar_reference() {
     }
     q8tf(&x[..6 * QK_K]);
     q8tf(&x[QK_K..4 * QK_K + 128]);
+    let ties: Vec<f32> = (0..QK_K)
+        .map(|i| {
+            if i == 7 {
+                -127.0
+            } else {
+                (i % 253) as f32 - 126.5
+            }
+        })
+        .collect();
+    q8tf(&ties);
     // The float activation types, element by element: also random bit patterns, NaNs with
     // their payload only in the low half (plain rounding would make them infinities) or
     // signalling, the largest finite value, exact bf16 rounding ties, and a tail shorter than

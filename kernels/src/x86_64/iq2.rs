@@ -234,7 +234,7 @@ pub(super) unsafe fn grid_index_pdep<const KIND: u8>(p: *const u8, ib: usize) ->
                 _pdep_u64(u32_at(2 + 4 * ib), LOW)
                     | _pdep_u64(u16_at(34 + 2 * ib), 0x0700_0700_0700_0700),
             ),
-            // Nibble l of h: three index bits and the delta's sign (dropped by the mask).
+            // Bits 2l, 2l + 1 of the byte at 66 + ib: index l's top two bits.
             IQ2_S => Some(
                 _pdep_u64(u32_at(2 + 4 * ib), LOW)
                     | _pdep_u64(*p.add(66 + ib) as u64, 0x0300_0300_0300_0300),

@@ -1,9 +1,10 @@
-//! Activation quantization (f32 → q8_0 / q8_1 / q8_K, and conversion to f16 / bf16) with AVX2,
-//! bit-identical to `scalar::quantize`. Both the AVX2 and the AVX-512 tables use it: it is
-//! bound by the loads and the per-block scalar scale, so wider registers buy nothing.
+//! Activation quantization (f32 → q8_0 / q8_1 / q8_K / Q8_TF, and conversion to f16 / bf16)
+//! with AVX2, bit-identical to `scalar::quantize`. Both the AVX2 and the AVX-512 tables use it:
+//! it is bound by the loads and the per-block scalar scale, so wider registers buy nothing.
 //!
-//! A block holding an infinity or a NaN, or whose scale factor overflows, takes the scalar reference (the SIMD max and
-//! round-to-int treat them differently from the reference's folds and saturating casts).
+//! A block holding an infinity or a NaN, or whose scale factor overflows, takes the scalar
+//! reference (the SIMD max and round-to-int treat them differently from the reference's folds
+//! and saturating casts); for Q8_TF, whose scale is the row's, the whole row does.
 
 use crate::quant::{GgmlType, QK, QK_K, QK_TF};
 use crate::scalar;
@@ -189,6 +190,12 @@ unsafe fn quantize_q8<const Q81: bool>(x: &[f32], y: &mut [u8]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn quantize_q8_tf(x: &[f32], y: &mut [u8]) {
     let n = x.len() / QK_TF * QK_TF;
+    if n != x.len() {
+        // A partial block: the reference's row maximum covers it too (callers pass whole
+        // blocks; this keeps the bits equal for any input).
+        crate::ternary::quantize_q8_tf(x, y);
+        return;
+    }
     let mut odd = 0;
     let mut m = _mm256_setzero_ps();
     for c in x[..n].chunks_exact(8) {
@@ -200,8 +207,8 @@ unsafe fn quantize_q8_tf(x: &[f32], y: &mut [u8]) {
     let amax = hmax(m);
     let id = if amax != 0.0 { 127.0 / amax } else { 0.0 };
     if odd != 0 || !id.is_finite() {
-        // Infinities, NaNs, or a denormal amax whose factor overflows: the reference's
-        // saturating integer conversion.
+        // Infinities, NaNs, or an amax below ~3.7e-37 whose factor 127 / amax overflows: the
+        // reference's saturating integer conversion.
         crate::ternary::quantize_q8_tf(x, y);
         return;
     }

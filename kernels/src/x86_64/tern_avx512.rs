@@ -10,8 +10,9 @@
 //! The base-3 kinds (TQ1_0, TF1) have a second decoder for CPUs with AVX512-VBMI (Ice Lake,
 //! Sapphire Rapids, Zen 4): each byte's trits come from 256-entry tables, two `vpermi2b` and
 //! a blend per 64 bytes, instead of ggml's byte multiplies and top-trit arithmetic per trit;
-//! one table packs trits 0..3 of a byte as TQ2_0 packs codes, so they come out with the same
-//! shift-and as TQ2_0's, the other holds trit 4. Same codes, so the same sums and bits.
+//! one table packs trits 0..3 of a byte two bits each (as TQ2_0 packs codes), taken apart by
+//! one `vgf2p8affineqb` per field, the other holds trit 4. Same codes, so the same sums and
+//! bits.
 
 // Tile loops index per-token and per-chunk register arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
@@ -246,11 +247,8 @@ unsafe fn decode_pair_vbmi<const KIND: u8>(
                 }
             }
             TQ1_0 => {
-                // qs[0..32]: values m + 32n are trit n of qs[m] (n = 0..4). Inside the block.
-                let x = _mm512_inserti64x4::<1>(
-                    _mm512_castsi256_si512(_mm256_loadu_si256(a.cast())),
-                    _mm256_loadu_si256(bb.cast()),
-                );
+                // qs[0..32]: values m + 32n are trit n of qs[m] (n = 0..4).
+                let x = pair_load(0, 32);
                 let hi = _mm512_movepi8_mask(x);
                 unpack4(lut(x, hi, &t.pack4), c, 0);
                 c[4] = lut(x, hi, &t.trit4);
@@ -371,10 +369,16 @@ std::thread_local! {
 /// Runs `f` with the VBMI decoder off on this thread (the test of the plain decoder).
 #[cfg(test)]
 pub(crate) fn without_vbmi<R>(f: impl FnOnce() -> R) -> R {
-    PLAIN.with(|p| p.set(true));
+    let before = PLAIN.with(|p| p.replace(true));
     let r = f();
-    PLAIN.with(|p| p.set(false));
+    PLAIN.with(|p| p.set(before));
     r
+}
+
+/// Whether this CPU runs the table decoder (the test says when it could only check one).
+#[cfg(test)]
+pub(crate) fn has_table_decoder() -> bool {
+    is_x86_feature_detected!("avx512vbmi") && is_x86_feature_detected!("gfni")
 }
 
 /// Every tile width sums a (row, token) in the same order (the module's), so the result does
