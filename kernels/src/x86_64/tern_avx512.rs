@@ -287,7 +287,7 @@ unsafe fn decode_pair_vbmi<const KIND: u8>(
 /// The f16 scales at `a` and `b` as f32: `a` in the low eight lanes, `b` in the high eight.
 /// Each is converted from an 8-byte load that ends at (TQ kinds, scale last) or starts at
 /// (TF kinds, scale first) the scale, inside the block, and one two-source permute spreads
-/// them: fewer shuffle-port operations than broadcasting each f16.
+/// them (in place of a broadcast per f16 and an insert).
 ///
 /// # Safety
 /// This module's features; `a` and `b` point at the scales of two blocks of `KIND`.
@@ -349,8 +349,8 @@ fn permb_merge(src: __m512i, k: __mmask64, idx: __m512i, table: __m512i) -> __m5
     dst
 }
 
-/// Whether the table decoder runs (AVX512-VBMI present; tests can turn it off per thread to
-/// check the plain decoder on the same CPU).
+/// Whether the table decoder runs (TQ1_0 or TF1 on a CPU with AVX512-VBMI and GFNI; tests can
+/// turn it off per thread to check the plain decoder on the same CPU).
 fn use_vbmi<const KIND: u8>() -> bool {
     #[cfg(test)]
     if PLAIN.with(|p| p.get()) {
@@ -393,7 +393,7 @@ pub(crate) fn has_table_decoder() -> bool {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_tern<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if use_vbmi::<KIND>() {
-        // SAFETY: the CPU has AVX512-VBMI (checked just above) and this module's features.
+        // SAFETY: the CPU has AVX512-VBMI and GFNI (checked just above) and this module's features.
         unsafe { run_vbmi::<KIND>(g, out) }
     } else {
         // SAFETY: this function's contract.
