@@ -393,7 +393,8 @@ pub(crate) fn has_table_decoder() -> bool {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_tern<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if use_vbmi::<KIND>() {
-        // SAFETY: the CPU has AVX512-VBMI and GFNI (checked just above) and this module's features.
+        // SAFETY: the CPU has AVX512-VBMI and GFNI (checked just above) and this module's
+        // features.
         unsafe { run_vbmi::<KIND>(g, out) }
     } else {
         // SAFETY: this function's contract.
