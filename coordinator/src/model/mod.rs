@@ -731,6 +731,12 @@ impl Model {
         let lanes = self.lanes(segs, opts, obs);
         // Per lane, its layer's expert call in flight: (layer, routes, call, sent).
         let mut flights: Vec<Option<Flight>> = lanes.iter().map(|_| None).collect();
+        // Per lane, its rows (lane-relative) that want logits: the last layer's FFN runs on
+        // those alone.
+        let lane_wants: Vec<Vec<usize>> = lanes
+            .iter()
+            .map(|&(r0, r1)| (0..r1 - r0).filter(|&t| wants[r0 + t]).collect())
+            .collect();
 
         dump("embd", &x, d);
         // Step `il` runs every lane's attention block of layer `il`; before a lane's, the
@@ -743,7 +749,9 @@ impl Model {
             // A trace span per layer (disabled, and free, unless traces are exported): the
             // experts collected for layer `il - 1` and layer `il`'s attention and calls.
             let _layer = tracing::debug_span!("layer", layer = il).entered();
-            for (&(r0, r1), flight) in lanes.iter().zip(flights.iter_mut()) {
+            for ((&(r0, r1), flight), wanted) in
+                lanes.iter().zip(flights.iter_mut()).zip(&lane_wants)
+            {
                 let nl = r1 - r0;
                 if let Some(f) = flight.take() {
                     // The FFN block of layer `il - 1` for this lane: its experts' results,
@@ -875,9 +883,8 @@ impl Model {
                 dump(&format!("ffn_norm-{il}"), h, d);
                 obs.ffn_input(il, h);
                 // The last layer: only the rows that want logits (see `wants`).
-                let keep: Option<Vec<usize>> = (il == last)
-                    .then(|| (0..nl).filter(|&t| wants[r0 + t]).collect::<Vec<_>>())
-                    .filter(|rows| rows.len() < nl);
+                let keep: Option<Vec<usize>> =
+                    (il == last && wanted.len() < nl).then(|| wanted.clone());
                 if let (Some(_), Some(r), Some(m), false) =
                     (&keep, &lw.router, &cfg.moe, obs.is_noop())
                 {
@@ -890,13 +897,8 @@ impl Model {
                 let (fh, fnl, lks): (&[f32], usize, &[usize]) = match &keep {
                     Some(rows) if rows.is_empty() => continue,
                     Some(rows) => {
-                        let mut hk = Vec::with_capacity(rows.len() * d);
-                        let mut kk = Vec::with_capacity(rows.len());
-                        for &t in rows {
-                            hk.extend_from_slice(&h[t * d..(t + 1) * d]);
-                            kk.push(ks[r0 + t]);
-                        }
-                        kept = (hk, kk);
+                        let kk: Vec<usize> = rows.iter().map(|&t| ks[r0 + t]).collect();
+                        kept = (gather_rows(h, rows, d), kk);
                         (&kept.0, rows.len(), &kept.1)
                     }
                     None => (h, nl, &ks[r0..r1]),
@@ -928,27 +930,13 @@ impl Model {
                         // The last layer routes only the rows that want logits: predict
                         // its experts from those.
                         let targets = il + 1..(il + 1 + self.lookahead).min(cfg.n_layer);
-                        let wanted: Vec<usize> = if targets.contains(&last) {
-                            (0..nl).filter(|&t| wants[r0 + t]).collect()
-                        } else {
-                            (0..nl).collect()
-                        };
-                        let xw: Vec<f32> = if wanted.len() < nl {
-                            wanted
-                                .iter()
-                                .flat_map(|&t| x[t * d..(t + 1) * d].iter().copied())
-                                .collect()
-                        } else {
-                            Vec::new()
-                        };
+                        let xw = (targets.contains(&last) && wanted.len() < nl)
+                            .then(|| gather_rows(x, wanted, d));
                         for target in targets {
-                            let (xs, ns) = if target == last && wanted.len() < nl {
-                                if wanted.is_empty() {
-                                    continue;
-                                }
-                                (&xw[..], wanted.len())
-                            } else {
-                                (&x[..], nl)
+                            let (xs, ns) = match &xw {
+                                Some(_) if target == last && wanted.is_empty() => continue,
+                                Some(xw) if target == last => (&xw[..], wanted.len()),
+                                _ => (&x[..], nl),
                             };
                             let mut set = match &self.learned {
                                 Some(lp) if lp.has(il, target) => {
@@ -1079,6 +1067,15 @@ impl Model {
         }
         Ok(out)
     }
+}
+
+/// Rows `rows` of the row-major `x` (`d` values a row), in that order.
+fn gather_rows(x: &[f32], rows: &[usize], d: usize) -> Vec<f32> {
+    let mut out = Vec::with_capacity(rows.len() * d);
+    for &t in rows {
+        out.extend_from_slice(&x[t * d..(t + 1) * d]);
+    }
+    out
 }
 
 /// `out = W x (+ b)` for `n` rows of `x`, quantizing `x` for W's kernel.
