@@ -503,9 +503,7 @@ macro_rules! tile_fn {
                         }
                         for t in 0..T {
                             if KIND == IQ1_S {
-                                // Its delta's total, as lane 0 of the delta lanes.
-                                let d = _mm256_zextsi128_si256(_mm_cvtsi32_si128(dsum[t]));
-                                ch.step_delta(r, t, lanes[t], d, dw, ad[t]);
+                                ch.step_delta_sum(r, t, lanes[t], dsum[t], dw, ad[t]);
                             } else if is_iq1(KIND) {
                                 ch.step_delta(r, t, lanes[t], dl[t], dw, ad[t]);
                             } else {

@@ -77,8 +77,8 @@ impl<const R: usize, const T: usize> Chains<R, T> {
         }
     }
 
-    /// One super-block of (row `r`, token `t`) of an IQ1 type: the exact lanes of the grid
-    /// values and of the deltas (each times its sub-block's scale).
+    /// One super-block of (row `r`, token `t`) of IQ1_M: the exact lanes of the grid values and
+    /// of the deltas (each times its sub-block's scale). IQ1_S: [`Self::step_delta_sum`].
     #[target_feature(enable = "avx2,fma,f16c")]
     #[inline]
     pub(super) fn step_delta(
@@ -99,15 +99,37 @@ impl<const R: usize, const T: usize> Chains<R, T> {
         let d = dw * dy;
         self.acc[r][t] =
             _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(grid), self.acc[r][t]);
-        if self.delta == Delta::Lanes {
-            self.acc2[r][t] = _mm256_fmadd_ps(
-                _mm256_set1_ps(d),
-                _mm256_cvtepi32_ps(delta),
-                self.acc2[r][t],
-            );
-        } else {
-            self.acc_s[r][t] = d.mul_add(hsum_i32(delta) as f32, self.acc_s[r][t]);
+        debug_assert!(self.delta == Delta::Lanes);
+        self.acc2[r][t] = _mm256_fmadd_ps(
+            _mm256_set1_ps(d),
+            _mm256_cvtepi32_ps(delta),
+            self.acc2[r][t],
+        );
+    }
+
+    /// One super-block of (row `r`, token `t`) of IQ1_S: the grid lanes and its delta as one
+    /// integer (`dsum`, from the activations' block sums; its chain is a scalar).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    pub(super) fn step_delta_sum(
+        &mut self,
+        r: usize,
+        t: usize,
+        grid: __m256i,
+        dsum: i32,
+        dw: f32,
+        dy: f32,
+    ) {
+        let d = dw * dy;
+        if self.order[t] == KOrder::Tiled {
+            // The codes are `8 · grid + delta`: their total, as `step` sums it.
+            let isum = hsum_i32(_mm256_slli_epi32::<3>(grid)).wrapping_add(dsum);
+            self.acc_s[r][t] = (isum as f32 * (dw * self.post)).mul_add(dy, self.acc_s[r][t]);
+            return;
         }
+        self.acc[r][t] =
+            _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(grid), self.acc[r][t]);
+        self.acc_s[r][t] = d.mul_add(dsum as f32, self.acc_s[r][t]);
     }
 
     /// Writes the tile's results to `out` (token-major).
