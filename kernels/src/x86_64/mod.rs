@@ -5,6 +5,7 @@
 pub(crate) mod avx2;
 pub(crate) mod avx512;
 mod avx512q;
+mod gemv_k4;
 mod iq2;
 mod iq4;
 mod kq_lanes;
