@@ -119,9 +119,10 @@ fn col_shapes(ty: GgmlType) -> &'static [usize] {
         // 4128 and 4160: wider than the AVX-512 GEMV's 64-pair column chunk (odd and even).
         32 => &[32, 64, 96, 640, 4128, 4160],
         128 => &[128, 640, 1920],
-        // 2560: wider than the AVX-512 k-quant GEMM's 8-super-block column chunk; 4352: than
-        // the rows the k-quant GEMV runs one at a time.
-        _ => &[256, 1024, 2560, 4352],
+        // 768: three super-blocks (a partial group of four in the AVX-512 q4_K/q5_K GEMV;
+        // Qwen3-30B-A3B's expert down-projection); 2560: wider than the AVX-512 k-quant GEMM's
+        // 8-super-block column chunk; 4352: than the rows the k-quant GEMV runs one at a time.
+        _ => &[256, 768, 1024, 2560, 4352],
     }
 }
 
@@ -832,6 +833,28 @@ fn matmul_n_zero_and_empty_ranges_are_fine() {
     act.quantize_for(GgmlType::Q6_K, &[], 0, 256).unwrap();
     for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
         matmul_with(isa, &m, &act, 0..4, &mut [], Numerics::Parity).unwrap();
+    }
+}
+
+#[test]
+fn matmul_with_zero_columns_writes_zeros() {
+    for ty in [
+        GgmlType::Q4_K,
+        GgmlType::Q5_K,
+        GgmlType::Q6_K,
+        GgmlType::Q8_0,
+    ] {
+        let m = QMatrix::new(ty, 5, 0, &[]).unwrap();
+        let mut act = Activations::new();
+        act.quantize_for(ty, &[], 1, 0).unwrap();
+        for isa in Isa::ALL.into_iter().filter(|i| i.is_available()) {
+            let mut out = [f32::NAN; 5];
+            matmul_with(isa, &m, &act, 0..5, &mut out, Numerics::Parity).unwrap();
+            assert!(
+                out.iter().all(|v| v.to_bits() == 0),
+                "{isa:?} {ty:?}: {out:?}"
+            );
+        }
     }
 }
 

@@ -1185,13 +1185,15 @@ pub(super) unsafe fn sb256_row<const KIND: u8>(g: &Gemm<'_>, r: usize) -> f32 {
 }
 
 /// GEMV (one token) of a k-quant: super-blocks unpacked as they stream past. q4_K/q5_K rows of
-/// up to [`GEMV_K_ONE_ROW_MAX_SB`] super-blocks go to `gemv_k4` (the token rearranged once,
-/// reductions shared by four rows). Longer rows of q4_K/q5_K ([`KOrder::Sb256`]) and q6_K under
-/// invariant numerics ([`KOrder::Tiled`]) take four rows at a time with software prefetch, so
-/// one transposing reduction serves their four integer sums and the f32 chains run in the lanes
-/// of one register (on an AMD EPYC Zen 4, q4_K 8192 × 14336 from DRAM: 3.95 ms, against
-/// 4.55 ms through `gemv_k4`); shorter q6_K rows go one at a time (one sequential stream from
-/// memory), as does q6_K's `vec_dot` order ([`KOrder::Lanes8`], eight lanes per row).
+/// up to [`GEMV_K_ONE_ROW_MAX_SB`] super-blocks go to `gemv_k4` (the token rearranged once, one
+/// reduction per four super-blocks of a row, four rows' f32 steps in one register). Longer
+/// rows of q4_K/q5_K ([`KOrder::Sb256`]) and q6_K under invariant numerics
+/// ([`KOrder::Tiled`]) take four rows at a time with software prefetch, so one transposing
+/// reduction serves their four integer sums and the f32 chains run in the lanes of one
+/// register (on an AMD EPYC Zen 4, q4_K 8192 × 14336 from DRAM, one thread, three
+/// alternations: 3.94–3.97 ms, against 4.53–4.61 ms through `gemv_k4`); shorter q6_K rows go
+/// one at a time (one sequential stream from memory), as does q6_K's `vec_dot` order
+/// ([`KOrder::Lanes8`], eight lanes per row).
 ///
 /// # Safety
 /// As [`run_k`], with `g.ntok == 1`.

@@ -19,8 +19,8 @@
 //!   streaming from DRAM ran this GEMV at 12 GB/s where 256-bit halves ran it at 14.6 (one
 //!   core, 768 × 2048 q4_K matrices picked at random from 265 MB).
 //!
-//! Measured on that machine (one thread; `gemm_bench`, the four-rows-at-a-time
-//! `avx512q::gemv_k` path it replaces in parentheses): 768 × 2048, in L2, 32 µs (46.5);
+//! Measured on that machine (one thread; `gemm_bench`; in parentheses the one-row-at-a-time
+//! `avx512q::sb256_row` path it replaces): 768 × 2048, in L2, 32 µs (46.5);
 //! 16384 × 4096, from DRAM, 1.73–1.84 ms (1.96–2.05). Rows longer than 16 super-blocks keep
 //! `avx512q`'s four-row path with software prefetch, which streams long rows faster.
 //!
@@ -51,7 +51,7 @@ unsafe impl Pod for Prep {}
 /// Four rows' exact sums at four consecutive super-blocks, parked until the four rows are
 /// done: 48 bytes per row and four super-blocks. (Parking each (row, super-block)'s 16 lanes
 /// instead, 84 bytes per super-block, ran q4_K 8192 × 14336 from DRAM in 9.3–12 ms against
-/// 4.3 for the old path: the parked state outgrew L1.)
+/// 4.3–5.0 for the four-row path: the parked state outgrew L1.)
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 struct Parked {
@@ -65,8 +65,9 @@ struct Parked {
 // SAFETY: integers only.
 unsafe impl Pod for Parked {}
 
-/// The `vpshufb` controls that spread sub-block `k`'s scale (i16 word `k` of every 128-bit lane,
-/// zero-extended from byte `k` of the 8 scale bytes) over the lanes its products land in:
+/// The `vpshufb` controls that spread sub-block `k`'s scale (byte `k` of the 8 scale bytes, which
+/// fill every 64-bit lane; taken as an i16 word, zero-extended) over the lanes its products
+/// land in:
 /// vector 0 (low nibbles of chunk 0 | chunk 1) sub-blocks 0 | 2, vector 1 (high nibbles) 1 | 3,
 /// vectors 2 and 3 the same from sub-block 4.
 const SCALE_CTRL: [[u8; 64]; 4] = {
@@ -114,7 +115,7 @@ pub(super) unsafe fn gemv<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     debug_assert!(KIND == Q4_K || KIND == Q5_K);
     let nsb = g.cols / QK_K;
     let whole = g.nrows - g.nrows % 4;
-    if whole > 0 && nsb > 0 {
+    if whole > 0 {
         with_scratch(0, nsb, |prep: &mut [Prep]| {
             with_scratch(1, nsb.div_ceil(4), |park: &mut [Parked]| {
                 // SAFETY: as this function's contract; the buffers hold every super-block and
