@@ -66,8 +66,7 @@ impl<const R: usize, const T: usize> Chains<R, T> {
     #[inline]
     pub(super) fn step(&mut self, r: usize, t: usize, lanes: __m256i, dw: f32, dy: f32) {
         if self.order[t] == KOrder::Tiled {
-            self.acc_s[r][t] =
-                (hsum_i32(lanes) as f32 * (dw * self.post)).mul_add(dy, self.acc_s[r][t]);
+            self.tiled_step(r, t, hsum_i32(lanes), dw, dy);
         } else {
             self.acc[r][t] = _mm256_fmadd_ps(
                 _mm256_set1_ps(dw * dy),
@@ -75,6 +74,14 @@ impl<const R: usize, const T: usize> Chains<R, T> {
                 self.acc[r][t],
             );
         }
+    }
+
+    /// The tiled order's step for (row `r`, token `t`): the super-block's exact sum `isum`,
+    /// scaled by `dw · post`, then `fma(·, dy, acc)`.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    #[inline]
+    fn tiled_step(&mut self, r: usize, t: usize, isum: i32, dw: f32, dy: f32) {
+        self.acc_s[r][t] = (isum as f32 * (dw * self.post)).mul_add(dy, self.acc_s[r][t]);
     }
 
     /// One super-block of (row `r`, token `t`) of IQ1_M: the exact lanes of the grid values and
@@ -124,7 +131,7 @@ impl<const R: usize, const T: usize> Chains<R, T> {
         if self.order[t] == KOrder::Tiled {
             // The codes are `8 · grid + delta`: their total, as `step` sums it.
             let isum = hsum_i32(_mm256_slli_epi32::<3>(grid)).wrapping_add(dsum);
-            self.acc_s[r][t] = (isum as f32 * (dw * self.post)).mul_add(dy, self.acc_s[r][t]);
+            self.tiled_step(r, t, isum, dw, dy);
             return;
         }
         self.acc[r][t] =
