@@ -30,13 +30,18 @@
 # spinning barrier far longer than rayon's work stealing, which flatters ternfleet).
 #
 # usage: benches/gemm-vs-llama-cpp.sh [-t THREADS] [-r REPS] [-n RUNS] [-m M] [-k K] [-b N]
-#          [--types f16,bf16,...] [--no-build] [--no-tbo]
+#          [--types f16,bf16,...] [--no-build] [--no-tbo] [--llama-build DIR]
+# --llama-build DIR links the harness against another llama.cpp build (default
+# target/llama.cpp/build). To compare the AVX2 kernels on an AVX-512 machine:
+#   scripts/build-llama-cpp.sh --avx2
+#   TERNFLEET_KERNELS=avx2 benches/gemm-vs-llama-cpp.sh --llama-build target/llama.cpp/build-avx2
+# (test-backend-ops is not run then: it belongs to the default build.)
 # Needs: scripts/build-llama-cpp.sh run first (target/llama.cpp/build), g++, cargo. No network.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-threads=2 reps=3 runs=3 M=4096 K=14336 N=512 build=1 tbo_on=1
+threads=2 reps=3 runs=3 M=4096 K=14336 N=512 build=1 tbo_on=1 llama_build=
 types=f16,bf16,q8_0,q4_0,q5_0,q4_K,q5_K,q6_K,tq1_0,tq2_0,tf2,tf1
-usage() { echo "usage: $0 [-t THREADS] [-r REPS] [-n RUNS] [-m M] [-k K] [-b N] [--types LIST] [--no-build] [--no-tbo]" >&2; exit 2; }
+usage() { echo "usage: $0 [-t THREADS] [-r REPS] [-n RUNS] [-m M] [-k K] [-b N] [--types LIST] [--no-build] [--no-tbo] [--llama-build DIR]" >&2; exit 2; }
 while [ $# -gt 0 ]; do
   case "$1" in
     -t) threads=$2; shift 2 ;;
@@ -48,18 +53,20 @@ while [ $# -gt 0 ]; do
     --types) types=$2; shift 2 ;;
     --no-build) build=0; shift ;;
     --no-tbo) tbo_on=0; shift ;;
+    --llama-build) llama_build=$2; shift 2 ;;
     *) usage ;;
   esac
 done
 L="$root/target/llama.cpp"
 S="$L/src/vendor/llama.cpp"
 B="$L/build"
+if [ -n "$llama_build" ]; then B=$(cd "$llama_build" && pwd); tbo_on=0; fi
 for lib in libggml.a libggml-cpu.a libggml-base.a; do
   [ -f "$B/ggml/src/$lib" ] || { echo "gemm: missing $B/ggml/src/$lib: run scripts/build-llama-cpp.sh" >&2; exit 1; }
 done
 
 # ---- llama.cpp side: the ggml harness -------------------------------------------------------
-ref="$L/ref/ref-gemm"
+ref="$L/ref/ref-gemm-$(basename "$B")"
 refsrc="$L/ref/ref-gemm.cpp"
 mkdir -p "$L/ref"
 cat >"$refsrc.new" <<'CPP'
@@ -280,6 +287,7 @@ others=$(awk -v a="$mc0" -v b="$mc1" -v c="$cc0" -v d="$cc1" -v w0="$wall0" -v w
   'BEGIN { o = (b - a) - (d - c); if (o < 0) o = 0; w = w1 - w0; if (w <= 0) w = 1e-9;
     printf "%.1f s wall; this benchmark used %.1f CPU-s, other processes %.1f CPU-s (%.2f cores on average), hypervisor steal %.1f s", w, d - c, o, o / w, s1 - s0 }')
 
+echo "llama.cpp: $B; ternfleet kernels: $(grep -m1 -o 'kernels .*' "$log.err" 2>/dev/null || echo '?')"
 python3 - "$log" "$types" "$M" "$K" "$N" "$threads" "$reps" "$runs" "$load_before" "$load_after" "$run_tbo" "$tbo_threads" "$others" <<'PY'
 import re, statistics, sys
 log, types, M, K, N, T, reps, runs, lb, la, run_tbo, tbo_t, others = sys.argv[1:]

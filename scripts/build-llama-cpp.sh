@@ -8,21 +8,28 @@
 # With --rpc it builds, in the separate dir target/llama.cpp/build-rpc with the same instruction
 # sets plus -DGGML_RPC=ON, only ggml-rpc-server and llama-bench (the baseline of
 # benches/cluster-vs-llama-rpc.sh); the default build is left as it is.
+# With --avx2 it builds, in target/llama.cpp/build-avx2, only the ggml libraries (what
+# benches/gemm-vs-llama-cpp.sh --llama-build links) with AVX2/FMA/F16C and no AVX-512: the
+# reference for ternfleet's AVX2 kernels (TERNFLEET_KERNELS=avx2) on a machine that has AVX-512.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir="$root/target/llama.cpp"
 bin="$dir/build/bin"
-source_only=0 rpc=0
+source_only=0 rpc=0 avx2=0
 case "${1:-}" in
   --source-only) source_only=1 ;;
   --rpc) rpc=1 ;;
+  --avx2) avx2=1 ;;
   "") ;;
-  *) echo "usage: $0 [--source-only | --rpc]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--source-only | --rpc | --avx2]" >&2; exit 2 ;;
 esac
+if [ "$avx2" = 1 ] && [ -f "$dir/build-avx2/ggml/src/libggml-cpu.a" ]; then
+  echo "llama.cpp (AVX2): $dir/build-avx2"; exit 0
+fi
 if [ "$rpc" = 1 ] && [ -x "$dir/build-rpc/bin/ggml-rpc-server" ] && [ -x "$dir/build-rpc/bin/llama-bench" ]; then
   echo "llama.cpp (RPC): $dir/build-rpc/bin"; exit 0
 fi
-if [ "$source_only" = 0 ] && [ "$rpc" = 0 ] && [ -x "$bin/llama-simple" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/test-backend-ops" ] && [ -x "$bin/llama-batched-bench" ] && [ -x "$bin/llama-server" ]; then
+if [ "$source_only" = 0 ] && [ "$rpc" = 0 ] && [ "$avx2" = 0 ] && [ -x "$bin/llama-simple" ] && [ -x "$bin/llama-bench" ] && [ -x "$bin/test-backend-ops" ] && [ -x "$bin/llama-batched-bench" ] && [ -x "$bin/llama-server" ]; then
   echo "llama.cpp: $bin"; exit 0
 fi
 mkdir -p "$dir"
@@ -48,6 +55,16 @@ if [ "$(has avx512f)$(has avx512bw)$(has avx512vl)$(has avx512dq)$(has avx512_vn
 isa="-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=$avx512"
 if [ "$avx512" = ON ]; then
   isa="$isa -DGGML_AVX512_VNNI=ON -DGGML_AVX512_VBMI=$(has avx512vbmi) -DGGML_AVX512_BF16=$(has avx512_bf16)"
+fi
+if [ "$avx2" = 1 ]; then
+  echo "llama.cpp: building the ggml libraries for AVX2/FMA/F16C, no AVX-512" >&2
+  cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/build-avx2" -DCMAKE_BUILD_TYPE=Release \
+    -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
+    -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+    -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
+  cmake --build "$dir/build-avx2" -j"$(nproc)" --target ggml ggml-cpu ggml-base 2>&1 | tail -n 3
+  echo "llama.cpp (AVX2): $dir/build-avx2"; exit 0
 fi
 echo "llama.cpp: building for $isa (no AMX, no AVX-VNNI)" >&2
 if [ "$rpc" = 1 ]; then

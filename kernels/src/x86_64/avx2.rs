@@ -275,6 +275,8 @@ unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         drive!(g, out, tile_legacy, 1, 1, KIND);
     } else if g.ntok == 1 {
         drive!(g, out, tile_legacy, 4, 1, KIND);
+    } else if KIND == Q8_0 || KIND == Q5_0 {
+        drive!(g, out, tile_signed, 4, 6, KIND);
     } else {
         drive!(g, out, tile_legacy, 2, 4, KIND);
     }
@@ -305,9 +307,201 @@ unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok == 1 {
-        drive!(g, out, tile_float, 4, 1, KIND);
+        drive!(g, out, tile_float, 4, 1, KIND, KIND);
+    } else if KIND == F32 {
+        drive!(g, out, tile_float, 2, 4, F32, F32);
     } else {
-        drive!(g, out, tile_float, 2, 4, KIND);
+        // SAFETY: as this function's contract, `KIND` f16 or bf16, ntok > 1.
+        unsafe { float_gemm::<KIND>(g, out) };
+    }
+}
+
+/// Columns per K chunk of [`float_block`]: a row tile's widened chunk (4 · 512 f32, 8 KiB)
+/// stays in L1 while every token tile of the block passes over it.
+const FKC: usize = 512;
+
+/// Bytes of widened (f32) activations per token block of [`float_gemm`]: 24 tokens at 14336
+/// columns, which stay in L2 while every row tile of the call passes over them. (Intel
+/// Sapphire Rapids, 2 threads, 4096 × 14336 × 512, f16 / bf16 ms by tokens per block: 6:
+/// 496 / 505, 12: 405 / 406, 18: 375 / 380, 24: 375 / 376, 30: 377 / 385; not measured on a
+/// CPU with a smaller L2, e.g. AMD Zen 3's 512 KiB.)
+const WIDE_BLOCK: usize = 3 << 19;
+
+/// f16 / bf16 GEMM (more tokens), no conversion in the inner loop: the activations widened to
+/// f32 one token block of [`WIDE_BLOCK`] bytes at a time, each row tile's weights widened once
+/// per K chunk of [`FKC`] columns into an L1 buffer, and a 4 rows × 3 tokens register tile
+/// (tinyBLAS's AVX2 tile) of 12 FMAs per 7 loads — where converting both sides in the loop, as
+/// tinyBLAS and [`tile_float`] do, costs 7 conversions per 12 FMAs (on Intel one port-0 µop
+/// each, beside the FMAs' ports 0 and 1). The 12 accumulators go to a per-row-tile buffer
+/// between chunks. Each (row, token) still has one 8-lane accumulator over all columns in
+/// order, then the scalar tail: the bits of [`tile_float`].
+///
+/// # Safety
+/// As [`run_legacy`], `KIND` f16 or bf16.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    let n = g.cols;
+    let tb = ((WIDE_BLOCK / (4 * n.max(1))).max(3) / 3 * 3).min(g.ntok);
+    super::with_scratch(2, tb * n, |wa: &mut [f32]| {
+        let mut t0 = 0;
+        while t0 < g.ntok {
+            let t1 = (t0 + tb).min(g.ntok);
+            for t in t0..t1 {
+                let dst = &mut wa[(t - t0) * n..(t - t0 + 1) * n];
+                // SAFETY: token t < ntok has `n` values of `KIND` at its offset.
+                unsafe { widen::<KIND>(g.a.as_ptr().add(t * g.a_stride), dst) };
+            }
+            let sub = Gemm {
+                a: super::f32_bytes(&wa[..(t1 - t0) * n]),
+                a_stride: 4 * n,
+                ntok: t1 - t0,
+                ..*g
+            };
+            // SAFETY: as this function's contract, the block's activations widened to f32.
+            unsafe { float_block::<KIND, F32>(&sub, &mut out[t0 * g.nrows..t1 * g.nrows]) };
+            t0 = t1;
+        }
+    });
+}
+
+/// Every row × token of `g` (one token block).
+///
+/// # Safety
+/// As [`float_gemm`]; activations of `KA` (`KIND` or f32).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn float_block<const KIND: u8, const KA: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+    const R: usize = 4;
+    const T: usize = 3;
+    let n = g.cols;
+    let n8 = n / 8 * 8;
+    let tb = g.ntok;
+    super::with_scratch(0, R * FKC, |wide: &mut [f32]| {
+        super::with_scratch(1, R * tb, |accs: &mut [__m256]| {
+            let mut r0 = 0;
+            while r0 < g.nrows {
+                let nr = (g.nrows - r0).min(R);
+                accs.fill(_mm256_setzero_ps());
+                let mut c0 = 0;
+                while c0 < n8 {
+                    let c1 = (c0 + FKC).min(n8);
+                    for r in 0..nr {
+                        // SAFETY: row r0 + r < nrows has `n` values; c1 <= n8 <= n.
+                        unsafe {
+                            widen::<KIND>(
+                                g.w.as_ptr().add((r0 + r) * g.w_stride + 2 * c0),
+                                &mut wide[r * FKC..r * FKC + (c1 - c0)],
+                            )
+                        };
+                    }
+                    let mut t = 0;
+                    while t < tb {
+                        let nt = (tb - t).min(T);
+                        // SAFETY: rows r0..r0+nr, tokens t..t+nt, columns c0..c1 of `g`;
+                        // `wide` holds the rows' chunk, `accs` the tile's accumulators.
+                        unsafe {
+                            match (nr, nt) {
+                                (4, 3) => float_micro::<4, 3, KA>(g, wide, accs, t, c0, c1),
+                                (4, 2) => float_micro::<4, 2, KA>(g, wide, accs, t, c0, c1),
+                                (4, _) => float_micro::<4, 1, KA>(g, wide, accs, t, c0, c1),
+                                (3, 3) => float_micro::<3, 3, KA>(g, wide, accs, t, c0, c1),
+                                (3, 2) => float_micro::<3, 2, KA>(g, wide, accs, t, c0, c1),
+                                (3, _) => float_micro::<3, 1, KA>(g, wide, accs, t, c0, c1),
+                                (2, 3) => float_micro::<2, 3, KA>(g, wide, accs, t, c0, c1),
+                                (2, 2) => float_micro::<2, 2, KA>(g, wide, accs, t, c0, c1),
+                                (2, _) => float_micro::<2, 1, KA>(g, wide, accs, t, c0, c1),
+                                (_, 3) => float_micro::<1, 3, KA>(g, wide, accs, t, c0, c1),
+                                (_, 2) => float_micro::<1, 2, KA>(g, wide, accs, t, c0, c1),
+                                _ => float_micro::<1, 1, KA>(g, wide, accs, t, c0, c1),
+                            }
+                        }
+                        t += nt;
+                    }
+                    c0 = c1;
+                }
+                let asz = if KA == F32 { 4 } else { 2 };
+                for r in 0..nr {
+                    let row = r0 + r;
+                    for t in 0..tb {
+                        let mut s = 0f32;
+                        // SAFETY: columns n8..n of row `row` and token `t`.
+                        unsafe {
+                            for j in n8..n {
+                                let w =
+                                    load_one::<KIND>(g.w.as_ptr().add(row * g.w_stride + 2 * j));
+                                let a = load_one::<KA>(g.a.as_ptr().add(t * g.a_stride + asz * j));
+                                s += w * a;
+                            }
+                        }
+                        out[t * g.nrows + row] = hsum(accs[r * tb + t]) + s;
+                    }
+                }
+                r0 += nr;
+            }
+        })
+    });
+}
+
+/// Rows `0..RR` of the widened chunk (`wide`, row `r` at `r · FKC`) × tokens `t..t+TT` over
+/// columns `c0..c1`: accumulators `accs[r · ntok + t]` loaded, stepped 8 columns at a time,
+/// stored back.
+///
+/// # Safety
+/// AVX2, FMA, F16C; tokens `t..t+TT` of `g` have columns `c0..c1` (multiples of 8 apart) of
+/// `KA`; `wide` holds `RR` rows of `c1 - c0` values; `accs` the tile's entries.
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn float_micro<const RR: usize, const TT: usize, const KA: u8>(
+    g: &Gemm<'_>,
+    wide: &[f32],
+    accs: &mut [__m256],
+    t: usize,
+    c0: usize,
+    c1: usize,
+) {
+    let tb = g.ntok;
+    let asz = if KA == F32 { 4 } else { 2 };
+    let mut acc: [[__m256; TT]; RR] =
+        core::array::from_fn(|r| core::array::from_fn(|k| accs[r * tb + t + k]));
+    // SAFETY (whole body): as the contract.
+    unsafe {
+        let a: [*const u8; TT] =
+            core::array::from_fn(|k| g.a.as_ptr().add((t + k) * g.a_stride + asz * c0));
+        let mut i = 0;
+        while c0 + i < c1 {
+            let av: [__m256; TT] = core::array::from_fn(|k| load_f::<KA>(a[k].add(asz * i)));
+            for r in 0..RR {
+                let w = _mm256_loadu_ps(wide.as_ptr().add(r * FKC + i));
+                for k in 0..TT {
+                    acc[r][k] = _mm256_fmadd_ps(w, av[k], acc[r][k]);
+                }
+            }
+            i += 8;
+        }
+    }
+    for r in 0..RR {
+        for k in 0..TT {
+            accs[r * tb + t + k] = acc[r][k];
+        }
+    }
+}
+
+/// `dst[i]` = value `i` of the `KIND` (f16 or bf16) row at `src`, as f32.
+///
+/// # Safety
+/// AVX2, FMA, F16C; `dst.len()` values readable at `src`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn widen<const KIND: u8>(src: *const u8, dst: &mut [f32]) {
+    let n = dst.len();
+    let mut i = 0;
+    // SAFETY (whole body): elements below `n` of both.
+    unsafe {
+        while i + 8 <= n {
+            _mm256_storeu_ps(dst.as_mut_ptr().add(i), load_f::<KIND>(src.add(2 * i)));
+            i += 8;
+        }
+        for (j, d) in dst.iter_mut().enumerate().skip(i) {
+            *d = load_one::<KIND>(src.add(2 * j));
+        }
     }
 }
 
@@ -488,6 +682,71 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
         } else {
             store(g, r0, t0, &acc, out);
         }
+    }
+}
+
+/// Rows `r0..r0+R` (R ≤ 4) × tokens `t0..t0+T` of a q8_0 or q5_0 matmul, in
+/// `scalar::vec_dot_legacy`'s order as [`tile_legacy`], with both operands signed (q5_0's
+/// codes made values by `- 16`) through ggml's `abs`/`sign` trick, and the scale products of a
+/// block made one vector per token: the R rows' f16 scales converted together, times the
+/// token's, each row's lane spread by one in-lane permute (llama.cpp's AVX2 tinyBLAS `gemm4xN`
+/// does the same). Per (row, token, block): sign, `vpmaddubsw`, `vpmaddwd`, convert, FMA —
+/// one multiply fewer than [`tile_legacy`], which also multiplies the two scales there.
+///
+/// # Safety
+/// As [`tile_legacy`], with `R <= 4`.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(R <= 4 && (KIND == Q8_0 || KIND == Q5_0));
+    let nb = g.cols / QK;
+    let bs = legacy_block_bytes(KIND);
+    let off = _mm256_set1_epi8(legacy_offset(KIND) as i8);
+    let ones = _mm256_set1_epi16(1);
+    let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // SAFETY (whole body): offsets within rows r0..r0+R / tokens t0..t0+T (nb blocks each)
+    // and side-table indices below `g.ntok * nb`.
+    unsafe {
+        for b in 0..nb {
+            let mut w = [_mm256_setzero_si256(); R];
+            let mut dh = [0i16; 8];
+            for r in 0..R {
+                let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * bs);
+                w[r] = if KIND == Q8_0 {
+                    unpack_legacy::<KIND>(wp)
+                } else {
+                    _mm256_sub_epi8(unpack_legacy::<KIND>(wp), off)
+                };
+                dh[r] = wp.cast::<i16>().read_unaligned();
+            }
+            let aw: [__m256i; R] = core::array::from_fn(|r| _mm256_sign_epi8(w[r], w[r]));
+            let dw = _mm_cvtph_ps(_mm_loadu_si128(dh.as_ptr().cast()));
+            for t in 0..T {
+                let i = (t0 + t) * nb + b;
+                let av =
+                    _mm256_loadu_si256(g.a.as_ptr().add((t0 + t) * g.a_stride + b * 34 + 2).cast());
+                let d = _mm_mul_ps(dw, _mm_set1_ps(*g.a_scales.as_ptr().add(i)));
+                let d = _mm256_set_m128(d, d);
+                for r in 0..R {
+                    let dr = match r {
+                        0 => _mm256_permute_ps::<0x00>(d),
+                        1 => _mm256_permute_ps::<0x55>(d),
+                        2 => _mm256_permute_ps::<0xAA>(d),
+                        _ => _mm256_permute_ps::<0xFF>(d),
+                    };
+                    let p = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(aw[r], _mm256_sign_epi8(av, w[r])),
+                        ones,
+                    );
+                    acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), dr, acc[r][t]);
+                }
+            }
+        }
+        store(g, r0, t0, &acc, out);
     }
 }
 
@@ -742,18 +1001,20 @@ unsafe fn load_one<const KIND: u8>(p: *const u8) -> f32 {
     }
 }
 
-/// Rows `r0..r0+R` × tokens `t0..t0+T` of a float matmul.
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of a float matmul: weights of `KIND`, activations of
+/// `KA` (`KIND`'s own, or f32 widened from them).
 ///
 /// # Safety
 /// As [`tile_legacy`].
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8>(
+unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8, const KA: u8>(
     g: &Gemm<'_>,
     r0: usize,
     t0: usize,
     out: &mut [f32],
 ) {
     let esz = if KIND == F32 { 4 } else { 2 };
+    let asz = if KA == F32 { 4 } else { 2 };
     let n = g.cols;
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     // SAFETY (whole body): element offsets below `n` within validated rows and tokens.
@@ -762,7 +1023,7 @@ unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8>(
         while i + 8 <= n {
             let mut av = [_mm256_setzero_ps(); T];
             for t in 0..T {
-                av[t] = load_f::<KIND>(g.a.as_ptr().add((t0 + t) * g.a_stride + i * esz));
+                av[t] = load_f::<KA>(g.a.as_ptr().add((t0 + t) * g.a_stride + i * asz));
             }
             for r in 0..R {
                 let w = load_f::<KIND>(g.w.as_ptr().add((r0 + r) * g.w_stride + i * esz));
@@ -778,7 +1039,7 @@ unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8>(
                 let mut s = 0f32;
                 for j in i..n {
                     let w = load_one::<KIND>(g.w.as_ptr().add((r0 + r) * g.w_stride + j * esz));
-                    let a = load_one::<KIND>(g.a.as_ptr().add((t0 + t) * g.a_stride + j * esz));
+                    let a = load_one::<KA>(g.a.as_ptr().add((t0 + t) * g.a_stride + j * asz));
                     s += w * a;
                 }
                 *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) += s;

@@ -11,7 +11,7 @@ use super::avx512q::{run_k, run_legacy};
 use super::drive;
 use super::legacy_min::run_legacy_min;
 use super::tern_avx512::run_tern;
-use super::{BF16, F16, F32, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
+use super::{BF16, F16, F32, FLOAT_BLOCK, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 use super::{TF1, TF2, TQ1_0, TQ2_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
 use crate::matmul::Gemm;
@@ -282,7 +282,7 @@ unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                     unsafe { widen_f16(src, dst) };
                 }
                 let sub = Gemm {
-                    a: bytemuck_f32(&wide[..(t1 - t0) * g.cols]),
+                    a: super::f32_bytes(&wide[..(t1 - t0) * g.cols]),
                     a_stride: 4 * g.cols,
                     ntok: t1 - t0,
                     ..*g
@@ -311,12 +311,6 @@ unsafe fn widen_f16(src: &[f16], dst: &mut [f32]) {
     });
 }
 
-/// The bytes of `v`.
-fn bytemuck_f32(v: &[f32]) -> &[u8] {
-    // SAFETY: f32 has no padding and any alignment suits u8; same memory, same lifetime.
-    unsafe { core::slice::from_raw_parts(v.as_ptr().cast(), core::mem::size_of_val(v)) }
-}
-
 /// bf16 through `vdpbf16ps`.
 ///
 /// # Safety
@@ -325,10 +319,6 @@ fn bytemuck_f32(v: &[f32]) -> &[u8] {
 unsafe fn run_bf16_dp(g: &Gemm<'_>, out: &mut [f32]) {
     drive!(@ FLOAT_BLOCK, g, out, tile_bf16_dp, 4, 6);
 }
-
-/// Activation bytes per token block of the float GEMMs (tinyBLAS's ~72 tokens of 14336 f16
-/// values): the block sits in L3 while every row tile of the call streams past it.
-const FLOAT_BLOCK: usize = 2 << 20;
 
 /// Reduce and write the tile's results.
 ///

@@ -9,7 +9,8 @@
 //!   rows are reduced horizontally together, so one vector holds a block's sums for every row
 //!   and one FMA takes the step for all of them (rows in lanes, as ggml's repacked layout has
 //!   them, without repacking the weights). AVX2: 8 rows per tile, the i8 products by ggml's
-//!   `abs`/`sign` trick. AVX-512: 16 rows, two per 512-bit register, the codes as unsigned
+//!   `abs`/`sign` trick (q4_0 from 16 tokens: the tokens-in-lanes GEMM of `nl_lanes2`).
+//!   AVX-512: 16 rows, two per 512-bit register, the codes as unsigned
 //!   `value + 128` through `vpdpbusd` with the lanes started at `-128·Σa`.
 //! - IQ4_XS: llama.cpp's `ggml_vec_dot_iq4_xs_q8_K` lanes (values `4l..4l+4` of each 32-value
 //!   sub-block times the sub-block's scale) in `KOrder::Lanes8`, their exact sum in
@@ -159,7 +160,12 @@ macro_rules! drive_nl {
 /// g.nrows` and weights of kind `KIND` (q4_0 or IQ4_NL).
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run_nl<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    drive_nl!(g, out, nl_tile8, 8, KIND);
+    if KIND == Q4_0 && g.ntok >= super::nl_lanes2::MIN_TOKENS {
+        // SAFETY: as this function's contract, with q4_0 weights.
+        unsafe { super::nl_lanes2::gemm(g, 0, g.ntok, out) };
+    } else {
+        drive_nl!(g, out, nl_tile8, 8, KIND);
+    }
 }
 
 /// Rows `r0..r0+n` (n ≤ 8) × tokens `t0..t0+T`, AVX2.

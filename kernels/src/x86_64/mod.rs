@@ -13,6 +13,7 @@ mod kq_lanes2;
 mod lanes8;
 mod legacy_min;
 mod nl_lanes;
+mod nl_lanes2;
 mod q2k;
 mod q3k;
 mod quant_avx2;
@@ -99,6 +100,16 @@ macro_rules! grid_entries {
 }
 pub(crate) use grid_entries;
 
+/// Activation bytes per token block of the float GEMMs (tinyBLAS's ~72 tokens of 14336 f16
+/// values): the block sits in L3 while every row tile of the call streams past it.
+pub(crate) const FLOAT_BLOCK: usize = 2 << 20;
+
+/// The bytes of `v`.
+pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
+    // SAFETY: f32 has no padding and any alignment suits u8; same memory, same lifetime.
+    unsafe { core::slice::from_raw_parts(v.as_ptr().cast(), core::mem::size_of_val(v)) }
+}
+
 /// Plain data: every bit pattern of its size is a valid value (SIMD vectors, floats, integers,
 /// and arrays / structs of them), so a scratch buffer may hand out stale bytes as one.
 ///
@@ -111,6 +122,8 @@ unsafe impl Pod for core::arch::x86_64::__m512i {}
 // SAFETY: as above.
 unsafe impl Pod for core::arch::x86_64::__m512 {}
 // SAFETY: as above.
+unsafe impl Pod for core::arch::x86_64::__m256 {}
+// SAFETY: as above.
 unsafe impl Pod for f32 {}
 // SAFETY: arrays of plain data are plain data.
 unsafe impl<T: Pod, const N: usize> Pod for [T; N] {}
@@ -122,13 +135,19 @@ use crate::matmul::Line;
 const SCRATCH_KEEP: usize = 4 << 20;
 
 std::thread_local! {
-    /// Two buffers per thread (prepared activations, unpacked weights), reused across calls so
-    /// a matmul allocates (and page-faults) only when it needs more room than any before it.
-    static SCRATCH: [std::cell::RefCell<Vec<Line>>; 2] =
-        const { [std::cell::RefCell::new(Vec::new()), std::cell::RefCell::new(Vec::new())] };
+    /// Three buffers per thread (prepared activations, unpacked weights, accumulators), reused
+    /// across calls so a matmul allocates (and page-faults) only when it needs more room than
+    /// any before it.
+    static SCRATCH: [std::cell::RefCell<Vec<Line>>; 3] = const {
+        [
+            std::cell::RefCell::new(Vec::new()),
+            std::cell::RefCell::new(Vec::new()),
+            std::cell::RefCell::new(Vec::new()),
+        ]
+    };
 }
 
-/// Runs `f` on `len` values of `T` from this thread's scratch buffer `slot` (0 or 1). The values
+/// Runs `f` on `len` values of `T` from this thread's scratch buffer `slot` (0, 1 or 2). The values
 /// are unspecified (whatever an earlier call left): `f` must write before it reads.
 pub(crate) fn with_scratch<T: Pod, R>(slot: usize, len: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
     fn view<T: Pod>(v: &mut Vec<Line>, len: usize) -> &mut [T] {
