@@ -14,7 +14,10 @@
 # every barrier: on 2 shared cores under load, its -t 2 tg128 read 4.5 to 23 t/s while -t 1 read 50.
 # The script prints the load before and after; trust only runs on an otherwise idle machine.
 #
-# usage: [TERNFLEET=bin] benches/compare-llama-cpp.sh [-m MODEL] [-t THREADS] [-r REPS] [--no-build]
+# usage: [TERNFLEET=bin] [LLAMA_BIN=dir] benches/compare-llama-cpp.sh [-m MODEL] [-t THREADS]
+#          [-r REPS] [--no-build]
+#   LLAMA_BIN: another llama.cpp build's bin/ (e.g. the AVX2-only one of
+#   scripts/build-llama-cpp.sh --avx2, beside TERNFLEET_KERNELS=avx2)
 #   defaults: -m models/gemma-3-270m-q4_k_m.gguf -t 2 -r 3
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -33,7 +36,7 @@ while [ $# -gt 0 ]; do
 done
 [ -f "$model" ] || { echo "compare: no model at $model (scripts/fetch-model.sh fetches Gemma 3 270M)" >&2; exit 1; }
 
-bin="$root/target/llama.cpp/build/bin"
+bin="${LLAMA_BIN:-$root/target/llama.cpp/build/bin}"
 tf="${TERNFLEET:-$root/target/release/ternfleet}"  # TERNFLEET=path overrides the binary
 if [ "$build" = 1 ]; then
   "$root/scripts/build-llama-cpp.sh" >&2 || true

@@ -66,7 +66,7 @@ for lib in libggml.a libggml-cpu.a libggml-base.a; do
 done
 
 # ---- llama.cpp side: the ggml harness -------------------------------------------------------
-ref="$L/ref/ref-gemm-$(basename "$B")"
+ref="$L/ref/ref-gemm-$(printf %s "$B" | md5sum | cut -c1-8)"  # one harness per llama.cpp build
 refsrc="$L/ref/ref-gemm.cpp"
 mkdir -p "$L/ref"
 cat >"$refsrc.new" <<'CPP'
@@ -287,7 +287,7 @@ others=$(awk -v a="$mc0" -v b="$mc1" -v c="$cc0" -v d="$cc1" -v w0="$wall0" -v w
   'BEGIN { o = (b - a) - (d - c); if (o < 0) o = 0; w = w1 - w0; if (w <= 0) w = 1e-9;
     printf "%.1f s wall; this benchmark used %.1f CPU-s, other processes %.1f CPU-s (%.2f cores on average), hypervisor steal %.1f s", w, d - c, o, o / w, s1 - s0 }')
 
-echo "llama.cpp: $B; ternfleet kernels: $(grep -m1 -o 'kernels .*' "$log.err" 2>/dev/null || echo '?')"
+echo "llama.cpp: $B; ternfleet kernels: $(sed -n 's/^gemm_bench: kernels //p' "$log.err" 2>/dev/null | head -n 1)"
 python3 - "$log" "$types" "$M" "$K" "$N" "$threads" "$reps" "$runs" "$load_before" "$load_after" "$run_tbo" "$tbo_threads" "$others" <<'PY'
 import re, statistics, sys
 log, types, M, K, N, T, reps, runs, lb, la, run_tbo, tbo_t, others = sys.argv[1:]

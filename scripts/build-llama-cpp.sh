@@ -8,9 +8,11 @@
 # With --rpc it builds, in the separate dir target/llama.cpp/build-rpc with the same instruction
 # sets plus -DGGML_RPC=ON, only ggml-rpc-server and llama-bench (the baseline of
 # benches/cluster-vs-llama-rpc.sh); the default build is left as it is.
-# With --avx2 it builds, in target/llama.cpp/build-avx2, only the ggml libraries (what
-# benches/gemm-vs-llama-cpp.sh --llama-build links) with AVX2/FMA/F16C and no AVX-512: the
-# reference for ternfleet's AVX2 kernels (TERNFLEET_KERNELS=avx2) on a machine that has AVX-512.
+# With --avx2 it builds, in target/llama.cpp/build-avx2, the ggml libraries (what
+# benches/gemm-vs-llama-cpp.sh --llama-build links), llama-bench and llama-simple with
+# AVX2/FMA/F16C and no AVX-512: the reference for ternfleet's AVX2 kernels
+# (TERNFLEET_KERNELS=avx2) on a machine that has AVX-512 (benches/compare-llama-cpp.sh takes it
+# as LLAMA_BIN=target/llama.cpp/build-avx2/bin).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 dir="$root/target/llama.cpp"
@@ -23,7 +25,8 @@ case "${1:-}" in
   "") ;;
   *) echo "usage: $0 [--source-only | --rpc | --avx2]" >&2; exit 2 ;;
 esac
-if [ "$avx2" = 1 ] && [ -f "$dir/build-avx2/ggml/src/libggml-cpu.a" ]; then
+if [ "$avx2" = 1 ] && [ -f "$dir/build-avx2/ggml/src/libggml-cpu.a" ] && [ -x "$dir/build-avx2/bin/llama-bench" ] \
+  && [ -x "$dir/build-avx2/bin/llama-simple" ]; then
   echo "llama.cpp (AVX2): $dir/build-avx2"; exit 0
 fi
 if [ "$rpc" = 1 ] && [ -x "$dir/build-rpc/bin/ggml-rpc-server" ] && [ -x "$dir/build-rpc/bin/llama-bench" ]; then
@@ -61,9 +64,10 @@ if [ "$avx2" = 1 ]; then
   cmake -S "$dir/src/vendor/llama.cpp" -B "$dir/build-avx2" -DCMAKE_BUILD_TYPE=Release \
     -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=OFF \
     -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
-    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON \
     -DLLAMA_BUILD_SERVER=OFF -DBUILD_SHARED_LIBS=OFF >/dev/null
-  cmake --build "$dir/build-avx2" -j"$(nproc)" --target ggml ggml-cpu ggml-base 2>&1 | tail -n 3
+  cmake --build "$dir/build-avx2" -j"$(nproc)" --target ggml ggml-cpu ggml-base llama-bench \
+    llama-simple 2>&1 | tail -n 3
   echo "llama.cpp (AVX2): $dir/build-avx2"; exit 0
 fi
 echo "llama.cpp: building for $isa (no AMX, no AVX-VNNI)" >&2

@@ -91,33 +91,36 @@ fn batched_matmuls_on_many_rows_match_scalar() {
     assert!(checked > 100_000, "only {checked} comparisons ran");
 }
 
-/// The largest codes every k-quant (and q4_0, q5_0, q8_0) can hold against activations at
-/// q8_K's (q8_0's) extremes (every value of a block at the block's maximum magnitude: all -127,
-/// or a leading -127 then 127s):
+/// The largest codes every k-quant (and q4_0, q5_0, q8_0: the largest and the most negative)
+/// can hold against activations at their extremes (every value of a block at the block's
+/// maximum magnitude: all -127; or q8_K a leading -127 then 127s, q8_0 a leading 127 then
+/// -127s):
 /// the sums the SIMD kernels keep in 16-bit lanes (AVX2's `vpmaddubsw` pair sums, added up
 /// over several quads) are at their extremes, so a chunk one quad too long overflows and
 /// differs from the scalar reference. (The chunks are sized for -128, which `quantize_for`
 /// never writes.)
 #[test]
-fn k_quant_matmuls_at_extreme_codes_match_scalar() {
+fn quant_matmuls_at_extreme_codes_match_scalar() {
     // (type, bytes per block, offsets of its f16 scales, the code bytes: every bit set, or
     // q8_0's -127)
-    let kinds: [(GgmlType, usize, &[usize], u8); 8] = [
+    let kinds: [(GgmlType, usize, &[usize], u8); 11] = [
         (GgmlType::Q2_K, 84, &[80, 82], 0xFF),
         (GgmlType::Q3_K, 110, &[108], 0xFF),
         (GgmlType::Q4_K, 144, &[0, 2], 0xFF),
         (GgmlType::Q5_K, 176, &[0, 2], 0xFF),
         (GgmlType::Q6_K, 210, &[208], 0xFF),
         (GgmlType::Q4_0, 18, &[0], 0xFF),
+        (GgmlType::Q4_0, 18, &[0], 0x00),
         (GgmlType::Q5_0, 22, &[0], 0xFF),
+        (GgmlType::Q5_0, 22, &[0], 0x00),
         (GgmlType::Q8_0, 34, &[0], 0x81),
+        (GgmlType::Q8_0, 34, &[0], 0x80),
     ];
     let (rows, cols) = (7usize, 512usize);
     let mut checked = 0usize;
     for (ty, bs, scales, fill) in kinds {
         // Every code bit set; q6_K's scales (0xFF = -1) and q3_K's stay as all-ones bytes give.
-        let per_block = if bs > 34 { 256 } else { 32 };
-        let mut w = vec![fill; rows * cols / per_block * bs];
+        let mut w = vec![fill; rows * cols / ty.block_size() * bs];
         for blk in w.chunks_exact_mut(bs) {
             for &o in scales {
                 blk[o..o + 2].copy_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
@@ -126,7 +129,8 @@ fn k_quant_matmuls_at_extreme_codes_match_scalar() {
         let m = QMatrix::new(ty, rows, cols, &w).unwrap();
         for first in [-1.0f32, 1.0] {
             for n in [1usize, 8, 16, 19, 33] {
-                // All -1: every code -127. A leading +1: -127, then 127 for the -1s.
+                // All -1: every code -127. A leading +1: q8_K -127, then 127 for the -1s;
+                // q8_0 127, then -127s.
                 let x: Vec<f32> = (0..n * cols)
                     .map(|i| if i % 256 == 0 { first } else { -1.0 })
                     .collect();

@@ -14,7 +14,9 @@ const NS: [usize; 11] = [1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17];
 /// and rows longer than the AVX-512 GEMV/GEMM column chunks.
 fn cols_for(ty: GgmlType) -> &'static [usize] {
     match ty.block_size() {
-        1 => &[1, 7, 16, 33, 200],
+        // 1100: several K chunks of the AVX2 f16/bf16 GEMM with a ragged tail; 27000: its
+        // token blocks shorter than the largest batch here.
+        1 => &[1, 7, 16, 33, 200, 1100, 27000],
         32 => &[32, 96, 640, 4160],
         128 => &[128, 640],
         // 4352: longer than the rows the k-quant GEMV runs one at a time.

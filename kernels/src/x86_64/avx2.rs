@@ -307,9 +307,9 @@ unsafe fn run_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     if g.ntok == 1 {
-        drive!(g, out, tile_float, 4, 1, KIND, KIND);
+        drive!(g, out, tile_float, 4, 1, KIND);
     } else if KIND == F32 {
-        drive!(g, out, tile_float, 2, 4, F32, F32);
+        drive!(g, out, tile_float, 2, 4, F32);
     } else {
         // SAFETY: as this function's contract, `KIND` f16 or bf16, ntok > 1.
         unsafe { float_gemm::<KIND>(g, out) };
@@ -320,19 +320,19 @@ unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// stays in L1 while every token tile of the block passes over it.
 const FKC: usize = 512;
 
-/// Bytes of widened (f32) activations per token block of [`float_gemm`]: 24 tokens at 14336
+/// Bytes of widened (f32) activations per token block of [`float_gemm`]: 27 tokens at 14336
 /// columns, which stay in L2 while every row tile of the call passes over them. (Intel
 /// Sapphire Rapids, 2 threads, 4096 × 14336 × 512, f16 / bf16 ms by tokens per block: 6:
-/// 496 / 505, 12: 405 / 406, 18: 375 / 380, 24: 375 / 376, 30: 377 / 385; not measured on a
-/// CPU with a smaller L2, e.g. AMD Zen 3's 512 KiB.)
+/// 496 / 505, 12: 405 / 406, 18: 375 / 380, 24: 375 / 376, 27: 387 / 396, 30: 377 / 385; not
+/// measured on a CPU with a smaller L2, e.g. AMD Zen 3's 512 KiB.)
 const WIDE_BLOCK: usize = 3 << 19;
 
 /// f16 / bf16 GEMM (more tokens), no conversion in the inner loop: the activations widened to
 /// f32 one token block of [`WIDE_BLOCK`] bytes at a time, each row tile's weights widened once
 /// per K chunk of [`FKC`] columns into an L1 buffer, and a 4 rows × 3 tokens register tile
-/// (tinyBLAS's AVX2 tile) of 12 FMAs per 7 loads — where converting both sides in the loop, as
-/// tinyBLAS and [`tile_float`] do, costs 7 conversions per 12 FMAs (on Intel one port-0 µop
-/// each, beside the FMAs' ports 0 and 1). The 12 accumulators go to a per-row-tile buffer
+/// (tinyBLAS's AVX2 tile) of 12 FMAs per 7 loads — where converting both sides in the loop
+/// costs tinyBLAS's 4 × 3 tile 7 conversions per 12 FMAs and [`tile_float`]'s 2 × 4 6 per 8
+/// (on Intel one port-0 µop each, beside the FMAs' ports 0 and 1). The 12 accumulators go to a per-row-tile buffer
 /// between chunks. Each (row, token) still has one 8-lane accumulator over all columns in
 /// order, then the scalar tail: the bits of [`tile_float`].
 ///
@@ -358,7 +358,7 @@ unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                 ..*g
             };
             // SAFETY: as this function's contract, the block's activations widened to f32.
-            unsafe { float_block::<KIND, F32>(&sub, &mut out[t0 * g.nrows..t1 * g.nrows]) };
+            unsafe { float_block::<KIND>(&sub, &mut out[t0 * g.nrows..t1 * g.nrows]) };
             t0 = t1;
         }
     });
@@ -367,9 +367,9 @@ unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// Every row × token of `g` (one token block).
 ///
 /// # Safety
-/// As [`float_gemm`]; activations of `KA` (`KIND` or f32).
+/// As [`float_gemm`], with f32 activations (widened).
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn float_block<const KIND: u8, const KA: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+unsafe fn float_block<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     const R: usize = 4;
     const T: usize = 3;
     let n = g.cols;
@@ -400,25 +400,24 @@ unsafe fn float_block<const KIND: u8, const KA: u8>(g: &Gemm<'_>, out: &mut [f32
                         // `wide` holds the rows' chunk, `accs` the tile's accumulators.
                         unsafe {
                             match (nr, nt) {
-                                (4, 3) => float_micro::<4, 3, KA>(g, wide, accs, t, c0, c1),
-                                (4, 2) => float_micro::<4, 2, KA>(g, wide, accs, t, c0, c1),
-                                (4, _) => float_micro::<4, 1, KA>(g, wide, accs, t, c0, c1),
-                                (3, 3) => float_micro::<3, 3, KA>(g, wide, accs, t, c0, c1),
-                                (3, 2) => float_micro::<3, 2, KA>(g, wide, accs, t, c0, c1),
-                                (3, _) => float_micro::<3, 1, KA>(g, wide, accs, t, c0, c1),
-                                (2, 3) => float_micro::<2, 3, KA>(g, wide, accs, t, c0, c1),
-                                (2, 2) => float_micro::<2, 2, KA>(g, wide, accs, t, c0, c1),
-                                (2, _) => float_micro::<2, 1, KA>(g, wide, accs, t, c0, c1),
-                                (_, 3) => float_micro::<1, 3, KA>(g, wide, accs, t, c0, c1),
-                                (_, 2) => float_micro::<1, 2, KA>(g, wide, accs, t, c0, c1),
-                                _ => float_micro::<1, 1, KA>(g, wide, accs, t, c0, c1),
+                                (4, 3) => float_micro::<4, 3>(g, wide, accs, t, c0, c1),
+                                (4, 2) => float_micro::<4, 2>(g, wide, accs, t, c0, c1),
+                                (4, _) => float_micro::<4, 1>(g, wide, accs, t, c0, c1),
+                                (3, 3) => float_micro::<3, 3>(g, wide, accs, t, c0, c1),
+                                (3, 2) => float_micro::<3, 2>(g, wide, accs, t, c0, c1),
+                                (3, _) => float_micro::<3, 1>(g, wide, accs, t, c0, c1),
+                                (2, 3) => float_micro::<2, 3>(g, wide, accs, t, c0, c1),
+                                (2, 2) => float_micro::<2, 2>(g, wide, accs, t, c0, c1),
+                                (2, _) => float_micro::<2, 1>(g, wide, accs, t, c0, c1),
+                                (_, 3) => float_micro::<1, 3>(g, wide, accs, t, c0, c1),
+                                (_, 2) => float_micro::<1, 2>(g, wide, accs, t, c0, c1),
+                                _ => float_micro::<1, 1>(g, wide, accs, t, c0, c1),
                             }
                         }
                         t += nt;
                     }
                     c0 = c1;
                 }
-                let asz = if KA == F32 { 4 } else { 2 };
                 for r in 0..nr {
                     let row = r0 + r;
                     for t in 0..tb {
@@ -428,7 +427,8 @@ unsafe fn float_block<const KIND: u8, const KA: u8>(g: &Gemm<'_>, out: &mut [f32
                             for j in n8..n {
                                 let w =
                                     load_one::<KIND>(g.w.as_ptr().add(row * g.w_stride + 2 * j));
-                                let a = load_one::<KA>(g.a.as_ptr().add(t * g.a_stride + asz * j));
+                                let a = g.a.as_ptr().add(t * g.a_stride + 4 * j);
+                                let a = a.cast::<f32>().read_unaligned();
                                 s += w * a;
                             }
                         }
@@ -447,10 +447,10 @@ unsafe fn float_block<const KIND: u8, const KA: u8>(g: &Gemm<'_>, out: &mut [f32
 ///
 /// # Safety
 /// AVX2, FMA, F16C; tokens `t..t+TT` of `g` have columns `c0..c1` (multiples of 8 apart) of
-/// `KA`; `wide` holds `RR` rows of `c1 - c0` values; `accs` the tile's entries.
+/// f32; `wide` holds `RR` rows of `c1 - c0` values; `accs` the tile's entries.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn float_micro<const RR: usize, const TT: usize, const KA: u8>(
+unsafe fn float_micro<const RR: usize, const TT: usize>(
     g: &Gemm<'_>,
     wide: &[f32],
     accs: &mut [__m256],
@@ -459,16 +459,16 @@ unsafe fn float_micro<const RR: usize, const TT: usize, const KA: u8>(
     c1: usize,
 ) {
     let tb = g.ntok;
-    let asz = if KA == F32 { 4 } else { 2 };
     let mut acc: [[__m256; TT]; RR] =
         core::array::from_fn(|r| core::array::from_fn(|k| accs[r * tb + t + k]));
     // SAFETY (whole body): as the contract.
     unsafe {
         let a: [*const u8; TT] =
-            core::array::from_fn(|k| g.a.as_ptr().add((t + k) * g.a_stride + asz * c0));
+            core::array::from_fn(|k| g.a.as_ptr().add((t + k) * g.a_stride + 4 * c0));
         let mut i = 0;
         while c0 + i < c1 {
-            let av: [__m256; TT] = core::array::from_fn(|k| load_f::<KA>(a[k].add(asz * i)));
+            let av: [__m256; TT] =
+                core::array::from_fn(|k| _mm256_loadu_ps(a[k].add(4 * i).cast()));
             for r in 0..RR {
                 let w = _mm256_loadu_ps(wide.as_ptr().add(r * FKC + i));
                 for k in 0..TT {
@@ -692,6 +692,8 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
 /// token's, each row's lane spread by one in-lane permute (llama.cpp's AVX2 tinyBLAS `gemm4xN`
 /// does the same). Per (row, token, block): sign, `vpmaddubsw`, `vpmaddwd`, convert, FMA —
 /// one multiply fewer than [`tile_legacy`], which also multiplies the two scales there.
+/// Exact for activation codes in `-127..=127`, all that q8_0 quantization writes (`sign`
+/// cannot negate -128; ggml's AVX2 q5_0 / q8_0 dot products share the limit).
 ///
 /// # Safety
 /// As [`tile_legacy`], with `R <= 4`.
@@ -702,7 +704,8 @@ unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
     t0: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(R <= 4 && (KIND == Q8_0 || KIND == Q5_0));
+    const { assert!(R <= 4) };
+    debug_assert!(KIND == Q8_0 || KIND == Q5_0);
     let nb = g.cols / QK;
     let bs = legacy_block_bytes(KIND);
     let off = _mm256_set1_epi8(legacy_offset(KIND) as i8);
@@ -1001,20 +1004,18 @@ unsafe fn load_one<const KIND: u8>(p: *const u8) -> f32 {
     }
 }
 
-/// Rows `r0..r0+R` × tokens `t0..t0+T` of a float matmul: weights of `KIND`, activations of
-/// `KA` (`KIND`'s own, or f32 widened from them).
+/// Rows `r0..r0+R` × tokens `t0..t0+T` of a float matmul.
 ///
 /// # Safety
 /// As [`tile_legacy`].
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8, const KA: u8>(
+unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8>(
     g: &Gemm<'_>,
     r0: usize,
     t0: usize,
     out: &mut [f32],
 ) {
     let esz = if KIND == F32 { 4 } else { 2 };
-    let asz = if KA == F32 { 4 } else { 2 };
     let n = g.cols;
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     // SAFETY (whole body): element offsets below `n` within validated rows and tokens.
@@ -1023,7 +1024,7 @@ unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8, const KA: u
         while i + 8 <= n {
             let mut av = [_mm256_setzero_ps(); T];
             for t in 0..T {
-                av[t] = load_f::<KA>(g.a.as_ptr().add((t0 + t) * g.a_stride + i * asz));
+                av[t] = load_f::<KIND>(g.a.as_ptr().add((t0 + t) * g.a_stride + i * esz));
             }
             for r in 0..R {
                 let w = load_f::<KIND>(g.w.as_ptr().add((r0 + r) * g.w_stride + i * esz));
@@ -1039,7 +1040,7 @@ unsafe fn tile_float<const R: usize, const T: usize, const KIND: u8, const KA: u
                 let mut s = 0f32;
                 for j in i..n {
                     let w = load_one::<KIND>(g.w.as_ptr().add((r0 + r) * g.w_stride + j * esz));
-                    let a = load_one::<KA>(g.a.as_ptr().add((t0 + t) * g.a_stride + j * asz));
+                    let a = load_one::<KIND>(g.a.as_ptr().add((t0 + t) * g.a_stride + j * esz));
                     s += w * a;
                 }
                 *out.get_unchecked_mut((t0 + t) * g.nrows + r0 + r) += s;

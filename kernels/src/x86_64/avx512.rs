@@ -11,7 +11,7 @@ use super::avx512q::{run_k, run_legacy};
 use super::drive;
 use super::legacy_min::run_legacy_min;
 use super::tern_avx512::run_tern;
-use super::{BF16, F16, F32, FLOAT_BLOCK, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
+use super::{BF16, F16, F32, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 use super::{TF1, TF2, TQ1_0, TQ2_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
 use crate::matmul::Gemm;
@@ -310,6 +310,10 @@ unsafe fn widen_f16(src: &[f16], dst: &mut [f32]) {
         _mm512_mask_storeu_ps(dst.as_mut_ptr().add(i), m, v);
     });
 }
+
+/// Activation bytes per token block of the float GEMMs (tinyBLAS's ~72 tokens of 14336 f16
+/// values): the block sits in L3 while every row tile of the call streams past it.
+const FLOAT_BLOCK: usize = 2 << 20;
 
 /// bf16 through `vdpbf16ps`.
 ///

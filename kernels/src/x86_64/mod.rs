@@ -100,10 +100,6 @@ macro_rules! grid_entries {
 }
 pub(crate) use grid_entries;
 
-/// Activation bytes per token block of the float GEMMs (tinyBLAS's ~72 tokens of 14336 f16
-/// values): the block sits in L3 while every row tile of the call streams past it.
-pub(crate) const FLOAT_BLOCK: usize = 2 << 20;
-
 /// The bytes of `v`.
 pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding and any alignment suits u8; same memory, same lifetime.
@@ -135,9 +131,10 @@ use crate::matmul::Line;
 const SCRATCH_KEEP: usize = 4 << 20;
 
 std::thread_local! {
-    /// Three buffers per thread (prepared activations, unpacked weights, accumulators), reused
-    /// across calls so a matmul allocates (and page-faults) only when it needs more room than
-    /// any before it.
+    /// Three buffers per thread (prepared activations, unpacked weights or accumulators, and a
+    /// third where a kernel needs one more, e.g. the AVX2 float GEMM's widened activations),
+    /// reused across calls so a matmul allocates (and page-faults) only when it needs more
+    /// room than any before it.
     static SCRATCH: [std::cell::RefCell<Vec<Line>>; 3] = const {
         [
             std::cell::RefCell::new(Vec::new()),
