@@ -392,8 +392,18 @@ fn a_newer_placement_is_followed_a_drained_node_gets_no_call_and_comes_back() {
         "{:?}",
         s.model.experts.health()
     );
-    // Recommissioned: n1 is called again.
+    // Recommissioned: n1 is called again. The follower takes the placement on its own
+    // thread: wait for it (a step before then still sees the gap and fails unavailable, as it
+    // should; seen on a loaded machine).
     feed.send((4, s.plan.clone())).unwrap();
+    let t = Instant::now();
+    while s.model.experts.health() != Health::Ready {
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the recommission was not taken"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let t = Instant::now();
     let before = served(0);
     while served(0) == before {

@@ -332,9 +332,9 @@ const WIDE_BLOCK: usize = 3 << 19;
 /// per K chunk of [`FKC`] columns into an L1 buffer, and a 4 rows × 3 tokens register tile
 /// (tinyBLAS's AVX2 tile) of 12 FMAs per 7 loads — where converting both sides in the loop
 /// costs tinyBLAS's 4 × 3 tile 7 conversions per 12 FMAs and [`tile_float`]'s 2 × 4 6 per 8
-/// (on Intel one port-0 µop each, beside the FMAs' ports 0 and 1). The 12 accumulators go to a per-row-tile buffer
-/// between chunks. Each (row, token) still has one 8-lane accumulator over all columns in
-/// order, then the scalar tail: the bits of [`tile_float`].
+/// (on Intel one port-0 µop each, beside the FMAs' ports 0 and 1). The 12 accumulators go to
+/// a per-row-tile buffer between chunks. Each (row, token) still has one 8-lane accumulator
+/// over all columns in order, then the scalar tail: the bits of [`tile_float`].
 ///
 /// # Safety
 /// As [`run_legacy`], `KIND` f16 or bf16.

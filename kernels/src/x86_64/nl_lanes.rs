@@ -136,6 +136,34 @@ pub(super) unsafe fn gemm<const KIND: u8>(g: &Gemm<'_>, t0: usize, t1: usize, ou
     });
 }
 
+/// Block `k` of the q8_0 activations of tokens `ts..ts + n` (`n <= L`), tokens in lanes: quad
+/// `q` (values `4q..4q+4`) of token `t` in `codes[q][t]`, `bias · Σ` of its 32 values in
+/// `neg[t]`, its f32 scale in `d[t]`; lanes from `n` on zero. The rearranging step of this
+/// GEMM and of its AVX2 twin (`nl_lanes2`), once per band and block.
+pub(super) fn gather<const L: usize>(
+    g: &Gemm<'_>,
+    ts: usize,
+    n: usize,
+    k: usize,
+    bias: i32,
+) -> ([[u32; L]; 8], [i32; L], [f32; L]) {
+    let nb = g.cols / QK;
+    let mut codes = [[0u32; L]; 8];
+    let mut neg = [0i32; L];
+    let mut d = [0f32; L];
+    for t in 0..n {
+        let at = (ts + t) * g.a_stride + k * 34 + 2;
+        let mut s = 0i32;
+        for (c, w) in codes.iter_mut().zip(g.a[at..at + 32].chunks_exact(4)) {
+            c[t] = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
+            s += w.iter().map(|&b| b as i8 as i32).sum::<i32>();
+        }
+        neg[t] = bias * s;
+        d[t] = g.a_scales[(ts + t) * nb + k];
+    }
+    (codes, neg, d)
+}
+
 /// Rearranges blocks `k0..k1` of groups `b0..b1` (tokens from `t0`, up to `t1`) into
 /// `acts[(gi - b0) · KC + (k - k0)]`; lanes past `t1` are zero.
 ///
@@ -153,32 +181,11 @@ unsafe fn prep(
     k1: usize,
     acts: &mut [ActB],
 ) {
-    let nb = g.cols / QK;
     for gi in b0..b1 {
         let ts = t0 + gi * LANES;
         let n = (t1 - ts).min(LANES);
         for k in k0..k1 {
-            let mut codes = [[0u32; LANES]; 8];
-            let mut neg = [0i32; LANES];
-            let mut d = [0f32; LANES];
-            for t in 0..n {
-                // SAFETY: token ts + t < t1 <= ntok, block k < nb: 34 bytes, codes at 2.
-                let q = unsafe {
-                    g.a.as_ptr()
-                        .add((ts + t) * g.a_stride + k * 34 + 2)
-                        .cast::<[u32; 8]>()
-                        .read_unaligned()
-                };
-                let mut s = 0i32;
-                for (c, w) in codes.iter_mut().zip(q) {
-                    c[t] = w;
-                    for byte in w.to_le_bytes() {
-                        s += byte as i8 as i32;
-                    }
-                }
-                neg[t] = -128 * s;
-                d[t] = g.a_scales[(ts + t) * nb + k];
-            }
+            let (codes, neg, d) = gather::<LANES>(g, ts, n, k, -128);
             let blk = &mut acts[(gi - b0) * KC + (k - k0)];
             // SAFETY: each array is 64 bytes.
             unsafe {

@@ -42,9 +42,8 @@ const G: usize = 2;
 /// From this many tokens on, `iq4::run_nl` takes this GEMM for q4_0.
 pub(super) const MIN_TOKENS: usize = 16;
 
-/// Bytes of a q4_0 block and of a q8_0 block.
+/// Bytes of a q4_0 block.
 const Q4_0_B: usize = 18;
-const Q8_0_B: usize = 34;
 
 /// One group of 8 tokens at one block, rearranged.
 #[derive(Clone, Copy)]
@@ -153,32 +152,11 @@ unsafe fn prep(
     k1: usize,
     acts: &mut [ActB],
 ) {
-    let nb = g.cols / QK;
     for gi in b0..b1 {
         let ts = t0 + gi * LANES;
         let n = (t1 - ts).min(LANES);
         for k in k0..k1 {
-            let mut codes = [[0u32; LANES]; 8];
-            let mut neg = [0i32; LANES];
-            let mut d = [0f32; LANES];
-            for t in 0..n {
-                // SAFETY: token ts + t < t1 <= ntok, block k < nb: 34 bytes, codes at 2.
-                let q = unsafe {
-                    g.a.as_ptr()
-                        .add((ts + t) * g.a_stride + k * Q8_0_B + 2)
-                        .cast::<[u32; 8]>()
-                        .read_unaligned()
-                };
-                let mut s = 0i32;
-                for (c, w) in codes.iter_mut().zip(q) {
-                    c[t] = w;
-                    for byte in w.to_le_bytes() {
-                        s += byte as i8 as i32;
-                    }
-                }
-                neg[t] = -8 * s;
-                d[t] = g.a_scales[(ts + t) * nb + k];
-            }
+            let (codes, neg, d) = super::nl_lanes::gather::<LANES>(g, ts, n, k, -8);
             let blk = &mut acts[(gi - b0) * KC + (k - k0)];
             // SAFETY: each array is 32 bytes.
             unsafe {
