@@ -74,6 +74,9 @@ pub const QK_TF: usize = 128;
 pub const QK_K: usize = 256;
 /// Block size of the legacy quants (ggml-common.h `QK4_0`, `QK5_0`, `QK8_0`).
 pub const QK: usize = 32;
+/// Bytes of a q8_K block, the k-quants' activations (ggml-common.h `block_q8_K`: f32 `d`,
+/// 256 i8 codes, 16 i16 `bsums`).
+pub(crate) const Q8_K_BYTES: usize = 4 + QK_K + 2 * (QK_K / 16);
 
 impl GgmlType {
     /// Every type in the registry: ggml's, then ternfleet's.
@@ -299,6 +302,7 @@ mod tests {
         assert_eq!(GgmlType::Q5_K.type_size(), 176);
         assert_eq!(GgmlType::Q6_K.type_size(), 210);
         assert_eq!(GgmlType::Q8_K.type_size(), 292);
+        assert_eq!(Q8_K_BYTES, 292);
         assert_eq!(GgmlType::Q2_K.type_size(), 84);
         assert_eq!(GgmlType::Q3_K.type_size(), 110);
         assert_eq!(GgmlType::TQ1_0.type_size(), 54);

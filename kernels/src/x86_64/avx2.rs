@@ -17,7 +17,7 @@ use super::{BF16, F16, F32, Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0};
 use super::{TF1, TF2, TQ1_0, TQ2_0};
 use crate::dispatch::{Isa, Kernels, MatmulFn};
 use crate::matmul::Gemm;
-use crate::quant::{GgmlType, QK, QK_K};
+use crate::quant::{GgmlType, Q8_K_BYTES, QK, QK_K};
 use crate::scalar::{token_order, KOrder};
 use core::arch::x86_64::*;
 use half::f16;
@@ -342,7 +342,7 @@ const WIDE_BLOCK: usize = 3 << 19;
 unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let n = g.cols;
     let tb = ((WIDE_BLOCK / (4 * n.max(1))).max(3) / 3 * 3).min(g.ntok);
-    super::with_scratch(2, tb * n, |wa: &mut [f32]| {
+    super::with_scratch(0, tb * n, |wa: &mut [f32]| {
         let mut t0 = 0;
         while t0 < g.ntok {
             let t1 = (t0 + tb).min(g.ntok);
@@ -375,69 +375,71 @@ unsafe fn float_block<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let n = g.cols;
     let n8 = n / 8 * 8;
     let tb = g.ntok;
-    super::with_scratch(0, R * FKC, |wide: &mut [f32]| {
-        super::with_scratch(1, R * tb, |accs: &mut [__m256]| {
-            let mut r0 = 0;
-            while r0 < g.nrows {
-                let nr = (g.nrows - r0).min(R);
-                accs.fill(_mm256_setzero_ps());
-                let mut c0 = 0;
-                while c0 < n8 {
-                    let c1 = (c0 + FKC).min(n8);
-                    for r in 0..nr {
-                        // SAFETY: row r0 + r < nrows has `n` values; c1 <= n8 <= n.
-                        unsafe {
-                            widen::<KIND>(
-                                g.w.as_ptr().add((r0 + r) * g.w_stride + 2 * c0),
-                                &mut wide[r * FKC..r * FKC + (c1 - c0)],
-                            )
-                        };
-                    }
-                    let mut t = 0;
-                    while t < tb {
-                        let nt = (tb - t).min(T);
-                        // SAFETY: rows r0..r0+nr, tokens t..t+nt, columns c0..c1 of `g`;
-                        // `wide` holds the rows' chunk, `accs` the tile's accumulators.
-                        unsafe {
-                            match (nr, nt) {
-                                (4, 3) => float_micro::<4, 3>(g, wide, accs, t, c0, c1),
-                                (4, 2) => float_micro::<4, 2>(g, wide, accs, t, c0, c1),
-                                (4, _) => float_micro::<4, 1>(g, wide, accs, t, c0, c1),
-                                (3, 3) => float_micro::<3, 3>(g, wide, accs, t, c0, c1),
-                                (3, 2) => float_micro::<3, 2>(g, wide, accs, t, c0, c1),
-                                (3, _) => float_micro::<3, 1>(g, wide, accs, t, c0, c1),
-                                (2, 3) => float_micro::<2, 3>(g, wide, accs, t, c0, c1),
-                                (2, 2) => float_micro::<2, 2>(g, wide, accs, t, c0, c1),
-                                (2, _) => float_micro::<2, 1>(g, wide, accs, t, c0, c1),
-                                (_, 3) => float_micro::<1, 3>(g, wide, accs, t, c0, c1),
-                                (_, 2) => float_micro::<1, 2>(g, wide, accs, t, c0, c1),
-                                _ => float_micro::<1, 1>(g, wide, accs, t, c0, c1),
-                            }
-                        }
-                        t += nt;
-                    }
-                    c0 = c1;
-                }
+    // A cache line aligned buffer, so the micro-kernel's 32-byte loads never straddle two.
+    #[repr(C, align(64))]
+    struct Wide([f32; R * FKC]);
+    let mut wide = Wide([0f32; R * FKC]);
+    let wide = &mut wide.0;
+    super::with_scratch(1, R * tb, |accs: &mut [__m256]| {
+        let mut r0 = 0;
+        while r0 < g.nrows {
+            let nr = (g.nrows - r0).min(R);
+            accs.fill(_mm256_setzero_ps());
+            let mut c0 = 0;
+            while c0 < n8 {
+                let c1 = (c0 + FKC).min(n8);
                 for r in 0..nr {
-                    let row = r0 + r;
-                    for t in 0..tb {
-                        let mut s = 0f32;
-                        // SAFETY: columns n8..n of row `row` and token `t`.
-                        unsafe {
-                            for j in n8..n {
-                                let w =
-                                    load_one::<KIND>(g.w.as_ptr().add(row * g.w_stride + 2 * j));
-                                let a = g.a.as_ptr().add(t * g.a_stride + 4 * j);
-                                let a = a.cast::<f32>().read_unaligned();
-                                s += w * a;
-                            }
-                        }
-                        out[t * g.nrows + row] = hsum(accs[r * tb + t]) + s;
-                    }
+                    // SAFETY: row r0 + r < nrows has `n` values; c1 <= n8 <= n.
+                    unsafe {
+                        widen::<KIND>(
+                            g.w.as_ptr().add((r0 + r) * g.w_stride + 2 * c0),
+                            &mut wide[r * FKC..r * FKC + (c1 - c0)],
+                        )
+                    };
                 }
-                r0 += nr;
+                let mut t = 0;
+                while t < tb {
+                    let nt = (tb - t).min(T);
+                    // SAFETY: rows r0..r0+nr, tokens t..t+nt, columns c0..c1 of `g`;
+                    // `wide` holds the rows' chunk, `accs` the tile's accumulators.
+                    unsafe {
+                        match (nr, nt) {
+                            (4, 3) => float_micro::<4, 3>(g, wide, accs, t, c0, c1),
+                            (4, 2) => float_micro::<4, 2>(g, wide, accs, t, c0, c1),
+                            (4, _) => float_micro::<4, 1>(g, wide, accs, t, c0, c1),
+                            (3, 3) => float_micro::<3, 3>(g, wide, accs, t, c0, c1),
+                            (3, 2) => float_micro::<3, 2>(g, wide, accs, t, c0, c1),
+                            (3, _) => float_micro::<3, 1>(g, wide, accs, t, c0, c1),
+                            (2, 3) => float_micro::<2, 3>(g, wide, accs, t, c0, c1),
+                            (2, 2) => float_micro::<2, 2>(g, wide, accs, t, c0, c1),
+                            (2, _) => float_micro::<2, 1>(g, wide, accs, t, c0, c1),
+                            (_, 3) => float_micro::<1, 3>(g, wide, accs, t, c0, c1),
+                            (_, 2) => float_micro::<1, 2>(g, wide, accs, t, c0, c1),
+                            _ => float_micro::<1, 1>(g, wide, accs, t, c0, c1),
+                        }
+                    }
+                    t += nt;
+                }
+                c0 = c1;
             }
-        })
+            for r in 0..nr {
+                let row = r0 + r;
+                for t in 0..tb {
+                    let mut s = 0f32;
+                    // SAFETY: columns n8..n of row `row` and token `t`.
+                    unsafe {
+                        for j in n8..n {
+                            let w = load_one::<KIND>(g.w.as_ptr().add(row * g.w_stride + 2 * j));
+                            let a = g.a.as_ptr().add(t * g.a_stride + 4 * j);
+                            let a = a.cast::<f32>().read_unaligned();
+                            s += w * a;
+                        }
+                    }
+                    out[t * g.nrows + row] = hsum(accs[r * tb + t]) + s;
+                }
+            }
+            r0 += nr;
+        }
     });
 }
 
@@ -708,6 +710,7 @@ unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
     debug_assert!(KIND == Q8_0 || KIND == Q5_0);
     let nb = g.cols / QK;
     let bs = legacy_block_bytes(KIND);
+    let (abs, aoff) = legacy_act(KIND);
     let off = _mm256_set1_epi8(legacy_offset(KIND) as i8);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
@@ -730,8 +733,8 @@ unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
             let dw = _mm_cvtph_ps(_mm_loadu_si128(dh.as_ptr().cast()));
             for t in 0..T {
                 let i = (t0 + t) * nb + b;
-                let av =
-                    _mm256_loadu_si256(g.a.as_ptr().add((t0 + t) * g.a_stride + b * 34 + 2).cast());
+                let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * abs + aoff);
+                let av = _mm256_loadu_si256(ap.cast());
                 let d = _mm_mul_ps(dw, _mm_set1_ps(*g.a_scales.as_ptr().add(i)));
                 let d = _mm256_set_m128(d, d);
                 for r in 0..R {
@@ -787,7 +790,7 @@ unsafe fn tile_k<const R: usize, const T: usize, const KIND: u8>(
         for sb in 0..nsb {
             let mut ap = [core::ptr::null::<u8>(); T];
             for t in 0..T {
-                ap[t] = g.a.as_ptr().add((t0 + t) * g.a_stride + sb * 292);
+                ap[t] = g.a.as_ptr().add((t0 + t) * g.a_stride + sb * Q8_K_BYTES);
             }
             for r in 0..R {
                 let p = g.w.as_ptr().add((r0 + r) * g.w_stride + sb * wbs);

@@ -311,10 +311,6 @@ unsafe fn widen_f16(src: &[f16], dst: &mut [f32]) {
     });
 }
 
-/// Activation bytes per token block of the float GEMMs (tinyBLAS's ~72 tokens of 14336 f16
-/// values): the block sits in L3 while every row tile of the call streams past it.
-const FLOAT_BLOCK: usize = 2 << 20;
-
 /// bf16 through `vdpbf16ps`.
 ///
 /// # Safety
@@ -323,6 +319,10 @@ const FLOAT_BLOCK: usize = 2 << 20;
 unsafe fn run_bf16_dp(g: &Gemm<'_>, out: &mut [f32]) {
     drive!(@ FLOAT_BLOCK, g, out, tile_bf16_dp, 4, 6);
 }
+
+/// Activation bytes per token block of the float GEMMs (tinyBLAS's ~72 tokens of 14336 f16
+/// values): the block sits in L3 while every row tile of the call streams past it.
+const FLOAT_BLOCK: usize = 2 << 20;
 
 /// Reduce and write the tile's results.
 ///

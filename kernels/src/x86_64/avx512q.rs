@@ -36,7 +36,7 @@ use super::{k4_scales_mins, k_block_bytes, legacy_block_bytes, legacy_nibbles, l
 use super::{with_scratch, Pod};
 use super::{Q5_K, Q6_K, Q8_0};
 use crate::matmul::Gemm;
-use crate::quant::{QK, QK_K};
+use crate::quant::{Q8_K_BYTES, QK, QK_K};
 use crate::scalar::{token_order, KOrder};
 use core::arch::x86_64::*;
 
@@ -834,7 +834,7 @@ unsafe fn k_prep<const KIND: u8>(g: &Gemm<'_>, t0: usize, n: usize, sb: usize) -
     let mut da8 = [[0f32; 16]; 2];
     for t in 0..n {
         // SAFETY: token `t0 + t` and super-block `sb` lie inside the activations.
-        let p = unsafe { g.a.as_ptr().add((t0 + t) * g.a_stride + sb * 292) };
+        let p = unsafe { g.a.as_ptr().add((t0 + t) * g.a_stride + sb * Q8_K_BYTES) };
         // SAFETY: q8_K super-block: f32 d at 0, 16 i16 bsums at 4 + 256.
         let (d, bs) = unsafe {
             (
@@ -1109,7 +1109,7 @@ unsafe fn gemm_k<const KIND: u8>(
                         let n = (g.ntok - t0).min(4);
                         let a = [0, 1, 2, 3].map(|j| {
                             g.a.as_ptr()
-                                .add((t0 + j.min(n - 1)) * g.a_stride + sb * 292 + 4)
+                                .add((t0 + j.min(n - 1)) * g.a_stride + sb * Q8_K_BYTES + 4)
                         });
                         let grp = groups.get_unchecked(gi * nsb + sb);
                         let acc = accs.get_unchecked_mut(gi - g0);
@@ -1177,7 +1177,7 @@ pub(super) unsafe fn sb256_row<const KIND: u8>(g: &Gemm<'_>, r: usize) -> f32 {
     unsafe {
         let w = g.w.as_ptr().add(r * g.w_stride);
         for sb in 0..g.cols / QK_K {
-            let a = k_act(g.a.as_ptr().add(sb * 292));
+            let a = k_act(g.a.as_ptr().add(sb * Q8_K_BYTES));
             acc = sb256_step(acc, &unpack_k::<KIND>(w.add(sb * wbs)), &a);
         }
     }
@@ -1200,16 +1200,16 @@ pub(super) unsafe fn sb256_row<const KIND: u8>(g: &Gemm<'_>, r: usize) -> f32 {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let nsb = g.cols / QK_K;
-    let wbs = k_block_bytes(KIND);
-    // SAFETY (whole body): rows below `g.nrows`, super-blocks below `nsb`.
-    let tiled = token_order(g, 0) == KOrder::Tiled;
     if KIND != Q6_K && nsb <= GEMV_K_ONE_ROW_MAX_SB {
         // SAFETY: as this function's contract (q4_K / q5_K, one token).
         unsafe { super::gemv_k4::gemv::<KIND>(g, out) };
         return;
     }
+    let wbs = k_block_bytes(KIND);
+    let tiled = token_order(g, 0) == KOrder::Tiled;
+    // SAFETY (whole body): rows below `g.nrows`, super-blocks below `nsb`.
     unsafe {
-        let act = |sb: usize| k_act(g.a.as_ptr().add(sb * 292));
+        let act = |sb: usize| k_act(g.a.as_ptr().add(sb * Q8_K_BYTES));
         let mut r = 0;
         // Four rows at a time only for long rows: from DRAM on an AMD EPYC (Zen 4), one row at
         // a time (one sequential stream) ran q4_K 16384×4096 in 1.95 ms against 2.75 ms

@@ -32,7 +32,7 @@ use super::avx512q::{reduce4, sb256_row};
 use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod};
 use super::{Q4_K, Q5_K};
 use crate::matmul::Gemm;
-use crate::quant::QK_K;
+use crate::quant::{Q8_K_BYTES, QK_K};
 use core::arch::x86_64::*;
 
 /// One super-block of the token in the weights' nibble order.
@@ -148,7 +148,7 @@ unsafe fn prepare(g: &Gemm<'_>, prep: &mut [Prep]) {
     for (sb, p) in prep.iter_mut().enumerate() {
         // SAFETY (block): within super-block `sb` of the q8_K row (f32 d, 256 codes, 16 bsums).
         unsafe {
-            let y = g.a.as_ptr().add(sb * (4 + QK_K + 32));
+            let y = g.a.as_ptr().add(sb * Q8_K_BYTES);
             let q = y.add(4);
             let half = |o: usize| _mm256_loadu_si256(q.add(o).cast());
             for (t, a) in p.a.iter_mut().enumerate() {

@@ -20,12 +20,9 @@ use crate::iq_grids::{
     IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
 };
 use crate::matmul::Gemm;
-use crate::quant::QK_K;
+use crate::quant::{Q8_K_BYTES, QK_K};
 use crate::scalar::Delta;
 use core::arch::x86_64::*;
-
-/// Bytes of a q8_K super-block.
-const AB: usize = 292;
 
 /// (bytes per super-block, the factor ggml applies after the lanes / folds into `d`, how the
 /// IQ1 types' delta is summed).
@@ -481,7 +478,8 @@ macro_rules! tile_fn {
                             };
                             let sb = sub_block_with::<KIND>(wp, ib, sv, idx);
                             for t in 0..T {
-                                let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
+                                let q8 =
+                                    g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
                                 let a = _mm256_loadu_si256(q8.add(32 * ib).cast());
                                 let p =
                                     _mm256_maddubs_epi16(sb.grid, _mm256_sign_epi8(a, sb.signs));

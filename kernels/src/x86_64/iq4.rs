@@ -24,15 +24,14 @@ use super::avx512q::reduce_lanes;
 use super::lanes8::{f16_at, Chains};
 use super::{drive, IQ4_NL, Q4_0};
 use crate::matmul::Gemm;
-use crate::quant::{QK, QK_K};
+use crate::quant::{Q8_K_BYTES, QK, QK_K};
 use crate::scalar::{iq4xs_scale, Delta, KVALUES_IQ4NL};
 use core::arch::x86_64::*;
 
-/// Bytes of an IQ4_NL block, a q8_0 block, an IQ4_XS super-block and a q8_K one.
+/// Bytes of an IQ4_NL block, a q8_0 block and an IQ4_XS super-block.
 const NL_B: usize = 18;
 const Q8_0_B: usize = 34;
 const XS_B: usize = 136;
-const Q8_K_B: usize = 292;
 
 /// Tokens per IQ4_NL tile (the unpacked codes of a tile's rows serve this many tokens).
 const NL_T: usize = 4;
@@ -427,7 +426,7 @@ macro_rules! xs_tile_fn {
                             _mm256_set1_epi16((iq4xs_scale(x, c) - 32) as i16)
                         });
                         for t in 0..T {
-                            let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_B + 4);
+                            let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
                             let mut lanes = _mm256_setzero_si256();
                             for c in 0..8 {
                                 let a = _mm256_loadu_si256(q8.add(32 * c).cast());
@@ -539,7 +538,7 @@ unsafe fn xs_tile512<const R: usize, const T: usize>(
                     sc[m] = _mm512_permutexvar_epi16(sel[m], sc8);
                 }
                 for t in 0..T {
-                    let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_B + 4);
+                    let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
                     let mut lanes = _mm512_setzero_si512();
                     for m in 0..4 {
                         let a = _mm512_loadu_si512(q8.add(64 * m).cast());

@@ -28,7 +28,7 @@ use super::{k4_scales_mins, k_block_bytes, with_scratch, Pod, IQ1_M, IQ1_S, IQ2_
 use super::{IQ2_XXS, IQ3_S, IQ3_XXS, IQ4_XS};
 use super::{Q2_K, Q3_K, Q6_K};
 use crate::matmul::Gemm;
-use crate::quant::QK_K;
+use crate::quant::{Q8_K_BYTES, QK_K};
 use crate::scalar::KOrder;
 use core::arch::x86_64::*;
 
@@ -275,8 +275,8 @@ unsafe fn prep_band<const KIND: u8>(
             let mut pairs = [[0u32; LANES]; 8];
             let mut d = [0f32; LANES];
             for t in 0..n {
-                // SAFETY: token ts + t < t1 <= ntok, super-block sb < nsb: 292 bytes.
-                let p = unsafe { g.a.as_ptr().add((ts + t) * g.a_stride + sb * 292) };
+                // SAFETY: token ts + t < t1 <= ntok, super-block sb < nsb: Q8_K_BYTES.
+                let p = unsafe { g.a.as_ptr().add((ts + t) * g.a_stride + sb * Q8_K_BYTES) };
                 // SAFETY: q8_K: f32 d at 0, 256 codes at 4, 16 i16 bsums at 260.
                 let (dt, q, bs) = unsafe {
                     (

@@ -21,7 +21,7 @@
 use super::kq_lanes::{unpack_row, WRow};
 use super::{k_block_bytes, with_scratch, Pod, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K};
 use crate::matmul::Gemm;
-use crate::quant::QK_K;
+use crate::quant::{Q8_K_BYTES, QK_K};
 use crate::scalar::KOrder;
 use core::arch::x86_64::*;
 
@@ -294,8 +294,8 @@ unsafe fn prep_band(
             let mut pairs = [[0u32; LANES]; 8];
             let mut d = [0f32; LANES];
             for t in 0..n {
-                // SAFETY: token ts + t < t1 <= ntok, super-block sb < nsb: 292 bytes.
-                let p = unsafe { g.a.as_ptr().add((ts + t) * g.a_stride + sb * 292) };
+                // SAFETY: token ts + t < t1 <= ntok, super-block sb < nsb: Q8_K_BYTES.
+                let p = unsafe { g.a.as_ptr().add((ts + t) * g.a_stride + sb * Q8_K_BYTES) };
                 // SAFETY: q8_K: f32 d at 0, 256 codes at 4, 16 i16 bsums at 260.
                 let (dt, q, bs) = unsafe {
                     (

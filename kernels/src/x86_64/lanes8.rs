@@ -7,11 +7,9 @@
 
 use super::avx2::{hsum as hsum8, hsum_i32};
 use crate::matmul::Gemm;
+use crate::quant::Q8_K_BYTES;
 use crate::scalar::{token_order, Delta, KOrder};
 use core::arch::x86_64::*;
-
-/// Bytes of a q8_K super-block.
-const AB: usize = 292;
 
 /// The chains of an `R`-row × `T`-token tile.
 pub(super) struct Chains<const R: usize, const T: usize> {
@@ -53,7 +51,7 @@ impl<const R: usize, const T: usize> Chains<R, T> {
             // SAFETY: as the contract: the f32 at the start of the token's super-block.
             unsafe {
                 g.a.as_ptr()
-                    .add((t0 + t) * g.a_stride + b * AB)
+                    .add((t0 + t) * g.a_stride + b * Q8_K_BYTES)
                     .cast::<f32>()
                     .read_unaligned()
             }

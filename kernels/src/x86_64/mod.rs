@@ -131,20 +131,13 @@ use crate::matmul::Line;
 const SCRATCH_KEEP: usize = 4 << 20;
 
 std::thread_local! {
-    /// Three buffers per thread (prepared activations, unpacked weights or accumulators, and a
-    /// third where a kernel needs one more, e.g. the AVX2 float GEMM's widened activations),
-    /// reused across calls so a matmul allocates (and page-faults) only when it needs more
-    /// room than any before it.
-    static SCRATCH: [std::cell::RefCell<Vec<Line>>; 3] = const {
-        [
-            std::cell::RefCell::new(Vec::new()),
-            std::cell::RefCell::new(Vec::new()),
-            std::cell::RefCell::new(Vec::new()),
-        ]
-    };
+    /// Two buffers per thread (prepared activations, unpacked weights), reused across calls so
+    /// a matmul allocates (and page-faults) only when it needs more room than any before it.
+    static SCRATCH: [std::cell::RefCell<Vec<Line>>; 2] =
+        const { [std::cell::RefCell::new(Vec::new()), std::cell::RefCell::new(Vec::new())] };
 }
 
-/// Runs `f` on `len` values of `T` from this thread's scratch buffer `slot` (0, 1 or 2). The values
+/// Runs `f` on `len` values of `T` from this thread's scratch buffer `slot` (0 or 1). The values
 /// are unspecified (whatever an earlier call left): `f` must write before it reads.
 pub(crate) fn with_scratch<T: Pod, R>(slot: usize, len: usize, f: impl FnOnce(&mut [T]) -> R) -> R {
     fn view<T: Pod>(v: &mut Vec<Line>, len: usize) -> &mut [T] {

@@ -12,13 +12,12 @@
 use super::avx2::hsum_i32;
 use super::drive;
 use crate::matmul::Gemm;
-use crate::quant::QK_K;
+use crate::quant::{Q8_K_BYTES, QK_K};
 use crate::scalar::{token_order, KOrder};
 use core::arch::x86_64::*;
 
-/// Bytes of a q2_K super-block and of a q8_K one.
+/// Bytes of a q2_K super-block.
 const WB: usize = 84;
-const AB: usize = 292;
 
 /// `vpshufb` controls: chunk `c`'s sub-block scales, `2c` for its first 16 values and
 /// `2c + 1` for the next 16.
@@ -98,7 +97,7 @@ unsafe fn gemv512(g: &Gemm<'_>, out: &mut [f32]) {
         unsafe {
             // Pair s of super-block b: the token's chunk s in the low half, chunk 4 + s high.
             for b in 0..nb {
-                let ap = g.a.as_ptr().add(b * AB + 4);
+                let ap = g.a.as_ptr().add(b * Q8_K_BYTES + 4);
                 for s in 0..4 {
                     act[4 * b + s] = _mm512_inserti64x4::<1>(
                         _mm512_castsi256_si512(_mm256_loadu_si256(ap.add(32 * s).cast())),
@@ -112,7 +111,7 @@ unsafe fn gemv512(g: &Gemm<'_>, out: &mut [f32]) {
                 let mut acc = _mm_setzero_ps();
                 let mut acc_m = _mm_setzero_ps();
                 for b in 0..nb {
-                    let ap = g.a.as_ptr().add(b * AB);
+                    let ap = g.a.as_ptr().add(b * Q8_K_BYTES);
                     let dy = _mm_set1_ps(ap.cast::<f32>().read_unaligned());
                     let bs = _mm256_loadu_si256(ap.add(4 + QK_K).cast());
                     let mut isv = [_mm512_setzero_si512(); 4];
@@ -213,7 +212,7 @@ macro_rules! tile_fn {
                     let mut ad = [0f32; T];
                     let mut bs = [_mm256_setzero_si256(); T];
                     for t in 0..T {
-                        let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB);
+                        let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES);
                         ad[t] = ap.cast::<f32>().read_unaligned();
                         bs[t] = _mm256_loadu_si256(ap.add(4 + QK_K).cast());
                     }
@@ -239,7 +238,7 @@ macro_rules! tile_fn {
                             wp.add(82).cast::<u16>().read_unaligned() as i32,
                         )));
                         for t in 0..T {
-                            let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
+                            let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
                             // Lanes of each 128-value half: (code · a) pairs times the
                             // sub-block's scale.
                             let mut half = [_mm256_setzero_si256(); 2];

@@ -14,13 +14,12 @@
 use super::drive;
 use super::lanes8::{f16_at, Chains};
 use crate::matmul::Gemm;
-use crate::quant::QK_K;
+use crate::quant::{Q8_K_BYTES, QK_K};
 use crate::scalar::{q3k_scale_words, Delta};
 use core::arch::x86_64::*;
 
-/// Bytes of a q3_K super-block and of a q8_K one.
+/// Bytes of a q3_K super-block.
 const WB: usize = 110;
-const AB: usize = 292;
 
 /// `vpshufb` controls: in both 128-bit halves, i16 `2k` of the half in the low half's lanes
 /// and `2k + 1` in the high half's (ggml's `get_scale_shuffle_q3k`).
@@ -160,7 +159,7 @@ macro_rules! tile_fn {
                     // pair (exact: |·| <= 1016), shared by the tile's rows.
                     let mut corr = [[_mm256_setzero_si256(); 8]; T];
                     for t in 0..T {
-                        let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
+                        let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
                         for c in 0..8 {
                             let a = _mm256_loadu_si256(q8.add(32 * c).cast());
                             corr[t][c] = _mm256_maddubs_epi16(_mm256_set1_epi8(4), a);
@@ -184,7 +183,7 @@ macro_rules! tile_fn {
                             )
                         });
                         for t in 0..T {
-                            let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * AB + 4);
+                            let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
                             let mut lanes = _mm256_setzero_si256();
                             for c in 0..8 {
                                 let a = _mm256_loadu_si256(q8.add(32 * c).cast());

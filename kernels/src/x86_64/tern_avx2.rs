@@ -11,15 +11,15 @@
 use super::avx2::hsum;
 use super::{TF2, TQ1_0, TQ2_0};
 use crate::matmul::Gemm;
-use crate::quant::{QK_K, QK_TF};
+use crate::quant::{Q8_K_BYTES, QK_K, QK_TF};
 use core::arch::x86_64::*;
 
 /// Geometry of a ternary kind: (values per block, weight bytes per block, activation bytes
 /// per block, offset of the weight block's f16 scale).
 pub(super) const fn geometry(kind: u8) -> (usize, usize, usize, usize) {
     match kind {
-        TQ2_0 => (QK_K, 66, 292, 64),
-        TQ1_0 => (QK_K, 54, 292, 52),
+        TQ2_0 => (QK_K, 66, Q8_K_BYTES, 64),
+        TQ1_0 => (QK_K, 54, Q8_K_BYTES, 52),
         TF2 => (QK_TF, 34, 164, 0),
         _ => (QK_TF, 28, 164, 0),
     }
