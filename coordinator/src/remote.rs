@@ -202,7 +202,15 @@ impl RemoteExperts {
         });
         let start = Instant::now();
         let mut last_log = Instant::now() - Duration::from_secs(10);
+        // Newer placements are taken while waiting too: a coordinator that starts while the
+        // nodes are still registering gets their seeded addresses first, their bound ones
+        // in a later version.
+        let mut feed = c.follow.clone();
+        let mut version = 0;
         loop {
+            if let Some(feed) = feed.as_mut() {
+                take_newer(&inner, feed, &mut version);
+            }
             let states = inner.probe_all(Duration::from_secs(2));
             if inner.uncovered().is_none() {
                 break;
@@ -234,10 +242,10 @@ impl RemoteExperts {
         spawn_worker("node-prober", "the node prober", move || prober(weak))?;
         let weak = Arc::downgrade(&inner);
         spawn_worker("node-reports", "the node reporter", move || reporter(weak))?;
-        if let Some(feed) = c.follow.clone() {
+        if let Some(feed) = feed {
             let weak = Arc::downgrade(&inner);
             spawn_worker("placement", "the placement follower", move || {
-                follow(weak, feed)
+                follow(weak, feed, version)
             })?;
         }
         Ok(RemoteExperts {
@@ -316,8 +324,31 @@ impl Drop for RemoteExperts {
 /// (the nodes in service and what each holds).
 pub type PlacementFeed = tokio::sync::watch::Receiver<(u64, ClusterFile)>;
 
-/// Takes every newer placement from `feed` until the backend is dropped or the feed ends.
-fn follow(inner: Weak<Inner>, mut feed: PlacementFeed) {
+/// Routes with the feed's placement if it is newer than `version` (the one taken last).
+fn take_newer(inner: &Inner, feed: &mut PlacementFeed, version: &mut u64) {
+    let (v, file) = feed.borrow_and_update().clone();
+    if v == *version {
+        return;
+    }
+    match inner.update(&file) {
+        Ok(()) => {
+            *version = v;
+            tracing::info!(
+                placement_version = v,
+                nodes = file.nodes.len(),
+                "cluster: routing with placement version {v}"
+            );
+        }
+        Err(e) => tracing::error!(
+            placement_version = v,
+            "cluster: placement version {v} not taken: {e}"
+        ),
+    }
+}
+
+/// Takes every placement newer than `version` from `feed` until the backend is dropped or
+/// the feed ends.
+fn follow(inner: Weak<Inner>, mut feed: PlacementFeed, mut version: u64) {
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .build()
@@ -328,25 +359,10 @@ fn follow(inner: Weak<Inner>, mut feed: PlacementFeed) {
             return;
         }
     };
-    let mut version = 0;
     loop {
-        let (v, file) = feed.borrow_and_update().clone();
-        if v != version {
+        {
             let Some(inner) = inner.upgrade() else { return };
-            match inner.update(&file) {
-                Ok(()) => {
-                    version = v;
-                    tracing::info!(
-                        placement_version = v,
-                        nodes = file.nodes.len(),
-                        "cluster: routing with placement version {v}"
-                    );
-                }
-                Err(e) => tracing::error!(
-                    placement_version = v,
-                    "cluster: placement version {v} not taken: {e}"
-                ),
-            }
+            take_newer(&inner, &mut feed, &mut version);
         }
         let changed = rt
             .block_on(async { tokio::time::timeout(Duration::from_secs(1), feed.changed()).await });

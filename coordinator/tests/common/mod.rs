@@ -217,11 +217,21 @@ impl Server {
             line: v,
         };
         let t = Instant::now();
-        while get(&s.url, "/ready").0 != 200 {
-            assert!(
-                t.elapsed() < Duration::from_secs(120),
-                "{name}: not ready in 120 s"
-            );
+        loop {
+            let (code, body) = get(&s.url, "/ready");
+            if code == 200 {
+                break;
+            }
+            if t.elapsed() > Duration::from_secs(120) {
+                // What the server said and did: the last of its log.
+                let log = s.log_text();
+                let tail: Vec<&str> = log.lines().rev().take(60).collect();
+                let tail: Vec<&str> = tail.into_iter().rev().collect();
+                panic!(
+                    "{name}: not ready in 120 s (/ready: {code} {body})\n{}",
+                    tail.join("\n")
+                );
+            }
             std::thread::sleep(Duration::from_millis(50));
         }
         s
