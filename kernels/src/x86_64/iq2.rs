@@ -209,12 +209,15 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize, sv: __m2
     unsafe { sub_block_with::<KIND>(p, ib, sv, None) }
 }
 
-/// The four 11-bit (IQ1_S) or 10-bit (IQ2_S) grid indices of sub-block `ib`, one per 16-bit
-/// word, built by `pdep` as ggml does: the low bytes from the four index bytes, the high bits
-/// from the sub-block's bit fields. Only the AVX-512 tile calls it: every AVX-512 CPU runs
-/// `pdep` in a cycle or so, while the AVX2-only AMD Zen 1/2 microcode it (hundreds of cycles),
-/// so the AVX2 tile keeps shifts and masks. `None` for the other kinds (IQ1_M's nibbles took a
-/// mask more and measured slower: 0.91× instead of 0.95× llama.cpp on the Intel Xeon).
+/// The four 11-bit (IQ1_S, IQ1_M) or 10-bit (IQ2_S) grid indices of sub-block `ib`, one per
+/// 16-bit word, built by `pdep` as ggml does for IQ1_S: the low bytes from the four index
+/// bytes, the high bits from the sub-block's bit fields. Only the AVX-512 tile calls it: every
+/// AVX-512 CPU runs `pdep` in a cycle or so, while the AVX2-only AMD Zen 1/2 microcode it
+/// (hundreds of cycles), so the AVX2 tile keeps shifts and masks. `None` for the other kinds.
+/// IQ1_M: on an Intel Xeon (session 22) its `pdep` form measured 0.91× llama.cpp against
+/// 0.95× with shifts; on an AMD EPYC Zen 5 (session 25) it is the faster one by a fifth (the
+/// 4096 × 14336 GEMV, one thread, the two builds alternated: medians 3.05–3.33 ms against
+/// 3.48–4.84), so it is used.
 ///
 /// # Safety
 /// BMI2 available; `p` readable for one super-block of `KIND`; `ib < 8`.
@@ -230,6 +233,12 @@ pub(super) unsafe fn grid_index_pdep<const KIND: u8>(p: *const u8, ib: usize) ->
             IQ1_S => Some(
                 _pdep_u64(u32_at(2 + 4 * ib), LOW)
                     | _pdep_u64(u16_at(34 + 2 * ib), 0x0700_0700_0700_0700),
+            ),
+            // IQ1_M: nibble l of the u16 at 32 + 2ib gives index l's top three bits (its bit
+            // 3, the delta's sign, lands in bit 11, which the index mask drops).
+            IQ1_M => Some(
+                _pdep_u64(u32_at(4 * ib), LOW)
+                    | _pdep_u64(u16_at(32 + 2 * ib), 0x0F00_0F00_0F00_0F00),
             ),
             // Bits 2l, 2l + 1 of the byte at 66 + ib: index l's top two bits.
             IQ2_S => Some(
