@@ -250,3 +250,41 @@ fn numerics_only_matter_for_batch_dependent_k_quant_orders() {
         }
     }
 }
+
+/// The AVX2 f16 / bf16 GEMM's two activation feeds — widened to f32 per token block, or
+/// converted as loaded (the default on AMD CPUs) — give the same bits as each token's 1-token
+/// matmul: ragged columns, several K chunks, and several token blocks of either feed (27000
+/// columns: 12 tokens per widened block, 114 per converted one).
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_float_gemm_feeds_equal_the_one_token_matmuls() {
+    use crate::x86_64::avx2::{with_float_act, FloatAct};
+    assert!(
+        Isa::Avx2.is_available(),
+        "every x86-64 machine we test on has AVX2"
+    );
+    let mut rng = Rng(0xF16A);
+    for ty in [GgmlType::F16, GgmlType::BF16] {
+        for (cols, n) in [(1100, 17), (27000, 125)] {
+            let rows = 6;
+            let w = random_weights(ty, cols * rows, &mut rng);
+            let m = QMatrix::new(ty, rows, cols, &w).unwrap();
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+            let mut alone = Vec::with_capacity(n * rows);
+            for t in 0..n {
+                let xt = &x[t * cols..(t + 1) * cols];
+                alone.extend(run(Isa::Avx2, &m, xt, 1, 0..rows, Numerics::Parity));
+            }
+            for feed in [FloatAct::Widen, FloatAct::Convert] {
+                let got = with_float_act(feed, || {
+                    run(Isa::Avx2, &m, &x, n, 0..rows, Numerics::Parity)
+                });
+                assert_eq!(
+                    bits(&got),
+                    bits(&alone),
+                    "{ty:?} cols={cols} n={n} {feed:?}"
+                );
+            }
+        }
+    }
+}

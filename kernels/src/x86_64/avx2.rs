@@ -327,9 +327,64 @@ const FKC: usize = 512;
 /// measured on a CPU with a smaller L2, e.g. AMD Zen 3's 512 KiB.)
 const WIDE_BLOCK: usize = 3 << 19;
 
-/// f16 / bf16 GEMM (more tokens), no conversion in the inner loop: the activations widened to
-/// f32 one token block of [`WIDE_BLOCK`] bytes at a time, each row tile's weights widened once
-/// per K chunk of [`FKC`] columns into an L1 buffer, and a 4 rows × 3 tokens register tile
+/// Bytes of f16 / bf16 activations per token block when the micro-kernel converts them as it
+/// loads them ([`FloatAct::Convert`]): 6 MiB, about 216 tokens at 14336 columns, which stay in
+/// L3 while the row tiles pass over them. (AMD EPYC Zen 5, 2 threads, 4096 × 14336 × 512, f16
+/// ms by f16 bytes per block: 0.75 MiB 301, 1.5 MiB 290, 3 MiB 281, 6 MiB 277, 8 MiB 284–293,
+/// 14 MiB 360–384.)
+const CONVERT_BLOCK: usize = 6 << 20;
+
+/// How the f16 / bf16 GEMM feeds the micro-kernel its activations.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum FloatAct {
+    /// Widened to f32 per token block ([`WIDE_BLOCK`]): no conversion in the inner loop, where
+    /// Intel runs `vcvtph2ps` on port 0 beside the FMAs.
+    Widen,
+    /// Converted in the inner loop from the half-size activations ([`CONVERT_BLOCK`]), with
+    /// the next chunk's weights prefetched: AMD Zen cores run the conversions on other pipes
+    /// than the FMAs, and read half the bytes. AMD EPYC Zen 5, both engines held to AVX2, 2
+    /// threads, 4096 × 14336 × 512: f16 364 → 277 ms, bf16 367 → 292 (llama.cpp 255 / 315).
+    Convert,
+}
+
+/// [`FloatAct::Convert`] on AMD CPUs, [`FloatAct::Widen`] elsewhere (the tests run both).
+pub(crate) fn float_act() -> FloatAct {
+    #[cfg(test)]
+    if let Some(f) = FORCE_FLOAT_ACT.with(|c| c.get()) {
+        return f;
+    }
+    static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    let amd = *AMD.get_or_init(|| {
+        // CPUID leaf 0 exists on every x86-64 CPU.
+        let v = __cpuid(0);
+        // The vendor string "AuthenticAMD" in EBX, EDX, ECX.
+        (v.ebx, v.edx, v.ecx) == (0x6874_7541, 0x6974_6E65, 0x444D_4163)
+    });
+    if amd {
+        FloatAct::Convert
+    } else {
+        FloatAct::Widen
+    }
+}
+
+#[cfg(test)]
+std::thread_local! {
+    static FORCE_FLOAT_ACT: std::cell::Cell<Option<FloatAct>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with the f16 / bf16 GEMM's activation feed forced to `a` on this thread.
+#[cfg(test)]
+pub(crate) fn with_float_act<R>(a: FloatAct, f: impl FnOnce() -> R) -> R {
+    let before = FORCE_FLOAT_ACT.with(|c| c.replace(Some(a)));
+    let r = f();
+    FORCE_FLOAT_ACT.with(|c| c.set(before));
+    r
+}
+
+/// f16 / bf16 GEMM (more tokens). Each row tile's weights are widened once per K chunk of
+/// [`FKC`] columns into an L1 buffer; the activations are either widened to f32 one token
+/// block of [`WIDE_BLOCK`] bytes at a time ([`FloatAct::Widen`], no conversion in the inner
+/// loop) or converted as loaded ([`FloatAct::Convert`]); a 4 rows × 3 tokens register tile
 /// (tinyBLAS's AVX2 tile) of 12 FMAs per 7 loads — where converting both sides in the loop
 /// costs tinyBLAS's 4 × 3 tile 7 conversions per 12 FMAs and [`tile_float`]'s 2 × 4 6 per 8
 /// (on Intel one port-0 µop each, beside the FMAs' ports 0 and 1). The 12 accumulators go to
@@ -342,6 +397,23 @@ const WIDE_BLOCK: usize = 3 << 19;
 unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let n = g.cols;
     let tb = ((WIDE_BLOCK / (4 * n.max(1))).max(3) / 3 * 3).min(g.ntok);
+    if float_act() == FloatAct::Convert {
+        let tb = ((CONVERT_BLOCK / (2 * n.max(1))).max(3) / 3 * 3).min(g.ntok);
+        let mut t0 = 0;
+        while t0 < g.ntok {
+            let t1 = (t0 + tb).min(g.ntok);
+            let sub = Gemm {
+                a: &g.a[t0 * g.a_stride..],
+                ntok: t1 - t0,
+                ..*g
+            };
+            // SAFETY: as this function's contract; the block's tokens keep their `KIND`
+            // activations, which the micro-kernel converts as it loads them.
+            unsafe { float_block::<KIND, KIND>(&sub, &mut out[t0 * g.nrows..t1 * g.nrows]) };
+            t0 = t1;
+        }
+        return;
+    }
     super::with_scratch(0, tb * n, |wa: &mut [f32]| {
         let mut t0 = 0;
         while t0 < g.ntok {
@@ -358,18 +430,19 @@ unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                 ..*g
             };
             // SAFETY: as this function's contract, the block's activations widened to f32.
-            unsafe { float_block::<KIND>(&sub, &mut out[t0 * g.nrows..t1 * g.nrows]) };
+            unsafe { float_block::<KIND, F32>(&sub, &mut out[t0 * g.nrows..t1 * g.nrows]) };
             t0 = t1;
         }
     });
 }
 
-/// Every row × token of `g` (one token block).
+/// Every row × token of `g` (one token block), its activations of kind `AK`: f32 (widened)
+/// or `KIND` (converted in the micro-kernel).
 ///
 /// # Safety
-/// As [`float_gemm`], with f32 activations (widened).
+/// As [`float_gemm`], with activations of kind `AK`.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn float_block<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+unsafe fn float_block<const KIND: u8, const AK: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     const R: usize = 4;
     const T: usize = 3;
     let n = g.cols;
@@ -397,6 +470,21 @@ unsafe fn float_block<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                         )
                     };
                 }
+                if AK == KIND {
+                    // The next chunk's weights (this row tile's, or the next tile's first),
+                    // runs of 1 KiB 28 KiB apart that the hardware prefetchers do not follow
+                    // from DRAM: widening them was a fifth of the time on an AMD Zen 5.
+                    let (pr0, pc0) = if c1 < n8 { (r0, c1) } else { (r0 + R, 0) };
+                    let pc1 = (pc0 + FKC).min(n8);
+                    for r in pr0..(pr0 + R).min(g.nrows) {
+                        let base = g.w.as_ptr().wrapping_add(r * g.w_stride + 2 * pc0);
+                        let mut o = 0;
+                        while o < 2 * (pc1 - pc0) {
+                            _mm_prefetch::<_MM_HINT_T0>(base.wrapping_add(o).cast());
+                            o += 64;
+                        }
+                    }
+                }
                 let mut t = 0;
                 while t < tb {
                     let nt = (tb - t).min(T);
@@ -404,18 +492,18 @@ unsafe fn float_block<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                     // `wide` holds the rows' chunk, `accs` the tile's accumulators.
                     unsafe {
                         match (nr, nt) {
-                            (4, 3) => float_micro::<4, 3>(g, wide, accs, t, c0, c1),
-                            (4, 2) => float_micro::<4, 2>(g, wide, accs, t, c0, c1),
-                            (4, _) => float_micro::<4, 1>(g, wide, accs, t, c0, c1),
-                            (3, 3) => float_micro::<3, 3>(g, wide, accs, t, c0, c1),
-                            (3, 2) => float_micro::<3, 2>(g, wide, accs, t, c0, c1),
-                            (3, _) => float_micro::<3, 1>(g, wide, accs, t, c0, c1),
-                            (2, 3) => float_micro::<2, 3>(g, wide, accs, t, c0, c1),
-                            (2, 2) => float_micro::<2, 2>(g, wide, accs, t, c0, c1),
-                            (2, _) => float_micro::<2, 1>(g, wide, accs, t, c0, c1),
-                            (_, 3) => float_micro::<1, 3>(g, wide, accs, t, c0, c1),
-                            (_, 2) => float_micro::<1, 2>(g, wide, accs, t, c0, c1),
-                            _ => float_micro::<1, 1>(g, wide, accs, t, c0, c1),
+                            (4, 3) => float_micro::<4, 3, AK>(g, wide, accs, t, c0, c1),
+                            (4, 2) => float_micro::<4, 2, AK>(g, wide, accs, t, c0, c1),
+                            (4, _) => float_micro::<4, 1, AK>(g, wide, accs, t, c0, c1),
+                            (3, 3) => float_micro::<3, 3, AK>(g, wide, accs, t, c0, c1),
+                            (3, 2) => float_micro::<3, 2, AK>(g, wide, accs, t, c0, c1),
+                            (3, _) => float_micro::<3, 1, AK>(g, wide, accs, t, c0, c1),
+                            (2, 3) => float_micro::<2, 3, AK>(g, wide, accs, t, c0, c1),
+                            (2, 2) => float_micro::<2, 2, AK>(g, wide, accs, t, c0, c1),
+                            (2, _) => float_micro::<2, 1, AK>(g, wide, accs, t, c0, c1),
+                            (_, 3) => float_micro::<1, 3, AK>(g, wide, accs, t, c0, c1),
+                            (_, 2) => float_micro::<1, 2, AK>(g, wide, accs, t, c0, c1),
+                            _ => float_micro::<1, 1, AK>(g, wide, accs, t, c0, c1),
                         }
                     }
                     t += nt;
@@ -430,8 +518,8 @@ unsafe fn float_block<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                     unsafe {
                         for j in n8..n {
                             let w = load_one::<KIND>(g.w.as_ptr().add(row * g.w_stride + 2 * j));
-                            let a = g.a.as_ptr().add(t * g.a_stride + 4 * j);
-                            let a = a.cast::<f32>().read_unaligned();
+                            let es = if AK == F32 { 4 } else { 2 };
+                            let a = load_one::<AK>(g.a.as_ptr().add(t * g.a_stride + es * j));
                             s += w * a;
                         }
                     }
@@ -445,14 +533,15 @@ unsafe fn float_block<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 
 /// Rows `0..RR` of the widened chunk (`wide`, row `r` at `r · FKC`) × tokens `t..t+TT` over
 /// columns `c0..c1`: accumulators `accs[r · ntok + t]` loaded, stepped 8 columns at a time,
-/// stored back.
+/// stored back. Activations of kind `AK` (f32, f16 or bf16; the last two widened per load,
+/// exactly).
 ///
 /// # Safety
 /// AVX2, FMA, F16C; tokens `t..t+TT` of `g` have columns `c0..c1` (multiples of 8 apart) of
-/// f32; `wide` holds `RR` rows of `c1 - c0` values; `accs` the tile's entries.
+/// kind `AK`; `wide` holds `RR` rows of `c1 - c0` values; `accs` the tile's entries.
 #[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn float_micro<const RR: usize, const TT: usize>(
+unsafe fn float_micro<const RR: usize, const TT: usize, const AK: u8>(
     g: &Gemm<'_>,
     wide: &[f32],
     accs: &mut [__m256],
@@ -465,12 +554,22 @@ unsafe fn float_micro<const RR: usize, const TT: usize>(
         core::array::from_fn(|r| core::array::from_fn(|k| accs[r * tb + t + k]));
     // SAFETY (whole body): as the contract.
     unsafe {
+        let es = if AK == F32 { 4 } else { 2 };
         let a: [*const u8; TT] =
-            core::array::from_fn(|k| g.a.as_ptr().add((t + k) * g.a_stride + 4 * c0));
+            core::array::from_fn(|k| g.a.as_ptr().add((t + k) * g.a_stride + es * c0));
         let mut i = 0;
         while c0 + i < c1 {
-            let av: [__m256; TT] =
-                core::array::from_fn(|k| _mm256_loadu_ps(a[k].add(4 * i).cast()));
+            let av: [__m256; TT] = core::array::from_fn(|k| {
+                if AK == F32 {
+                    _mm256_loadu_ps(a[k].add(4 * i).cast())
+                } else if AK == F16 {
+                    _mm256_cvtph_ps(_mm_loadu_si128(a[k].add(2 * i).cast()))
+                } else {
+                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                        _mm_loadu_si128(a[k].add(2 * i).cast()),
+                    )))
+                }
+            });
             for r in 0..RR {
                 let w = _mm256_loadu_ps(wide.as_ptr().add(r * FKC + i));
                 for k in 0..TT {
