@@ -169,7 +169,8 @@ impl RemoteExperts {
     /// whose manifest digest is `bundle`: `n_expert` routed experts per layer,
     /// `shared[layer]` the shared experts computed here, `input_types` the dot type of each
     /// layer's experts. Waits until every expert has a ready holder (at most
-    /// `opts.load_timeout`), logging the nodes' load progress.
+    /// `opts.load_timeout`), logging the nodes' load progress and taking every newer placement
+    /// from `c.follow` meanwhile.
     pub fn connect(
         c: &crate::model::ClusterSpec,
         bundle: &str,
@@ -324,7 +325,8 @@ impl Drop for RemoteExperts {
 /// (the nodes in service and what each holds).
 pub type PlacementFeed = tokio::sync::watch::Receiver<(u64, ClusterFile)>;
 
-/// Routes with the feed's placement if it is newer than `version` (the one taken last).
+/// Routes with the feed's placement if its version is not `version` (the one taken last;
+/// versions only grow).
 fn take_newer(inner: &Inner, feed: &mut PlacementFeed, version: &mut u64) {
     let (v, file) = feed.borrow_and_update().clone();
     if v == *version {

@@ -328,7 +328,7 @@ const FKC: usize = 512;
 const WIDE_BLOCK: usize = 3 << 19;
 
 /// Bytes of f16 / bf16 activations per token block when the micro-kernel converts them as it
-/// loads them ([`FloatAct::Convert`]): 6 MiB, about 216 tokens at 14336 columns, which stay in
+/// loads them ([`FloatAct::Convert`]): 6 MiB, 219 tokens at 14336 columns, which stay in
 /// L3 while the row tiles pass over them. (AMD EPYC Zen 5, 2 threads, 4096 × 14336 × 512, f16
 /// ms by f16 bytes per block: 0.75 MiB 301, 1.5 MiB 290, 3 MiB 281, 6 MiB 277, 8 MiB 284–293,
 /// 14 MiB 360–384.)
@@ -353,14 +353,7 @@ pub(crate) fn float_act() -> FloatAct {
     if let Some(f) = FORCE_FLOAT_ACT.with(|c| c.get()) {
         return f;
     }
-    static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    let amd = *AMD.get_or_init(|| {
-        // CPUID leaf 0 exists on every x86-64 CPU.
-        let v = __cpuid(0);
-        // The vendor string "AuthenticAMD" in EBX, EDX, ECX.
-        (v.ebx, v.edx, v.ecx) == (0x6874_7541, 0x6974_6E65, 0x444D_4163)
-    });
-    if amd {
+    if super::is_amd() {
         FloatAct::Convert
     } else {
         FloatAct::Widen
@@ -396,7 +389,6 @@ pub(crate) fn with_float_act<R>(a: FloatAct, f: impl FnOnce() -> R) -> R {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let n = g.cols;
-    let tb = ((WIDE_BLOCK / (4 * n.max(1))).max(3) / 3 * 3).min(g.ntok);
     if float_act() == FloatAct::Convert {
         let tb = ((CONVERT_BLOCK / (2 * n.max(1))).max(3) / 3 * 3).min(g.ntok);
         let mut t0 = 0;
@@ -414,6 +406,7 @@ unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         }
         return;
     }
+    let tb = ((WIDE_BLOCK / (4 * n.max(1))).max(3) / 3 * 3).min(g.ntok);
     super::with_scratch(0, tb * n, |wa: &mut [f32]| {
         let mut t0 = 0;
         while t0 < g.ntok {
@@ -559,17 +552,7 @@ unsafe fn float_micro<const RR: usize, const TT: usize, const AK: u8>(
             core::array::from_fn(|k| g.a.as_ptr().add((t + k) * g.a_stride + es * c0));
         let mut i = 0;
         while c0 + i < c1 {
-            let av: [__m256; TT] = core::array::from_fn(|k| {
-                if AK == F32 {
-                    _mm256_loadu_ps(a[k].add(4 * i).cast())
-                } else if AK == F16 {
-                    _mm256_cvtph_ps(_mm_loadu_si128(a[k].add(2 * i).cast()))
-                } else {
-                    _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-                        _mm_loadu_si128(a[k].add(2 * i).cast()),
-                    )))
-                }
-            });
+            let av: [__m256; TT] = core::array::from_fn(|k| load_f::<AK>(a[k].add(es * i)));
             for r in 0..RR {
                 let w = _mm256_loadu_ps(wide.as_ptr().add(r * FKC + i));
                 for k in 0..TT {

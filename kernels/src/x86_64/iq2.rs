@@ -214,10 +214,10 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize, sv: __m2
 /// bytes, the high bits from the sub-block's bit fields. Only the AVX-512 tile calls it: every
 /// AVX-512 CPU runs `pdep` in a cycle or so, while the AVX2-only AMD Zen 1/2 microcode it
 /// (hundreds of cycles), so the AVX2 tile keeps shifts and masks. `None` for the other kinds.
-/// IQ1_M: on an Intel Xeon (session 22) its `pdep` form measured 0.91× llama.cpp against
-/// 0.95× with shifts; on an AMD EPYC Zen 5 (session 25) it is the faster one by a fifth (the
-/// 4096 × 14336 GEMV, one thread, the two builds alternated: medians 3.05–3.33 ms against
-/// 3.48–4.84), so it is used.
+/// IQ1_M's `pdep` form is used on AMD CPUs only: on an Intel Xeon (session 22) it measured
+/// 0.91× llama.cpp against 0.95× with shifts, on an AMD EPYC Zen 5 (session 25) it is the
+/// faster one by a fifth (the 4096 × 14336 GEMV, one thread, the two builds alternated:
+/// medians 3.05–3.33 ms against 3.48–4.84).
 ///
 /// # Safety
 /// BMI2 available; `p` readable for one super-block of `KIND`; `ib < 8`.
@@ -443,7 +443,14 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     if unsafe { super::kq_lanes::tiled_batch::<KIND>(g, out) } {
         return;
     }
-    if g.ntok == 1 {
+    if KIND == IQ1_M && !super::is_amd() {
+        // IQ1_M's indices by shifts off AMD ([`grid_index_pdep`]).
+        if g.ntok == 1 {
+            drive!(g, out, tile512_shifts, 4, 1, KIND);
+        } else {
+            drive!(g, out, tile512_shifts, 2, 4, KIND);
+        }
+    } else if g.ntok == 1 {
         drive!(g, out, tile512, 4, 1, KIND);
     } else {
         drive!(g, out, tile512, 2, 4, KIND);
@@ -531,3 +538,43 @@ tile_fn!(
     "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2",
     true
 );
+tile_fn!(
+    tile512_shifts,
+    "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2",
+    false
+);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// IQ1_M's grid indices by `pdep` equal the shifts' for every high-bits word and every
+    /// sub-block (the AVX-512 tile uses them on AMD CPUs only; this needs just BMI2).
+    #[test]
+    fn iq1_m_grid_indices_by_pdep_equal_the_shifts() {
+        assert!(
+            is_x86_feature_detected!("bmi2"),
+            "every x86-64 machine we test on has BMI2"
+        );
+        let mut block = [0u8; 56];
+        let mut x = 0x2545_F491u32;
+        for b in block.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 17;
+            x ^= x << 5;
+            *b = x as u8;
+        }
+        for h in 0..=u16::MAX {
+            for ib in 0..8 {
+                block[32 + 2 * ib..34 + 2 * ib].copy_from_slice(&h.to_le_bytes());
+                // SAFETY: BMI2 checked above; the block is one IQ1_M super-block, ib < 8.
+                let w = unsafe { grid_index_pdep::<IQ1_M>(block.as_ptr(), ib) }
+                    .expect("IQ1_M has a pdep form");
+                for l in 0..4 {
+                    let want = block[4 * ib + l] as u64 | ((h as u64 >> (4 * l)) & 7) << 8;
+                    assert_eq!((w >> (16 * l)) & 0x7FF, want, "h={h:#x} ib={ib} l={l}");
+                }
+            }
+        }
+    }
+}

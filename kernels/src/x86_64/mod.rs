@@ -100,6 +100,18 @@ macro_rules! grid_entries {
 }
 pub(crate) use grid_entries;
 
+/// Whether this is an AMD CPU (CPUID vendor "AuthenticAMD"), for the few choices the two
+/// vendors' cores want made differently (`avx2::float_act`, IQ1_M's grid indices in `iq2`).
+pub(crate) fn is_amd() -> bool {
+    static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *AMD.get_or_init(|| {
+        // CPUID leaf 0 exists on every x86-64 CPU.
+        let v = core::arch::x86_64::__cpuid(0);
+        // The vendor string "AuthenticAMD" in EBX, EDX, ECX.
+        (v.ebx, v.edx, v.ecx) == (0x6874_7541, 0x6974_6E65, 0x444D_4163)
+    })
+}
+
 /// The bytes of `v`.
 pub(crate) fn f32_bytes(v: &[f32]) -> &[u8] {
     // SAFETY: f32 has no padding and any alignment suits u8; same memory, same lifetime.
