@@ -455,11 +455,8 @@ fn a_seated_coordinator_serves_through_a_leader_sigkill_and_restarts_within_10s(
     let mut g = Group::new(&bundle);
     let certs = g.dir.path().join("certs");
     mtls::issue(&certs, "coordinator").unwrap();
-    g.spawn(0, "127.0.0.1:0", &["--init-cluster"]);
+    form(&mut g);
     let first = g.addrs[0].clone();
-    g.spawn(1, "127.0.0.1:0", &["--join", &first]);
-    g.spawn(2, "127.0.0.1:0", &["--join", &first]);
-    g.agree(&[0, 1, 2], None, &[0, 0, 0], 30);
 
     let single = Server::start(&bundle, &[], "seat-single");
     let mut args = seat_args(&g, &first);

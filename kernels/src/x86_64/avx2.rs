@@ -441,6 +441,7 @@ unsafe fn float_block<const KIND: u8, const AK: u8>(g: &Gemm<'_>, out: &mut [f32
     let n = g.cols;
     let n8 = n / 8 * 8;
     let tb = g.ntok;
+    let es = if AK == F32 { 4 } else { 2 };
     // A cache line aligned buffer, so the micro-kernel's 32-byte loads never straddle two.
     #[repr(C, align(64))]
     struct Wide([f32; R * FKC]);
@@ -511,7 +512,6 @@ unsafe fn float_block<const KIND: u8, const AK: u8>(g: &Gemm<'_>, out: &mut [f32
                     unsafe {
                         for j in n8..n {
                             let w = load_one::<KIND>(g.w.as_ptr().add(row * g.w_stride + 2 * j));
-                            let es = if AK == F32 { 4 } else { 2 };
                             let a = load_one::<AK>(g.a.as_ptr().add(t * g.a_stride + es * j));
                             s += w * a;
                         }

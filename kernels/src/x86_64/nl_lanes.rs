@@ -148,11 +148,13 @@ pub(super) fn gather<const L: usize>(
     bias: i32,
 ) -> ([[u32; L]; 8], [i32; L], [f32; L]) {
     let nb = g.cols / QK;
+    // q4_0's activations: q8_0 blocks.
+    let (abs, aoff) = super::legacy_act(Q4_0);
     let mut codes = [[0u32; L]; 8];
     let mut neg = [0i32; L];
     let mut d = [0f32; L];
     for t in 0..n {
-        let at = (ts + t) * g.a_stride + k * 34 + 2;
+        let at = (ts + t) * g.a_stride + k * abs + aoff;
         let mut s = 0i32;
         for (c, w) in codes.iter_mut().zip(g.a[at..at + 32].chunks_exact(4)) {
             c[t] = u32::from_le_bytes([w[0], w[1], w[2], w[3]]);
