@@ -443,7 +443,14 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     if unsafe { super::kq_lanes::tiled_batch::<KIND>(g, out) } {
         return;
     }
-    if KIND == IQ1_M && !super::is_amd() {
+    if KIND == IQ1_S && !super::is_amd() {
+        // Gathered grid rows off AMD ([`tile512_iq1s_gather`]; AMD's gathers not measured).
+        if g.ntok == 1 {
+            drive!(g, out, tile512_iq1s_gather, 4, 1, KIND);
+        } else {
+            drive!(g, out, tile512_iq1s_gather, 2, 4, KIND);
+        }
+    } else if KIND == IQ1_M && !super::is_amd() {
         // IQ1_M's indices by shifts off AMD ([`grid_index_pdep`]).
         if g.ntok == 1 {
             drive!(g, out, tile512_shifts, 4, 1, KIND);
@@ -543,6 +550,150 @@ tile_fn!(
     "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2",
     false
 );
+
+/// IQ1_S's `qh` word of each grid index's sub-block (index `j` of a super-block, `j / 4`) and
+/// the shift of its three high bits (`3 · (j % 4)`): [`tile512_iq1s_gather`]'s index vector.
+static IQ1S_QH_WORD: [u16; 32] = {
+    let mut t = [0u16; 32];
+    let mut j = 0;
+    while j < 32 {
+        t[j] = (j / 4) as u16;
+        j += 1;
+    }
+    t
+};
+static IQ1S_QH_SHIFT: [u16; 32] = {
+    let mut t = [0u16; 32];
+    let mut j = 0;
+    while j < 32 {
+        t[j] = (3 * (j % 4)) as u16;
+        j += 1;
+    }
+    t
+};
+/// Per pair `p` of sub-blocks, which of the eight scale words each of its 32 i16 lanes takes
+/// (sub-block `2p` for the low 16, `2p + 1` for the high 16).
+static PAIR_SCALE: [[u16; 32]; 4] = {
+    let mut t = [[0u16; 32]; 4];
+    let mut p = 0;
+    while p < 4 {
+        let mut i = 0;
+        while i < 32 {
+            t[p][i] = (2 * p + i / 16) as u16;
+            i += 1;
+        }
+        p += 1;
+    }
+    t
+};
+
+/// IQ1_S rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512 with the grid rows gathered: a
+/// super-block's 32 eleven-bit indices built in one register (the low bytes widened, the high
+/// bits from each sub-block's `qh` word by a variable shift), its 32 grid rows fetched by four
+/// `vpgatherdq` (two sub-blocks a register), then per token and pair of sub-blocks one
+/// `vpmaddubsw` of the codes plus one (0..2, unsigned) against the activations, minus the
+/// activations' own pair sums (once per token and super-block), and one `vpdpwssd` by the two
+/// sub-blocks' scales. That is ggml's `v · a` pair sum exactly (|pair| ≤ 508), so each of the
+/// eight i32 lanes (the low and high halves added) and the delta's integer equal
+/// [`tile512`]'s, and the f32 steps are the same [`Chains`]. The delta: every sub-block's
+/// `±(2·ls + 1)` against the q8_K block sums by one `vpmaddwd`. Where [`tile512`] builds each
+/// sub-block's grid register from four scalar loads and inserts (port 5), this spends four
+/// gathers per super-block and row.
+///
+/// # Safety
+/// As [`run_grid_avx512`] with `KIND == IQ1_S` (the weights are IQ1_S super-blocks);
+/// `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")]
+unsafe fn tile512_iq1s_gather<const R: usize, const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    debug_assert_eq!(KIND, IQ1_S);
+    let nb = g.cols / QK_K;
+    let (wb, post, delta) = geometry(IQ1_S);
+    let mut ch = Chains::<R, T>::new(g, t0, post, delta);
+    // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T; the
+    // gathered indices are masked to 11 bits, inside the 2048-entry grid.
+    unsafe {
+        let qh_word = _mm512_loadu_si512(IQ1S_QH_WORD.as_ptr().cast());
+        let qh_shift = _mm512_loadu_si512(IQ1S_QH_SHIFT.as_ptr().cast());
+        let pair: [__m512i; 4] =
+            core::array::from_fn(|p| _mm512_loadu_si512(PAIR_SCALE[p].as_ptr().cast()));
+        let ones = _mm512_set1_epi8(1);
+        let grid = IQ1S_GRID.as_ptr().cast::<i64>();
+        for b in 0..nb {
+            let ad = Chains::<R, T>::dy(g, t0, b);
+            // The tile's activations: per token four 64-byte pairs of sub-blocks, their i16
+            // pair sums, and the sixteen block sums.
+            let mut a = [[_mm512_setzero_si512(); 4]; T];
+            let mut a1 = [[_mm512_setzero_si512(); 4]; T];
+            let mut bsums = [_mm256_setzero_si256(); T];
+            for t in 0..T {
+                let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
+                for p in 0..4 {
+                    a[t][p] = _mm512_loadu_si512(q8.add(64 * p).cast());
+                    a1[t][p] = _mm512_maddubs_epi16(ones, a[t][p]);
+                }
+                bsums[t] = _mm256_loadu_si256(q8.add(256).cast());
+            }
+            for r in 0..R {
+                let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * wb);
+                let dw = f16_at(wp);
+                let qh = _mm_loadu_si128(wp.add(34).cast());
+                let high = _mm512_and_si512(
+                    _mm512_srlv_epi16(
+                        _mm512_permutexvar_epi16(qh_word, _mm512_castsi128_si512(qh)),
+                        qh_shift,
+                    ),
+                    _mm512_set1_epi16(7),
+                );
+                let idx = _mm512_or_si512(
+                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(wp.add(2).cast())),
+                    _mm512_slli_epi16::<8>(high),
+                );
+                let lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(idx));
+                let hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(idx));
+                let halves = [
+                    _mm512_castsi512_si256(lo),
+                    _mm512_extracti64x4_epi64::<1>(lo),
+                    _mm512_castsi512_si256(hi),
+                    _mm512_extracti64x4_epi64::<1>(hi),
+                ];
+                // Codes plus one (0, 1, 2): unsigned for vpmaddubsw.
+                let codes: [__m512i; 4] = core::array::from_fn(|p| {
+                    _mm512_add_epi8(_mm512_i32gather_epi64::<8>(halves[p], grid), ones)
+                });
+                // Scales 2·ls + 1 of the eight sub-blocks (i16), per pair of sub-blocks, and
+                // with the delta's sign for the block sums (each twice: two sums a sub-block).
+                let ls = _mm_and_si128(_mm_srli_epi16::<12>(qh), _mm_set1_epi16(7));
+                let s = _mm_add_epi16(_mm_add_epi16(ls, ls), _mm_set1_epi16(1));
+                let sc: [__m512i; 4] = core::array::from_fn(|p| {
+                    _mm512_permutexvar_epi16(pair[p], _mm512_castsi128_si512(s))
+                });
+                let neg = _mm_srai_epi16::<15>(qh);
+                let sd = _mm_sub_epi16(_mm_xor_si128(s, neg), neg);
+                let sd2 = _mm256_set_m128i(_mm_unpackhi_epi16(sd, sd), _mm_unpacklo_epi16(sd, sd));
+                for t in 0..T {
+                    let mut acc = _mm512_setzero_si512();
+                    for p in 0..4 {
+                        let pr =
+                            _mm512_sub_epi16(_mm512_maddubs_epi16(codes[p], a[t][p]), a1[t][p]);
+                        acc = _mm512_dpwssd_epi32(acc, pr, sc[p]);
+                    }
+                    let lanes = _mm256_add_epi32(
+                        _mm512_castsi512_si256(acc),
+                        _mm512_extracti64x4_epi64::<1>(acc),
+                    );
+                    let dsum = super::avx2::hsum_i32(_mm256_madd_epi16(bsums[t], sd2));
+                    ch.step_delta_sum(r, t, lanes, dsum, dw, ad[t]);
+                }
+            }
+        }
+        ch.finish(g, r0, t0, out);
+    }
+}
 
 #[cfg(test)]
 mod tests {
