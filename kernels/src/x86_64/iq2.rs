@@ -214,10 +214,10 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize, sv: __m2
 /// bytes, the high bits from the sub-block's bit fields. Only the AVX-512 tile calls it: every
 /// AVX-512 CPU runs `pdep` in a cycle or so, while the AVX2-only AMD Zen 1/2 microcode it
 /// (hundreds of cycles), so the AVX2 tile keeps shifts and masks. `None` for the other kinds.
-/// IQ1_M's `pdep` form is used on AMD CPUs only: on an Intel Xeon (session 22) it measured
-/// 0.91× llama.cpp against 0.95× with shifts, on an AMD EPYC Zen 5 (session 25) it is the
-/// faster one by a fifth (the 4096 × 14336 GEMV, one thread, the two builds alternated:
-/// medians 3.05–3.33 ms against 3.48–4.84).
+/// The IQ1 types take it on AMD CPUs only (on an AMD EPYC Zen 5, session 25, IQ1_M's `pdep`
+/// form was the faster by a fifth: the 4096 × 14336 GEMV, one thread, medians 3.05–3.33 ms
+/// against 3.48–4.84 with shifts); elsewhere they gather whole grid rows
+/// ([`tile512_iq1_gather`]).
 ///
 /// # Safety
 /// BMI2 available; `p` readable for one super-block of `KIND`; `ib < 8`.
@@ -443,19 +443,12 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     if unsafe { super::kq_lanes::tiled_batch::<KIND>(g, out) } {
         return;
     }
-    if KIND == IQ1_S && !super::is_amd() {
-        // Gathered grid rows off AMD ([`tile512_iq1s_gather`]; AMD's gathers not measured).
+    if is_iq1(KIND) && !super::is_amd() {
+        // Gathered grid rows off AMD ([`tile512_iq1_gather`]; AMD's gathers not measured).
         if g.ntok == 1 {
-            drive!(g, out, tile512_iq1s_gather, 4, 1, KIND);
+            drive!(g, out, tile512_iq1_gather, 4, 1, KIND);
         } else {
-            drive!(g, out, tile512_iq1s_gather, 2, 4, KIND);
-        }
-    } else if KIND == IQ1_M && !super::is_amd() {
-        // IQ1_M's indices by shifts off AMD ([`grid_index_pdep`]).
-        if g.ntok == 1 {
-            drive!(g, out, tile512_shifts, 4, 1, KIND);
-        } else {
-            drive!(g, out, tile512_shifts, 2, 4, KIND);
+            drive!(g, out, tile512_iq1_gather, 2, 4, KIND);
         }
     } else if g.ntok == 1 {
         drive!(g, out, tile512, 4, 1, KIND);
@@ -545,88 +538,98 @@ tile_fn!(
     "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2",
     true
 );
-tile_fn!(
-    tile512_shifts,
-    "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2",
-    false
-);
 
-/// IQ1_S's `qh` word of each grid index's sub-block (index `j` of a super-block, `j / 4`) and
-/// the shift of its three high bits (`3 · (j % 4)`): [`tile512_iq1s_gather`]'s index vector.
-static IQ1S_QH_WORD: [u16; 32] = {
-    let mut t = [0u16; 32];
-    let mut j = 0;
-    while j < 32 {
-        t[j] = (j / 4) as u16;
-        j += 1;
-    }
-    t
-};
-static IQ1S_QH_SHIFT: [u16; 32] = {
-    let mut t = [0u16; 32];
-    let mut j = 0;
-    while j < 32 {
-        t[j] = (3 * (j % 4)) as u16;
-        j += 1;
-    }
-    t
-};
-/// Per pair `p` of sub-blocks, which of the eight scale words each of its 32 i16 lanes takes
-/// (sub-block `2p` for the low 16, `2p + 1` for the high 16).
-static PAIR_SCALE: [[u16; 32]; 4] = {
-    let mut t = [[0u16; 32]; 4];
-    let mut p = 0;
-    while p < 4 {
-        let mut i = 0;
-        while i < 32 {
-            t[p][i] = (2 * p + i / 16) as u16;
-            i += 1;
+/// A `[u16; 32]` of `$e` over `$j` in 0..32 (a const block).
+macro_rules! table32 {
+    (|$j:ident| $e:expr) => {{
+        let mut t = [0u16; 32];
+        let mut $j = 0;
+        while $j < 32 {
+            t[$j] = ($e) as u16;
+            $j += 1;
         }
-        p += 1;
-    }
-    t
-};
+        t
+    }};
+}
 
-/// IQ1_S rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512 with the grid rows gathered: a
-/// super-block's 32 eleven-bit indices built in one register (the low bytes widened, the high
-/// bits from each sub-block's `qh` word by a variable shift), its 32 grid rows fetched by four
-/// `vpgatherdq` (two sub-blocks a register), then per token and pair of sub-blocks one
-/// `vpmaddubsw` of the codes plus one (0..2, unsigned) against the activations, minus the
-/// activations' own pair sums (once per token and super-block), and one `vpdpwssd` by the two
-/// sub-blocks' scales. That is ggml's `v · a` pair sum exactly (|pair| ≤ 508), so each of the
-/// eight i32 lanes (the low and high halves added) and the delta's integer equal
-/// [`tile512`]'s, and the f32 steps are the same [`Chains`]. The delta: every sub-block's
-/// `±(2·ls + 1)` against the q8_K block sums by one `vpmaddwd`. Where [`tile512`] builds each
-/// sub-block's grid register from four scalar loads and inserts (port 5), this spends four
-/// gathers per super-block and row.
+/// A `[[u16; 32]; 4]` of `$e` over pairs `$p` in 0..4 and lanes `$i` in 0..32.
+macro_rules! pair_table {
+    (|$p:ident, $i:ident| $e:expr) => {{
+        let mut t = [[0u16; 32]; 4];
+        let mut $p = 0;
+        while $p < 4 {
+            let mut $i = 0;
+            while $i < 32 {
+                t[$p][$i] = ($e) as u16;
+                $i += 1;
+            }
+            $p += 1;
+        }
+        t
+    }};
+}
+
+/// For [`tile512_iq1_gather`]'s 32 grid indices of a super-block (index `j` belongs to
+/// sub-block `j / 4`): which 16-bit word of the high bits each takes, and the shift of its
+/// three bits there (IQ1_S: `3 · (j % 4)`; IQ1_M: `4 · (j % 4)`).
+static IQ1_WORD: [u16; 32] = table32!(|j| j / 4);
+static IQ1S_SHIFT: [u16; 32] = table32!(|j| 3 * (j % 4));
+static IQ1M_SHIFT: [u16; 32] = table32!(|j| 4 * (j % 4));
+
+/// Per pair `p` of sub-blocks (one 64-byte register, 32 i16 pair sums, 16 a sub-block), which
+/// scale each i16 lane takes: IQ1_S's one scale a sub-block (of eight words), IQ1_M's two (of
+/// [`scales16_vec`]'s sixteen: values 0..16, then 16..32), and IQ1_M's delta: which of the
+/// eight `h` words and which bit (3 + 4l for the group l of 8 values) holds its sign.
+static PAIR_SCALE: [[u16; 32]; 4] = pair_table!(|p, i| 2 * p + i / 16);
+static PAIR_SCALE16: [[u16; 32]; 4] = pair_table!(|p, i| (i / 8) % 2 * 8 + 2 * p + i / 16);
+static PAIR_H: [[u16; 32]; 4] = pair_table!(|p, i| 2 * p + i / 16);
+static DELTA_BIT: [u16; 32] = table32!(|i| 1 << (3 + 4 * (i / 4 % 4)));
+
+/// The IQ1 types' rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512 with the grid rows gathered:
+/// a super-block's 32 eleven-bit indices built in one register (the low bytes widened, the
+/// high bits from each sub-block's 16-bit word by a variable shift), its 32 grid rows fetched
+/// by four `vpgatherdq` (two sub-blocks a register), then per token and pair of sub-blocks one
+/// `vpmaddubsw` of the values plus one (0..2, unsigned) against the activations, minus the
+/// activations' own pair sums (once per token and super-block), and one `vpdpwssd` by the
+/// scales. That is ggml's pair sum `v·a` exactly (|pair| ≤ 508), so each of the eight i32
+/// lanes (the register's halves added) equals [`tile512`]'s, and the f32 steps are the same
+/// [`Chains`]. The delta: IQ1_S's every sub-block's `±(2·ls + 1)` against the q8_K block sums
+/// by one `vpmaddwd`; IQ1_M's pair sums negated where a group's delta is −1 and one
+/// `vpdpwssd` by the scales. Where [`tile512`] builds each sub-block's grid register from four
+/// scalar loads and inserts (port 5), this spends four gathers per super-block and row.
 ///
 /// # Safety
-/// As [`run_grid_avx512`] with `KIND == IQ1_S` (the weights are IQ1_S super-blocks);
-/// `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
+/// As [`run_grid_avx512`] with `KIND` IQ1_S or IQ1_M; `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")]
-unsafe fn tile512_iq1s_gather<const R: usize, const T: usize, const KIND: u8>(
+unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
     g: &Gemm<'_>,
     r0: usize,
     t0: usize,
     out: &mut [f32],
 ) {
-    debug_assert_eq!(KIND, IQ1_S);
+    debug_assert!(is_iq1(KIND));
+    let m = KIND == IQ1_M;
     let nb = g.cols / QK_K;
-    let (wb, post, delta) = geometry(IQ1_S);
+    let (wb, post, delta) = geometry(KIND);
+    // Where a super-block's index bytes and high-bit words are.
+    let (qs_at, words_at) = if m { (0, 32) } else { (2, 34) };
     let mut ch = Chains::<R, T>::new(g, t0, post, delta);
     // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T; the
     // gathered indices are masked to 11 bits, inside the 2048-entry grid.
     unsafe {
-        let qh_word = _mm512_loadu_si512(IQ1S_QH_WORD.as_ptr().cast());
-        let qh_shift = _mm512_loadu_si512(IQ1S_QH_SHIFT.as_ptr().cast());
+        let load = |t: &[u16; 32]| _mm512_loadu_si512(t.as_ptr().cast());
+        let word = load(&IQ1_WORD);
+        let shift = load(if m { &IQ1M_SHIFT } else { &IQ1S_SHIFT });
         let pair: [__m512i; 4] =
-            core::array::from_fn(|p| _mm512_loadu_si512(PAIR_SCALE[p].as_ptr().cast()));
+            core::array::from_fn(|p| load(if m { &PAIR_SCALE16[p] } else { &PAIR_SCALE[p] }));
+        let pair_h: [__m512i; 4] = core::array::from_fn(|p| load(&PAIR_H[p]));
+        let delta_bit = load(&DELTA_BIT);
         let ones = _mm512_set1_epi8(1);
         let grid = IQ1S_GRID.as_ptr().cast::<i64>();
         for b in 0..nb {
             let ad = Chains::<R, T>::dy(g, t0, b);
             // The tile's activations: per token four 64-byte pairs of sub-blocks, their i16
-            // pair sums, and the sixteen block sums.
+            // pair sums, and (IQ1_S) the sixteen block sums.
             let mut a = [[_mm512_setzero_si512(); 4]; T];
             let mut a1 = [[_mm512_setzero_si512(); 4]; T];
             let mut bsums = [_mm256_setzero_si256(); T];
@@ -640,17 +643,14 @@ unsafe fn tile512_iq1s_gather<const R: usize, const T: usize, const KIND: u8>(
             }
             for r in 0..R {
                 let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * wb);
-                let dw = f16_at(wp);
-                let qh = _mm_loadu_si128(wp.add(34).cast());
+                let dw = d_of::<KIND>(wp);
+                let words = _mm512_castsi128_si512(_mm_loadu_si128(wp.add(words_at).cast()));
                 let high = _mm512_and_si512(
-                    _mm512_srlv_epi16(
-                        _mm512_permutexvar_epi16(qh_word, _mm512_castsi128_si512(qh)),
-                        qh_shift,
-                    ),
+                    _mm512_srlv_epi16(_mm512_permutexvar_epi16(word, words), shift),
                     _mm512_set1_epi16(7),
                 );
                 let idx = _mm512_or_si512(
-                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(wp.add(2).cast())),
+                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(wp.add(qs_at).cast())),
                     _mm512_slli_epi16::<8>(high),
                 );
                 let lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(idx));
@@ -661,33 +661,67 @@ unsafe fn tile512_iq1s_gather<const R: usize, const T: usize, const KIND: u8>(
                     _mm512_castsi512_si256(hi),
                     _mm512_extracti64x4_epi64::<1>(hi),
                 ];
-                // Codes plus one (0, 1, 2): unsigned for vpmaddubsw.
+                // Values plus one (0, 1, 2): unsigned for vpmaddubsw.
                 let codes: [__m512i; 4] = core::array::from_fn(|p| {
                     _mm512_add_epi8(_mm512_i32gather_epi64::<8>(halves[p], grid), ones)
                 });
-                // Scales 2·ls + 1 of the eight sub-blocks (i16), per pair of sub-blocks, and
-                // with the delta's sign for the block sums (each twice: two sums a sub-block).
-                let ls = _mm_and_si128(_mm_srli_epi16::<12>(qh), _mm_set1_epi16(7));
-                let s = _mm_add_epi16(_mm_add_epi16(ls, ls), _mm_set1_epi16(1));
-                let sc: [__m512i; 4] = core::array::from_fn(|p| {
-                    _mm512_permutexvar_epi16(pair[p], _mm512_castsi128_si512(s))
-                });
-                let neg = _mm_srai_epi16::<15>(qh);
-                let sd = _mm_sub_epi16(_mm_xor_si128(s, neg), neg);
-                let sd2 = _mm256_set_m128i(_mm_unpackhi_epi16(sd, sd), _mm_unpacklo_epi16(sd, sd));
+                // The scales 2·ls + 1 (IQ1_S: one a sub-block, from the top of its word;
+                // IQ1_M: two) per pair of sub-blocks; IQ1_S's with its delta's sign for the
+                // block sums (each twice: two sums a sub-block); IQ1_M's delta signs as masks.
+                let (sc, sd2, neg_delta) = if m {
+                    let sv = _mm512_castsi256_si512(scales16_vec::<KIND>(wp));
+                    let sc: [__m512i; 4] =
+                        core::array::from_fn(|p| _mm512_permutexvar_epi16(pair[p], sv));
+                    let nd: [__mmask32; 4] = core::array::from_fn(|p| {
+                        _mm512_test_epi16_mask(
+                            _mm512_permutexvar_epi16(pair_h[p], words),
+                            delta_bit,
+                        )
+                    });
+                    (sc, _mm256_setzero_si256(), nd)
+                } else {
+                    let qh = _mm512_castsi512_si128(words);
+                    let ls = _mm_and_si128(_mm_srli_epi16::<12>(qh), _mm_set1_epi16(7));
+                    let s = _mm_add_epi16(_mm_add_epi16(ls, ls), _mm_set1_epi16(1));
+                    let sc: [__m512i; 4] = core::array::from_fn(|p| {
+                        _mm512_permutexvar_epi16(pair[p], _mm512_castsi128_si512(s))
+                    });
+                    let neg = _mm_srai_epi16::<15>(qh);
+                    let sd = _mm_sub_epi16(_mm_xor_si128(s, neg), neg);
+                    let sd2 =
+                        _mm256_set_m128i(_mm_unpackhi_epi16(sd, sd), _mm_unpacklo_epi16(sd, sd));
+                    (sc, sd2, [0; 4])
+                };
                 for t in 0..T {
                     let mut acc = _mm512_setzero_si512();
+                    let mut dacc = _mm512_setzero_si512();
                     for p in 0..4 {
                         let pr =
                             _mm512_sub_epi16(_mm512_maddubs_epi16(codes[p], a[t][p]), a1[t][p]);
                         acc = _mm512_dpwssd_epi32(acc, pr, sc[p]);
+                        if m {
+                            let dp = _mm512_mask_sub_epi16(
+                                a1[t][p],
+                                neg_delta[p],
+                                _mm512_setzero_si512(),
+                                a1[t][p],
+                            );
+                            dacc = _mm512_dpwssd_epi32(dacc, dp, sc[p]);
+                        }
                     }
-                    let lanes = _mm256_add_epi32(
-                        _mm512_castsi512_si256(acc),
-                        _mm512_extracti64x4_epi64::<1>(acc),
-                    );
-                    let dsum = super::avx2::hsum_i32(_mm256_madd_epi16(bsums[t], sd2));
-                    ch.step_delta_sum(r, t, lanes, dsum, dw, ad[t]);
+                    let halves_sum = |v: __m512i| {
+                        _mm256_add_epi32(
+                            _mm512_castsi512_si256(v),
+                            _mm512_extracti64x4_epi64::<1>(v),
+                        )
+                    };
+                    let lanes = halves_sum(acc);
+                    if m {
+                        ch.step_delta(r, t, lanes, halves_sum(dacc), dw, ad[t]);
+                    } else {
+                        let dsum = super::avx2::hsum_i32(_mm256_madd_epi16(bsums[t], sd2));
+                        ch.step_delta_sum(r, t, lanes, dsum, dw, ad[t]);
+                    }
                 }
             }
         }
