@@ -443,13 +443,25 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     if unsafe { super::kq_lanes::tiled_batch::<KIND>(g, out) } {
         return;
     }
-    if is_iq1(KIND) && !super::is_amd() {
-        // Gathered grid rows off AMD ([`tile512_iq1_gather`]; AMD's gathers not measured).
+    // Off AMD (whose gathers were not measured), grid rows gathered where that measured faster
+    // on an Intel Xeon (model 207, session 26; both paths alternated in one process): IQ1_S
+    // always (GEMV 1.5-3x, 2 and 4 tokens 1.2-1.9x), IQ1_M, IQ2_XXS and IQ3_XXS for one token
+    // only (GEMV 2x, 1.10x, 1.16x; at 4 tokens the sub-block tile, which unpacks once for
+    // its four tokens, stays ahead: 0.91x, 0.80x, 0.91-0.94x with gathers).
+    let gather = !super::is_amd()
+        && match KIND {
+            IQ1_S => true,
+            IQ1_M | IQ2_XXS | IQ3_XXS => g.ntok == 1,
+            _ => false,
+        };
+    if gather && is_iq1(KIND) {
         if g.ntok == 1 {
             drive!(g, out, tile512_iq1_gather, 4, 1, KIND);
         } else {
             drive!(g, out, tile512_iq1_gather, 2, 4, KIND);
         }
+    } else if gather {
+        drive!(g, out, tile512_xxs_gather, 4, 1, KIND);
     } else if g.ntok == 1 {
         drive!(g, out, tile512, 4, 1, KIND);
     } else {
@@ -722,6 +734,156 @@ unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
                         let dsum = super::avx2::hsum_i32(_mm256_madd_epi16(bsums[t], sd2));
                         ch.step_delta_sum(r, t, lanes, dsum, dw, ad[t]);
                     }
+                }
+            }
+        }
+        ch.finish(g, r0, t0, out);
+    }
+}
+
+/// For [`tile512_xxs_gather`]'s 32 sign fields of a super-block, in two registers of 16
+/// dword lanes (`h` = 0, 1): lane `i` takes sub-block `4h + i / 4`'s sign word, shifted right
+/// by `7 · (i % 4)`.
+static XXS_SIGN_WORD: [[u32; 16]; 2] = {
+    let mut t = [[0u32; 16]; 2];
+    let mut h = 0;
+    while h < 2 {
+        let mut i = 0;
+        while i < 16 {
+            t[h][i] = (4 * h + i / 4) as u32;
+            i += 1;
+        }
+        h += 1;
+    }
+    t
+};
+static XXS_SIGN_SHIFT: [u32; 16] = {
+    let mut t = [0u32; 16];
+    let mut i = 0;
+    while i < 16 {
+        t[i] = (7 * (i % 4)) as u32;
+        i += 1;
+    }
+    t
+};
+/// ggml's `keven_signs_q2xs` as ±1 bytes, a `u64` an entry ([`SIGNS64`]), for gathers.
+static SIGNS64_TABLE: &[u64; 128] = &SIGNS64;
+
+/// IQ2_XXS and IQ3_XXS rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512 with the grid rows and
+/// sign patterns gathered: per super-block four `vpgatherdq` of IQ2_XXS's 8-value grid rows
+/// (or `vpgatherdd` of IQ3_XXS's 4-value ones), two sub-blocks a register, and four of the
+/// ±1 sign patterns (their 7-bit indices shifted out of each sub-block's sign word in two
+/// registers), turned into byte masks. Per token and pair of sub-blocks the activations are
+/// negated under the mask, one `vpmaddubsw` against the grid magnitudes and one `vpdpwssd`
+/// by the two sub-blocks' scales: ggml's `maddubs(grid, sign(a, signs))` pair sums and
+/// `madd` by `2·ls + 1` exactly (the q8_K values lie in −127..127, so negating equals
+/// `vpsignb`), so the eight i32 lanes (the register's halves added) equal [`tile512`]'s and
+/// the f32 steps are the same [`Chains`].
+///
+/// # Safety
+/// As [`run_grid_avx512`] with `KIND` IQ2_XXS or IQ3_XXS; `r0 + R <= g.nrows`,
+/// `t0 + T <= g.ntok`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")]
+unsafe fn tile512_xxs_gather<const R: usize, const T: usize, const KIND: u8>(
+    g: &Gemm<'_>,
+    r0: usize,
+    t0: usize,
+    out: &mut [f32],
+) {
+    debug_assert!(matches!(KIND, IQ2_XXS | IQ3_XXS));
+    let iq3 = KIND == IQ3_XXS;
+    let nb = g.cols / QK_K;
+    let (wb, post, delta) = geometry(KIND);
+    let mut ch = Chains::<R, T>::new(g, t0, post, delta);
+    // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T; the
+    // gathered indices are bytes (grids of 256 entries) or masked to 7 bits (128 signs).
+    unsafe {
+        let sign_word: [__m512i; 2] =
+            core::array::from_fn(|h| _mm512_loadu_si512(XXS_SIGN_WORD[h].as_ptr().cast()));
+        let sign_shift = _mm512_loadu_si512(XXS_SIGN_SHIFT.as_ptr().cast());
+        let pair: [__m512i; 4] =
+            core::array::from_fn(|p| _mm512_loadu_si512(PAIR_SCALE[p].as_ptr().cast()));
+        let zero = _mm512_setzero_si512();
+        let signs = SIGNS64_TABLE.as_ptr().cast::<i64>();
+        for b in 0..nb {
+            let ad = Chains::<R, T>::dy(g, t0, b);
+            let mut a = [[zero; 4]; T];
+            for t in 0..T {
+                let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
+                for p in 0..4 {
+                    a[t][p] = _mm512_loadu_si512(q8.add(64 * p).cast());
+                }
+            }
+            for r in 0..R {
+                let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * wb);
+                let dw = f16_at(wp);
+                // The eight sign-and-scale words, and the grid rows (two sub-blocks each).
+                let (words, grid): (__m256i, [__m512i; 4]) = if iq3 {
+                    let q =
+                        |p: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(wp.add(2 + 16 * p).cast()));
+                    let table = IQ3XXS_GRID.as_ptr().cast::<i32>();
+                    (
+                        _mm256_loadu_si256(wp.add(66).cast()),
+                        core::array::from_fn(|p| _mm512_i32gather_epi32::<4>(q(p), table)),
+                    )
+                } else {
+                    // Sub-block k: its four index bytes (dword 2k of qs), then its word.
+                    let qs = _mm512_loadu_si512(wp.add(2).cast());
+                    let even = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
+                        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15),
+                        qs,
+                    ));
+                    let odd = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
+                        _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14),
+                        qs,
+                    ));
+                    let lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(even));
+                    let hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256::<1>(even));
+                    let halves = [
+                        _mm512_castsi512_si256(lo),
+                        _mm512_extracti64x4_epi64::<1>(lo),
+                        _mm512_castsi512_si256(hi),
+                        _mm512_extracti64x4_epi64::<1>(hi),
+                    ];
+                    let table = IQ2XXS_GRID.as_ptr().cast::<i64>();
+                    (
+                        odd,
+                        core::array::from_fn(|p| _mm512_i32gather_epi64::<8>(halves[p], table)),
+                    )
+                };
+                let w512 = _mm512_castsi256_si512(words);
+                let fields: [__m512i; 2] = core::array::from_fn(|h| {
+                    _mm512_and_si512(
+                        _mm512_srlv_epi32(_mm512_permutexvar_epi32(sign_word[h], w512), sign_shift),
+                        _mm512_set1_epi32(127),
+                    )
+                });
+                let neg: [__mmask64; 4] = core::array::from_fn(|p| {
+                    let f = fields[p / 2];
+                    let idx = if p % 2 == 0 {
+                        _mm512_castsi512_si256(f)
+                    } else {
+                        _mm512_extracti64x4_epi64::<1>(f)
+                    };
+                    _mm512_movepi8_mask(_mm512_i32gather_epi64::<8>(idx, signs))
+                });
+                // Scales 2·ls + 1 from each word's top four bits, per pair of sub-blocks.
+                let ls = _mm256_cvtepi32_epi16(_mm256_srli_epi32::<28>(words));
+                let s = _mm_add_epi16(_mm_add_epi16(ls, ls), _mm_set1_epi16(1));
+                let sc: [__m512i; 4] = core::array::from_fn(|p| {
+                    _mm512_permutexvar_epi16(pair[p], _mm512_castsi128_si512(s))
+                });
+                for t in 0..T {
+                    let mut acc = zero;
+                    for p in 0..4 {
+                        let sa = _mm512_mask_sub_epi8(a[t][p], neg[p], zero, a[t][p]);
+                        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(grid[p], sa), sc[p]);
+                    }
+                    let lanes = _mm256_add_epi32(
+                        _mm512_castsi512_si256(acc),
+                        _mm512_extracti64x4_epi64::<1>(acc),
+                    );
+                    ch.step(r, t, lanes, dw, ad[t]);
                 }
             }
         }
