@@ -447,11 +447,12 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     // on an Intel Xeon (model 207, session 26; both paths alternated in one process): IQ1_S
     // always (GEMV 1.5-3x, 2 and 4 tokens 1.2-1.9x), IQ1_M, IQ2_XXS and IQ3_XXS for one token
     // only (GEMV 2x, 1.10x, 1.16x; at 4 tokens the sub-block tile, which unpacks once for
-    // its four tokens, stays ahead: 0.91x, 0.80x, 0.91-0.94x with gathers).
+    // its four tokens, stays ahead: 0.91x, 0.80x, 0.91-0.94x with gathers), IQ2_XS and IQ3_S
+    // for one token (GEMV 1.45x, 2.05x). IQ2_S keeps its tile.
     let gather = !super::is_amd()
         && match KIND {
             IQ1_S => true,
-            IQ1_M | IQ2_XXS | IQ3_XXS => g.ntok == 1,
+            IQ1_M | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ3_S => g.ntok == 1,
             _ => false,
         };
     if gather && is_iq1(KIND) {
@@ -790,8 +791,7 @@ unsafe fn tile512_xxs_gather<const R: usize, const T: usize, const KIND: u8>(
     t0: usize,
     out: &mut [f32],
 ) {
-    debug_assert!(matches!(KIND, IQ2_XXS | IQ3_XXS));
-    let iq3 = KIND == IQ3_XXS;
+    debug_assert!(matches!(KIND, IQ2_XXS | IQ3_XXS | IQ2_XS | IQ3_S));
     let nb = g.cols / QK_K;
     let (wb, post, delta) = geometry(KIND);
     let mut ch = Chains::<R, T>::new(g, t0, post, delta);
@@ -803,8 +803,25 @@ unsafe fn tile512_xxs_gather<const R: usize, const T: usize, const KIND: u8>(
         let sign_shift = _mm512_loadu_si512(XXS_SIGN_SHIFT.as_ptr().cast());
         let pair: [__m512i; 4] =
             core::array::from_fn(|p| _mm512_loadu_si512(PAIR_SCALE[p].as_ptr().cast()));
+        let pair16: [__m512i; 4] =
+            core::array::from_fn(|p| _mm512_loadu_si512(PAIR_SCALE16[p].as_ptr().cast()));
         let zero = _mm512_setzero_si512();
         let signs = SIGNS64_TABLE.as_ptr().cast::<i64>();
+        // Quarter `p` of 32 dword indices held in two registers: the eight of pair `p`.
+        let quarter = |lo: __m512i, hi: __m512i, p: usize| {
+            let v = if p < 2 { lo } else { hi };
+            if p.is_multiple_of(2) {
+                _mm512_castsi512_si256(v)
+            } else {
+                _mm512_extracti64x4_epi64::<1>(v)
+            }
+        };
+        let gather8 = |idx: __m256i, table: *const i64| _mm512_i32gather_epi64::<8>(idx, table);
+        // Eight sub-block scales `ls` (i16) as 2·ls + 1, spread over each pair's 32 lanes.
+        let pair_scales = |pair: &[__m512i; 4], ls: __m128i| -> [__m512i; 4] {
+            let s = _mm512_castsi128_si512(_mm_add_epi16(_mm_add_epi16(ls, ls), _mm_set1_epi16(1)));
+            core::array::from_fn(|p| _mm512_permutexvar_epi16(pair[p], s))
+        };
         for b in 0..nb {
             let ad = Chains::<R, T>::dy(g, t0, b);
             let mut a = [[zero; 4]; T];
@@ -817,62 +834,111 @@ unsafe fn tile512_xxs_gather<const R: usize, const T: usize, const KIND: u8>(
             for r in 0..R {
                 let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * wb);
                 let dw = f16_at(wp);
-                // The eight sign-and-scale words, and the grid rows (two sub-blocks each).
-                let (words, grid): (__m256i, [__m512i; 4]) = if iq3 {
-                    let q =
-                        |p: usize| _mm512_cvtepu8_epi32(_mm_loadu_si128(wp.add(2 + 16 * p).cast()));
-                    let table = IQ3XXS_GRID.as_ptr().cast::<i32>();
-                    (
-                        _mm256_loadu_si256(wp.add(66).cast()),
-                        core::array::from_fn(|p| _mm512_i32gather_epi32::<4>(q(p), table)),
-                    )
-                } else {
-                    // Sub-block k: its four index bytes (dword 2k of qs), then its word.
-                    let qs = _mm512_loadu_si512(wp.add(2).cast());
-                    let even = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
-                        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15),
-                        qs,
-                    ));
-                    let odd = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
-                        _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14),
-                        qs,
-                    ));
-                    let lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(even));
-                    let hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256::<1>(even));
-                    let halves = [
-                        _mm512_castsi512_si256(lo),
-                        _mm512_extracti64x4_epi64::<1>(lo),
-                        _mm512_castsi512_si256(hi),
-                        _mm512_extracti64x4_epi64::<1>(hi),
-                    ];
-                    let table = IQ2XXS_GRID.as_ptr().cast::<i64>();
-                    (
-                        odd,
-                        core::array::from_fn(|p| _mm512_i32gather_epi64::<8>(halves[p], table)),
-                    )
+                // The grid rows (two sub-blocks a register), the sign masks (a bit a value),
+                // and the i16 scales 2·ls + 1 per pair of sub-blocks.
+                let (grid, neg, sc): ([__m512i; 4], [__mmask64; 4], [__m512i; 4]) = match KIND {
+                    IQ2_XXS | IQ3_XXS => {
+                        let (words, grid): (__m256i, [__m512i; 4]) = if KIND == IQ3_XXS {
+                            let q = |p: usize| {
+                                _mm512_cvtepu8_epi32(_mm_loadu_si128(wp.add(2 + 16 * p).cast()))
+                            };
+                            let table = IQ3XXS_GRID.as_ptr().cast::<i32>();
+                            (
+                                _mm256_loadu_si256(wp.add(66).cast()),
+                                core::array::from_fn(|p| _mm512_i32gather_epi32::<4>(q(p), table)),
+                            )
+                        } else {
+                            // Sub-block k: its four index bytes (dword 2k of qs), then its word.
+                            let qs = _mm512_loadu_si512(wp.add(2).cast());
+                            let even = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
+                                _mm512_setr_epi32(
+                                    0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                ),
+                                qs,
+                            ));
+                            let odd = _mm512_castsi512_si256(_mm512_permutexvar_epi32(
+                                _mm512_setr_epi32(
+                                    1, 3, 5, 7, 9, 11, 13, 15, 0, 2, 4, 6, 8, 10, 12, 14,
+                                ),
+                                qs,
+                            ));
+                            let lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(even));
+                            let hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256::<1>(even));
+                            let table = IQ2XXS_GRID.as_ptr().cast::<i64>();
+                            (
+                                odd,
+                                core::array::from_fn(|p| gather8(quarter(lo, hi, p), table)),
+                            )
+                        };
+                        let w512 = _mm512_castsi256_si512(words);
+                        let fields: [__m512i; 2] = core::array::from_fn(|h| {
+                            _mm512_and_si512(
+                                _mm512_srlv_epi32(
+                                    _mm512_permutexvar_epi32(sign_word[h], w512),
+                                    sign_shift,
+                                ),
+                                _mm512_set1_epi32(127),
+                            )
+                        });
+                        let neg = core::array::from_fn(|p| {
+                            _mm512_movepi8_mask(gather8(quarter(fields[0], fields[1], p), signs))
+                        });
+                        // Each word's top four bits.
+                        let ls = _mm256_cvtepi32_epi16(_mm256_srli_epi32::<28>(words));
+                        (grid, neg, pair_scales(&pair, ls))
+                    }
+                    IQ2_XS => {
+                        // Four words a sub-block: a 9-bit grid index, a 7-bit sign index.
+                        let q = _mm512_loadu_si512(wp.add(2).cast());
+                        let wide = |v: __m512i| {
+                            (
+                                _mm512_cvtepu16_epi32(_mm512_castsi512_si256(v)),
+                                _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(v)),
+                            )
+                        };
+                        let (glo, ghi) = wide(_mm512_and_si512(q, _mm512_set1_epi16(511)));
+                        let (slo, shi) = wide(_mm512_srli_epi16::<9>(q));
+                        let table = IQ2XS_GRID.as_ptr().cast::<i64>();
+                        let sv = _mm512_castsi256_si512(scales16_vec::<KIND>(wp));
+                        (
+                            core::array::from_fn(|p| gather8(quarter(glo, ghi, p), table)),
+                            core::array::from_fn(|p| {
+                                _mm512_movepi8_mask(gather8(quarter(slo, shi, p), signs))
+                            }),
+                            core::array::from_fn(|p| _mm512_permutexvar_epi16(pair16[p], sv)),
+                        )
+                    }
+                    _ => {
+                        // IQ3_S: eight index bytes a sub-block, the ninth bits one byte a
+                        // sub-block (bit k for index k), the signs one bit a value, the scales
+                        // a nibble a sub-block.
+                        let iota =
+                            _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+                        let table = IQ3S_GRID.as_ptr().cast::<i32>();
+                        let grid = core::array::from_fn(|p| {
+                            let lo =
+                                _mm512_cvtepu8_epi32(_mm_loadu_si128(wp.add(2 + 16 * p).cast()));
+                            let qh = wp.add(66 + 2 * p).cast::<u16>().read_unaligned() as i32;
+                            let hi = _mm512_slli_epi32::<8>(_mm512_and_si512(
+                                _mm512_srlv_epi32(_mm512_set1_epi32(qh), iota),
+                                _mm512_set1_epi32(1),
+                            ));
+                            _mm512_i32gather_epi32::<4>(_mm512_or_si512(lo, hi), table)
+                        });
+                        let neg = core::array::from_fn(|p| {
+                            wp.add(74 + 8 * p).cast::<u64>().read_unaligned()
+                        });
+                        let nib = wp.add(106).cast::<u32>().read_unaligned() as i32;
+                        let ls = _mm256_cvtepi32_epi16(_mm256_and_si256(
+                            _mm256_srlv_epi32(
+                                _mm256_set1_epi32(nib),
+                                _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28),
+                            ),
+                            _mm256_set1_epi32(15),
+                        ));
+                        (grid, neg, pair_scales(&pair, ls))
+                    }
                 };
-                let w512 = _mm512_castsi256_si512(words);
-                let fields: [__m512i; 2] = core::array::from_fn(|h| {
-                    _mm512_and_si512(
-                        _mm512_srlv_epi32(_mm512_permutexvar_epi32(sign_word[h], w512), sign_shift),
-                        _mm512_set1_epi32(127),
-                    )
-                });
-                let neg: [__mmask64; 4] = core::array::from_fn(|p| {
-                    let f = fields[p / 2];
-                    let idx = if p % 2 == 0 {
-                        _mm512_castsi512_si256(f)
-                    } else {
-                        _mm512_extracti64x4_epi64::<1>(f)
-                    };
-                    _mm512_movepi8_mask(_mm512_i32gather_epi64::<8>(idx, signs))
-                });
-                // Scales 2·ls + 1 from each word's top four bits, per pair of sub-blocks.
-                let ls = _mm256_cvtepi32_epi16(_mm256_srli_epi32::<28>(words));
-                let s = _mm_add_epi16(_mm_add_epi16(ls, ls), _mm_set1_epi16(1));
-                let sc: [__m512i; 4] = core::array::from_fn(|p| {
-                    _mm512_permutexvar_epi16(pair[p], _mm512_castsi128_si512(s))
-                });
                 for t in 0..T {
                     let mut acc = zero;
                     for p in 0..4 {
