@@ -462,7 +462,7 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
             drive!(g, out, tile512_iq1_gather, 2, 4, KIND);
         }
     } else if gather {
-        drive!(g, out, tile512_xxs_gather, 4, 1, KIND);
+        drive!(g, out, tile512_sign_gather, 4, 1, KIND);
     } else if g.ntok == 1 {
         drive!(g, out, tile512, 4, 1, KIND);
     } else {
@@ -742,7 +742,7 @@ unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
     }
 }
 
-/// For [`tile512_xxs_gather`]'s 32 sign fields of a super-block, in two registers of 16
+/// For [`tile512_sign_gather`]'s 32 sign fields of an IQ2_XXS / IQ3_XXS super-block, in two registers of 16
 /// dword lanes (`h` = 0, 1): lane `i` takes sub-block `4h + i / 4`'s sign word, shifted right
 /// by `7 · (i % 4)`.
 static XXS_SIGN_WORD: [[u32; 16]; 2] = {
@@ -770,22 +770,24 @@ static XXS_SIGN_SHIFT: [u32; 16] = {
 /// ggml's `keven_signs_q2xs` as ±1 bytes, a `u64` an entry ([`SIGNS64`]), for gathers.
 static SIGNS64_TABLE: &[u64; 128] = &SIGNS64;
 
-/// IQ2_XXS and IQ3_XXS rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512 with the grid rows and
-/// sign patterns gathered: per super-block four `vpgatherdq` of IQ2_XXS's 8-value grid rows
-/// (or `vpgatherdd` of IQ3_XXS's 4-value ones), two sub-blocks a register, and four of the
-/// ±1 sign patterns (their 7-bit indices shifted out of each sub-block's sign word in two
-/// registers), turned into byte masks. Per token and pair of sub-blocks the activations are
-/// negated under the mask, one `vpmaddubsw` against the grid magnitudes and one `vpdpwssd`
-/// by the two sub-blocks' scales: ggml's `maddubs(grid, sign(a, signs))` pair sums and
-/// `madd` by `2·ls + 1` exactly (the q8_K values lie in −127..127, so negating equals
-/// `vpsignb`), so the eight i32 lanes (the register's halves added) equal [`tile512`]'s and
-/// the f32 steps are the same [`Chains`].
+/// The grid types whose signs are apart from their grid values (IQ2_XXS, IQ2_XS, IQ3_XXS,
+/// IQ3_S), rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512 with the grid rows gathered: per
+/// super-block four `vpgatherdq` of 8-value grid rows (IQ2_XXS, IQ2_XS) or `vpgatherdd` of
+/// 4-value ones (IQ3_XXS, IQ3_S), two sub-blocks a register, their indices built in registers
+/// (IQ2_XS's nine bits of each word, IQ3_S's index bytes plus one bit of its `qh` byte); the
+/// signs as a byte mask a pair of sub-blocks: IQ3_S's sign bits as they are, the others' 7-bit
+/// sign indices shifted out of their words and gathered from the ±1 table. Per token and pair
+/// of sub-blocks the activations are negated under the mask, one `vpmaddubsw` against the grid
+/// magnitudes and one `vpdpwssd` by the two sub-blocks' scales: ggml's
+/// `maddubs(grid, sign(a, signs))` pair sums and `madd` by `2·ls + 1` exactly (the q8_K values
+/// lie in −127..127, so negating equals `vpsignb`), so the eight i32 lanes (the register's
+/// halves added) equal [`tile512`]'s and the f32 steps are the same [`Chains`].
 ///
 /// # Safety
-/// As [`run_grid_avx512`] with `KIND` IQ2_XXS or IQ3_XXS; `r0 + R <= g.nrows`,
+/// As [`run_grid_avx512`] with `KIND` IQ2_XXS, IQ2_XS, IQ3_XXS or IQ3_S; `r0 + R <= g.nrows`,
 /// `t0 + T <= g.ntok`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")]
-unsafe fn tile512_xxs_gather<const R: usize, const T: usize, const KIND: u8>(
+unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
     g: &Gemm<'_>,
     r0: usize,
     t0: usize,
