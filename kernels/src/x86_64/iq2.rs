@@ -8,13 +8,16 @@
 //! against the activations signed by the value, ggml's `mul_add_epi8`) and a delta of ±1/8 per
 //! 8 values, summed apart (`scalar::Delta`). On AVX-512, from 16 tokens, the tokens-in-lanes
 //! k-quant GEMM (`kq_lanes`, values looked up as `value + 128`; the IQ1 types' as
-//! `8 · grid + delta + 128`).
+//! `8 · grid + delta + 128`); where gathers are fast (`super::fast_gathers`), the GEMVs of all
+//! but IQ2_S, and IQ1_S up to 15 tokens, take tiles that gather whole grid rows, two
+//! sub-blocks a register ([`tile512_iq1_gather`], [`tile512_sign_gather`]), with the same
+//! integer lanes.
 
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
 
 use super::drive;
-use super::lanes8::{f16_at, Chains};
+use super::lanes8::{f16_at, signed_pairs, Chains};
 use super::{IQ1_M, IQ1_S, IQ2_S, IQ2_XS, IQ2_XXS, IQ3_S, IQ3_XXS};
 use crate::iq_grids::{
     IQ1S_GRID, IQ2S_GRID, IQ2XS_GRID, IQ2XXS_GRID, IQ3S_GRID, IQ3XXS_GRID, KSIGNS_IQ2XS,
@@ -214,10 +217,13 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize, sv: __m2
 /// bytes, the high bits from the sub-block's bit fields. Only the AVX-512 tile calls it: every
 /// AVX-512 CPU runs `pdep` in a cycle or so, while the AVX2-only AMD Zen 1/2 microcode it
 /// (hundreds of cycles), so the AVX2 tile keeps shifts and masks. `None` for the other kinds.
-/// The IQ1 types take it on AMD CPUs only (on an AMD EPYC Zen 5, session 25, IQ1_M's `pdep`
-/// form was the faster by a fifth: the 4096 × 14336 GEMV, one thread, medians 3.05–3.33 ms
-/// against 3.48–4.84 with shifts); elsewhere they gather whole grid rows
-/// ([`tile512_iq1_gather`]).
+/// The sub-block tile takes it wherever it runs: IQ1_M's GEMV on AMD (on an AMD EPYC Zen 5,
+/// session 25, its `pdep` form was the faster by a fifth: the 4096 × 14336 GEMV, one thread,
+/// medians 3.05–3.33 ms against 3.48–4.84 with shifts; on an Intel Xeon in session 22 it was
+/// the slower, 0.91× against 0.95× llama.cpp; such CPUs now gather whole grid rows,
+/// [`tile512_iq1_gather`], and Intel AVX-512 CPUs before Sapphire Rapids take `pdep`
+/// unmeasured), and everyone's 2 to 15 tokens of IQ1_M (not measured against the shifts; the
+/// indices are built once for the tile's tokens).
 ///
 /// # Safety
 /// BMI2 available; `p` readable for one super-block of `KIND`; `ib < 8`.
@@ -432,7 +438,8 @@ pub(super) unsafe fn run_grid<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     }
 }
 
-/// The AVX-512 table's entry: [`run_grid`]'s tiles compiled for AVX-512, and from 16 tokens
+/// The AVX-512 table's entry: [`run_grid`]'s tiles compiled for AVX-512 or the gather tiles
+/// (below), and from 16 tokens
 /// in the tiled order the tokens-in-lanes GEMM.
 ///
 /// # Safety
@@ -443,13 +450,14 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     if unsafe { super::kq_lanes::tiled_batch::<KIND>(g, out) } {
         return;
     }
-    // Off AMD (whose gathers were not measured), grid rows gathered where that measured faster
-    // on an Intel Xeon (model 207, session 26; both paths alternated in one process): IQ1_S
-    // always (GEMV 1.5-3x, 2 and 4 tokens 1.2-1.9x), IQ1_M, IQ2_XXS and IQ3_XXS for one token
-    // only (GEMV 2x, 1.10x, 1.16x; at 4 tokens the sub-block tile, which unpacks once for
-    // its four tokens, stays ahead: 0.91x, 0.80x, 0.91-0.94x with gathers), IQ2_XS and IQ3_S
-    // for one token (GEMV 1.45x, 2.05x). IQ2_S keeps its tile.
-    let gather = !super::is_amd()
+    // Where gathers are fast ([`super::fast_gathers`]), grid rows gathered where that measured
+    // faster on an Intel Xeon (model 207, session 26; both paths alternated in one process,
+    // 4096 × 14336): IQ1_S at every token count (GEMV 1.5-3x, 4 tokens 1.05-1.23x), the others
+    // but IQ2_S for one token (GEMV IQ1_M 1.3-2x, IQ2_XXS 1.10x, IQ3_XXS 1.16-1.19x, IQ2_XS
+    // 1.45x, IQ3_S 2.05x; at 4 tokens the sub-block tile, which unpacks each sub-block once
+    // for its four tokens, is level or ahead: IQ1_M 0.91-0.93x, IQ2_XXS 0.80-0.95x, IQ3_XXS
+    // 0.91-1.06x with gathers).
+    let gather = super::fast_gathers()
         && match KIND {
             IQ1_S => true,
             IQ1_M | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ3_S => g.ntok == 1,
@@ -590,12 +598,13 @@ static IQ1S_SHIFT: [u16; 32] = table32!(|j| 3 * (j % 4));
 static IQ1M_SHIFT: [u16; 32] = table32!(|j| 4 * (j % 4));
 
 /// Per pair `p` of sub-blocks (one 64-byte register, 32 i16 pair sums, 16 a sub-block), which
-/// scale each i16 lane takes: IQ1_S's one scale a sub-block (of eight words), IQ1_M's two (of
-/// [`scales16_vec`]'s sixteen: values 0..16, then 16..32), and IQ1_M's delta: which of the
-/// eight `h` words and which bit (3 + 4l for the group l of 8 values) holds its sign.
+/// of eight per-sub-block words each i16 lane takes (`PAIR_SCALE`: the one scale of IQ1_S and
+/// the sign-gather types, IQ1_M's delta word) or which of [`scales16_vec`]'s sixteen
+/// (`PAIR_SCALE16`: IQ1_M's and IQ2_XS's two scales a sub-block, values 0..16 then 16..32);
+/// `DELTA_BIT`: which bit of IQ1_M's word (3 + 4l for the group l of 8 values) is the sign of
+/// a lane's delta.
 static PAIR_SCALE: [[u16; 32]; 4] = pair_table!(|p, i| 2 * p + i / 16);
 static PAIR_SCALE16: [[u16; 32]; 4] = pair_table!(|p, i| (i / 8) % 2 * 8 + 2 * p + i / 16);
-static PAIR_H: [[u16; 32]; 4] = pair_table!(|p, i| 2 * p + i / 16);
 static DELTA_BIT: [u16; 32] = table32!(|i| 1 << (3 + 4 * (i / 4 % 4)));
 
 /// The IQ1 types' rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512 with the grid rows gathered:
@@ -604,9 +613,10 @@ static DELTA_BIT: [u16; 32] = table32!(|i| 1 << (3 + 4 * (i / 4 % 4)));
 /// by four `vpgatherdq` (two sub-blocks a register), then per token and pair of sub-blocks one
 /// `vpmaddubsw` of the values plus one (0..2, unsigned) against the activations, minus the
 /// activations' own pair sums (once per token and super-block), and one `vpdpwssd` by the
-/// scales. That is ggml's pair sum `v·a` exactly (|pair| ≤ 508), so each of the eight i32
-/// lanes (the register's halves added) equals [`tile512`]'s, and the f32 steps are the same
-/// [`Chains`]. The delta: IQ1_S's every sub-block's `±(2·ls + 1)` against the q8_K block sums
+/// scales. That is ggml's pair sum `v·a` exactly (|pair| ≤ 508) for activations in
+/// −127..127, which is all the q8_K quantizer writes (ggml's `vpsignb` of −128 wraps, ours
+/// would not), so each of the eight i32 lanes (the register's halves added) equals
+/// [`tile512`]'s, and the f32 steps are the same [`Chains`]. The delta: IQ1_S's every sub-block's `±(2·ls + 1)` against the q8_K block sums
 /// by one `vpmaddwd`; IQ1_M's pair sums negated where a group's delta is −1 and one
 /// `vpdpwssd` by the scales. Where [`tile512`] builds each sub-block's grid register from four
 /// scalar loads and inserts (port 5), this spends four gathers per super-block and row.
@@ -635,10 +645,12 @@ unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
         let shift = load(if m { &IQ1M_SHIFT } else { &IQ1S_SHIFT });
         let pair: [__m512i; 4] =
             core::array::from_fn(|p| load(if m { &PAIR_SCALE16[p] } else { &PAIR_SCALE[p] }));
-        let pair_h: [__m512i; 4] = core::array::from_fn(|p| load(&PAIR_H[p]));
+        // IQ1_M's delta signs: each lane's sub-block word (as IQ1_S's scales take it).
+        let pair_sub: [__m512i; 4] = core::array::from_fn(|p| load(&PAIR_SCALE[p]));
         let delta_bit = load(&DELTA_BIT);
         let ones = _mm512_set1_epi8(1);
-        let grid = IQ1S_GRID.as_ptr().cast::<i64>();
+        let table: &'static [u64; 2048] = &IQ1S_GRID;
+        let grid = table.as_ptr().cast::<i64>();
         for b in 0..nb {
             let ad = Chains::<R, T>::dy(g, t0, b);
             // The tile's activations: per token four 64-byte pairs of sub-blocks, their i16
@@ -687,7 +699,7 @@ unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
                         core::array::from_fn(|p| _mm512_permutexvar_epi16(pair[p], sv));
                     let nd: [__mmask32; 4] = core::array::from_fn(|p| {
                         _mm512_test_epi16_mask(
-                            _mm512_permutexvar_epi16(pair_h[p], words),
+                            _mm512_permutexvar_epi16(pair_sub[p], words),
                             delta_bit,
                         )
                     });
@@ -742,9 +754,9 @@ unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
     }
 }
 
-/// For [`tile512_sign_gather`]'s 32 sign fields of an IQ2_XXS / IQ3_XXS super-block, in two registers of 16
-/// dword lanes (`h` = 0, 1): lane `i` takes sub-block `4h + i / 4`'s sign word, shifted right
-/// by `7 · (i % 4)`.
+/// For [`tile512_sign_gather`]'s 32 sign fields of an IQ2_XXS / IQ3_XXS super-block, in two
+/// registers of 16 dword lanes (`h` = 0, 1): lane `i` takes sub-block `4h + i / 4`'s sign
+/// word, shifted right by `7 · (i % 4)`.
 static XXS_SIGN_WORD: [[u32; 16]; 2] = {
     let mut t = [[0u32; 16]; 2];
     let mut h = 0;
@@ -767,8 +779,6 @@ static XXS_SIGN_SHIFT: [u32; 16] = {
     }
     t
 };
-/// ggml's `keven_signs_q2xs` as ±1 bytes, a `u64` an entry ([`SIGNS64`]), for gathers.
-static SIGNS64_TABLE: &[u64; 128] = &SIGNS64;
 
 /// The grid types whose signs are apart from their grid values (IQ2_XXS, IQ2_XS, IQ3_XXS,
 /// IQ3_S), rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512 with the grid rows gathered: per
@@ -778,10 +788,10 @@ static SIGNS64_TABLE: &[u64; 128] = &SIGNS64;
 /// signs as a byte mask a pair of sub-blocks: IQ3_S's sign bits as they are, the others' 7-bit
 /// sign indices shifted out of their words and gathered from the ±1 table. Per token and pair
 /// of sub-blocks the activations are negated under the mask, one `vpmaddubsw` against the grid
-/// magnitudes and one `vpdpwssd` by the two sub-blocks' scales: ggml's
-/// `maddubs(grid, sign(a, signs))` pair sums and `madd` by `2·ls + 1` exactly (the q8_K values
-/// lie in −127..127, so negating equals `vpsignb`), so the eight i32 lanes (the register's
-/// halves added) equal [`tile512`]'s and the f32 steps are the same [`Chains`].
+/// magnitudes and one `vpdpwssd` by the two sub-blocks' scales ([`signed_pairs`]): ggml's
+/// `maddubs(grid, sign(a, signs))` pair sums and `madd` by `2·ls + 1` exactly (negating under
+/// the mask wraps −128 as `vpsignb` does), so the eight i32 lanes (the register's halves
+/// added) equal [`tile512`]'s and the f32 steps are the same [`Chains`].
 ///
 /// # Safety
 /// As [`run_grid_avx512`] with `KIND` IQ2_XXS, IQ2_XS, IQ3_XXS or IQ3_S; `r0 + R <= g.nrows`,
@@ -807,8 +817,7 @@ unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
             core::array::from_fn(|p| _mm512_loadu_si512(PAIR_SCALE[p].as_ptr().cast()));
         let pair16: [__m512i; 4] =
             core::array::from_fn(|p| _mm512_loadu_si512(PAIR_SCALE16[p].as_ptr().cast()));
-        let zero = _mm512_setzero_si512();
-        let signs = SIGNS64_TABLE.as_ptr().cast::<i64>();
+        let signs = SIGNS64.as_ptr().cast::<i64>();
         // Quarter `p` of 32 dword indices held in two registers: the eight of pair `p`.
         let quarter = |lo: __m512i, hi: __m512i, p: usize| {
             let v = if p < 2 { lo } else { hi };
@@ -826,13 +835,6 @@ unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
         };
         for b in 0..nb {
             let ad = Chains::<R, T>::dy(g, t0, b);
-            let mut a = [[zero; 4]; T];
-            for t in 0..T {
-                let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
-                for p in 0..4 {
-                    a[t][p] = _mm512_loadu_si512(q8.add(64 * p).cast());
-                }
-            }
             for r in 0..R {
                 let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * wb);
                 let dw = f16_at(wp);
@@ -844,7 +846,8 @@ unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
                             let q = |p: usize| {
                                 _mm512_cvtepu8_epi32(_mm_loadu_si128(wp.add(2 + 16 * p).cast()))
                             };
-                            let table = IQ3XXS_GRID.as_ptr().cast::<i32>();
+                            let table: &'static [u32; 256] = &IQ3XXS_GRID;
+                            let table = table.as_ptr().cast::<i32>();
                             (
                                 _mm256_loadu_si256(wp.add(66).cast()),
                                 core::array::from_fn(|p| _mm512_i32gather_epi32::<4>(q(p), table)),
@@ -866,7 +869,8 @@ unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
                             ));
                             let lo = _mm512_cvtepu8_epi32(_mm256_castsi256_si128(even));
                             let hi = _mm512_cvtepu8_epi32(_mm256_extracti128_si256::<1>(even));
-                            let table = IQ2XXS_GRID.as_ptr().cast::<i64>();
+                            let table: &'static [u64; 256] = &IQ2XXS_GRID;
+                            let table = table.as_ptr().cast::<i64>();
                             (
                                 odd,
                                 core::array::from_fn(|p| gather8(quarter(lo, hi, p), table)),
@@ -900,7 +904,8 @@ unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
                         };
                         let (glo, ghi) = wide(_mm512_and_si512(q, _mm512_set1_epi16(511)));
                         let (slo, shi) = wide(_mm512_srli_epi16::<9>(q));
-                        let table = IQ2XS_GRID.as_ptr().cast::<i64>();
+                        let table: &'static [u64; 512] = &IQ2XS_GRID;
+                        let table = table.as_ptr().cast::<i64>();
                         let sv = _mm512_castsi256_si512(scales16_vec::<KIND>(wp));
                         (
                             core::array::from_fn(|p| gather8(quarter(glo, ghi, p), table)),
@@ -916,7 +921,8 @@ unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
                         // a nibble a sub-block.
                         let iota =
                             _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-                        let table = IQ3S_GRID.as_ptr().cast::<i32>();
+                        let table: &'static [u32; 512] = &IQ3S_GRID;
+                        let table = table.as_ptr().cast::<i32>();
                         let grid = core::array::from_fn(|p| {
                             let lo =
                                 _mm512_cvtepu8_epi32(_mm_loadu_si128(wp.add(2 + 16 * p).cast()));
@@ -942,15 +948,8 @@ unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
                     }
                 };
                 for t in 0..T {
-                    let mut acc = zero;
-                    for p in 0..4 {
-                        let sa = _mm512_mask_sub_epi8(a[t][p], neg[p], zero, a[t][p]);
-                        acc = _mm512_dpwssd_epi32(acc, _mm512_maddubs_epi16(grid[p], sa), sc[p]);
-                    }
-                    let lanes = _mm256_add_epi32(
-                        _mm512_castsi512_si256(acc),
-                        _mm512_extracti64x4_epi64::<1>(acc),
-                    );
+                    let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
+                    let lanes = signed_pairs(q8, &grid, &neg, &sc);
                     ch.step(r, t, lanes, dw, ad[t]);
                 }
             }
@@ -963,8 +962,106 @@ unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
 mod tests {
     use super::*;
 
+    /// Random super-blocks of `ty` (`rows × cols`) with a sane f16 scale (IQ1_M's in the top
+    /// nibbles of its scale words), as `gemm_bench` writes them.
+    fn blocks(ty: crate::GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
+        let len = ty.row_size((rows * cols) as u64).expect("whole blocks") as usize;
+        let mut x = seed;
+        let mut v: Vec<u8> = (0..len)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect();
+        let d = half::f16::from_f32(0.01).to_bits();
+        for b in v.chunks_exact_mut(ty.type_size()) {
+            if ty == crate::GgmlType::IQ1_M {
+                for i in 0..4 {
+                    b[49 + 2 * i] = (b[49 + 2 * i] & 0x0F) | ((((d >> (4 * i)) & 0xF) as u8) << 4);
+                }
+            } else {
+                b[..2].copy_from_slice(&d.to_le_bytes());
+            }
+        }
+        v
+    }
+
+    /// One kind's gather tile against the sub-block tile, driven over the same rows and tokens
+    /// with the same tile shapes: every output bit equal.
+    fn gather_equals_sub_block<const KIND: u8>(ty: crate::GgmlType) {
+        let (rows, cols) = (6, 2 * QK_K);
+        let w = blocks(ty, rows, cols, 0x9E37_79B9_7F4A_7C15 ^ KIND as u64);
+        let q = crate::QMatrix::new(ty, rows, cols, &w).expect("matrix");
+        for n in 1..=5 {
+            let mut s = 0x2545_F491_4F6C_DD1Du64 ^ n as u64;
+            let x: Vec<f32> = (0..n * cols)
+                .map(|_| {
+                    s ^= s << 13;
+                    s ^= s >> 7;
+                    s ^= s << 17;
+                    (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+                })
+                .collect();
+            let mut act = crate::Activations::new();
+            act.quantize_for(ty, &x, n, cols).expect("activations");
+            for numerics in [crate::Numerics::Parity, crate::Numerics::Invariant] {
+                let g = Gemm::new(&q, &act, 0..rows, n * rows, numerics).expect("gemm");
+                let (mut want, mut got) = (vec![0f32; n * rows], vec![0f32; n * rows]);
+                // SAFETY (the four drives): AVX-512 F/BW/VL/DQ, VNNI and BMI2 checked by the
+                // caller; `g` is a Gemm of KIND's weights with outputs of `n * rows`.
+                if is_iq1(KIND) {
+                    drive!(&g, &mut want, tile512, 4, 1, KIND);
+                    drive!(&g, &mut got, tile512_iq1_gather, 4, 1, KIND);
+                } else {
+                    drive!(&g, &mut want, tile512, 4, 1, KIND);
+                    drive!(&g, &mut got, tile512_sign_gather, 4, 1, KIND);
+                }
+                let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{ty:?} {n} tokens {numerics:?}, 4 x 1"
+                );
+                if is_iq1(KIND) {
+                    drive!(&g, &mut want, tile512, 2, 4, KIND);
+                    drive!(&g, &mut got, tile512_iq1_gather, 2, 4, KIND);
+                } else {
+                    drive!(&g, &mut want, tile512, 2, 4, KIND);
+                    drive!(&g, &mut got, tile512_sign_gather, 2, 4, KIND);
+                }
+                assert_eq!(
+                    bits(&got),
+                    bits(&want),
+                    "{ty:?} {n} tokens {numerics:?}, 2 x 4"
+                );
+            }
+        }
+    }
+
+    /// The gather tiles, called directly (the dispatch takes them only where gathers are fast,
+    /// and some kinds only for one token): equal to the sub-block tile on any CPU with the
+    /// AVX-512 table, for every kind they serve, 1 to 5 tokens, tiles of 4 × 1 and 2 × 4 rows ×
+    /// tokens with their one-row and short-token tails, both numerics.
+    #[test]
+    fn gather_tiles_equal_the_sub_block_tile() {
+        if super::super::avx512::Avx512::new().is_none() {
+            eprintln!("no AVX-512 VNNI here: the gather tiles do not run on this CPU");
+            return;
+        }
+        use crate::GgmlType as G;
+        gather_equals_sub_block::<IQ1_S>(G::IQ1_S);
+        gather_equals_sub_block::<IQ1_M>(G::IQ1_M);
+        gather_equals_sub_block::<IQ2_XXS>(G::IQ2_XXS);
+        gather_equals_sub_block::<IQ2_XS>(G::IQ2_XS);
+        gather_equals_sub_block::<IQ3_XXS>(G::IQ3_XXS);
+        gather_equals_sub_block::<IQ3_S>(G::IQ3_S);
+    }
+
     /// IQ1_M's grid indices by `pdep` equal the shifts' for every high-bits word and every
-    /// sub-block (the AVX-512 tile uses them on AMD CPUs only; this needs just BMI2).
+    /// sub-block (the AVX-512 sub-block tile uses them where gathers are not fast, and IQ1_M's
+    /// from two tokens everywhere; this needs just BMI2).
     #[test]
     fn iq1_m_grid_indices_by_pdep_equal_the_shifts() {
         assert!(

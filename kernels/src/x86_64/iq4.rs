@@ -21,7 +21,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::avx512q::reduce_lanes;
-use super::lanes8::{f16_at, Chains};
+use super::lanes8::{f16_at, signed_pairs, Chains};
 use super::{drive, IQ4_NL, Q4_0};
 use crate::matmul::Gemm;
 use crate::quant::{Q8_K_BYTES, QK, QK_K};
@@ -539,16 +539,7 @@ unsafe fn xs_tile512<const R: usize, const T: usize>(
                 }
                 for t in 0..T {
                     let q8 = g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
-                    let mut lanes = _mm512_setzero_si512();
-                    for m in 0..4 {
-                        let a = _mm512_loadu_si512(q8.add(64 * m).cast());
-                        let sa = _mm512_mask_sub_epi8(a, neg[m], _mm512_setzero_si512(), a);
-                        lanes = _mm512_dpwssd_epi32(lanes, _mm512_maddubs_epi16(aw[m], sa), sc[m]);
-                    }
-                    let lanes = _mm256_add_epi32(
-                        _mm512_castsi512_si256(lanes),
-                        _mm512_extracti64x4_epi64::<1>(lanes),
-                    );
+                    let lanes = signed_pairs(q8, &aw, &neg, &sc);
                     ch.step(r, t, lanes, dw, ad[t]);
                 }
             }

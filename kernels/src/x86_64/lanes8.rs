@@ -170,3 +170,32 @@ pub(super) unsafe fn f16_at(p: *const u8) -> f32 {
     let bits = unsafe { p.cast::<u16>().read_unaligned() };
     _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(bits as i32)))
 }
+
+/// A super-block's eight exact lanes for one token on AVX-512, two 32-value sub-blocks a
+/// register: per pair `p` the token's 64 q8_K values at `q8 + 64p`, negated where `neg[p]`
+/// has a bit, `vpmaddubsw` against the unsigned magnitudes `mag[p]` (ggml's
+/// `maddubs(|w|, sign(a, w))`: negating wraps −128 as `vpsignb` does) and `vpdpwssd` by the
+/// i16 scales `sc[p]`; the register's halves added (exact: i32 sums).
+///
+/// # Safety
+/// AVX-512 F/BW/VNNI available; 256 bytes readable at `q8`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+pub(super) unsafe fn signed_pairs(
+    q8: *const u8,
+    mag: &[__m512i; 4],
+    neg: &[__mmask64; 4],
+    sc: &[__m512i; 4],
+) -> __m256i {
+    let mut lanes = _mm512_setzero_si512();
+    for p in 0..4 {
+        // SAFETY: as the contract.
+        let a = unsafe { _mm512_loadu_si512(q8.add(64 * p).cast()) };
+        let sa = _mm512_mask_sub_epi8(a, neg[p], _mm512_setzero_si512(), a);
+        lanes = _mm512_dpwssd_epi32(lanes, _mm512_maddubs_epi16(mag[p], sa), sc[p]);
+    }
+    _mm256_add_epi32(
+        _mm512_castsi512_si256(lanes),
+        _mm512_extracti64x4_epi64::<1>(lanes),
+    )
+}

@@ -101,7 +101,8 @@ macro_rules! grid_entries {
 pub(crate) use grid_entries;
 
 /// Whether this is an AMD CPU (CPUID vendor "AuthenticAMD"), for the few choices the two
-/// vendors' cores want made differently (`avx2::float_act`, IQ1_M's grid indices in `iq2`).
+/// vendors' cores want made differently (`avx2::float_act`, the IQ grid types' GEMVs in `iq2`
+/// through [`fast_gathers`]).
 pub(crate) fn is_amd() -> bool {
     static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AMD.get_or_init(|| {
@@ -110,6 +111,16 @@ pub(crate) fn is_amd() -> bool {
         // The vendor string "AuthenticAMD" in EBX, EDX, ECX.
         (v.ebx, v.edx, v.ecx) == (0x6874_7541, 0x6974_6E65, 0x444D_4163)
     })
+}
+
+/// Whether `vpgather*` is worth a table lookup here: an Intel CPU with AVX512-FP16, i.e.
+/// Sapphire Rapids or later. Skylake-SP through Ice Lake and Tiger Lake run gathers under the
+/// Gather Data Sampling ("Downfall") microcode mitigation, several times slower; AMD's gathers
+/// were not measured. The IQ grid types' AVX-512 GEMVs gather their grid rows where this holds
+/// (`iq2::run_grid_avx512`; measured on an Emerald Rapids Xeon, session 26).
+pub(crate) fn fast_gathers() -> bool {
+    static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *FAST.get_or_init(|| !is_amd() && is_x86_feature_detected!("avx512fp16"))
 }
 
 /// The bytes of `v`.
