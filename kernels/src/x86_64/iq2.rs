@@ -560,13 +560,16 @@ tile_fn!(
     true
 );
 
-/// A `[u16; 32]` of `$e` over `$j` in 0..32 (a const block).
+/// A `[$t; $n]` of `$e` over `$j` in 0..$n (a const block); `[u16; 32]` unless named.
 macro_rules! table32 {
-    (|$j:ident| $e:expr) => {{
-        let mut t = [0u16; 32];
+    (|$j:ident| $e:expr) => {
+        table32!(u16; 32, |$j| $e)
+    };
+    ($t:ty; $n:expr, |$j:ident| $e:expr) => {{
+        let mut t: [$t; $n] = [0; $n];
         let mut $j = 0;
-        while $j < 32 {
-            t[$j] = ($e) as u16;
+        while $j < $n {
+            t[$j] = ($e) as $t;
             $j += 1;
         }
         t
@@ -755,30 +758,10 @@ unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
 }
 
 /// For [`tile512_sign_gather`]'s 32 sign fields of an IQ2_XXS / IQ3_XXS super-block, in two
-/// registers of 16 dword lanes (`h` = 0, 1): lane `i` takes sub-block `4h + i / 4`'s sign
-/// word, shifted right by `7 · (i % 4)`.
-static XXS_SIGN_WORD: [[u32; 16]; 2] = {
-    let mut t = [[0u32; 16]; 2];
-    let mut h = 0;
-    while h < 2 {
-        let mut i = 0;
-        while i < 16 {
-            t[h][i] = (4 * h + i / 4) as u32;
-            i += 1;
-        }
-        h += 1;
-    }
-    t
-};
-static XXS_SIGN_SHIFT: [u32; 16] = {
-    let mut t = [0u32; 16];
-    let mut i = 0;
-    while i < 16 {
-        t[i] = (7 * (i % 4)) as u32;
-        i += 1;
-    }
-    t
-};
+/// registers of 16 dword lanes (lanes `16h..16h + 16` of the word table): field `j` takes
+/// sub-block `j / 4`'s sign word, shifted right by `7 · (j % 4)`.
+static XXS_SIGN_WORD: [u32; 32] = table32!(u32; 32, |j| j / 4);
+static XXS_SIGN_SHIFT: [u32; 16] = table32!(u32; 16, |j| 7 * (j % 4));
 
 /// The grid types whose signs are apart from their grid values (IQ2_XXS, IQ2_XS, IQ3_XXS,
 /// IQ3_S), rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512 with the grid rows gathered: per
@@ -811,7 +794,7 @@ unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
     // gathered indices are bytes (grids of 256 entries) or masked to 7 bits (128 signs).
     unsafe {
         let sign_word: [__m512i; 2] =
-            core::array::from_fn(|h| _mm512_loadu_si512(XXS_SIGN_WORD[h].as_ptr().cast()));
+            core::array::from_fn(|h| _mm512_loadu_si512(XXS_SIGN_WORD[16 * h..].as_ptr().cast()));
         let sign_shift = _mm512_loadu_si512(XXS_SIGN_SHIFT.as_ptr().cast());
         let pair: [__m512i; 4] =
             core::array::from_fn(|p| _mm512_loadu_si512(PAIR_SCALE[p].as_ptr().cast()));
