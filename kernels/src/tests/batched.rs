@@ -9,7 +9,8 @@ use crate::dispatch::Isa;
 use crate::*;
 
 /// Token counts: each small tile width, the small/large kernel switches, and past them (133:
-/// more than one band of the k-quant lanes GEMM, a ragged last group, `ntok % 4 == 1`).
+/// a ragged last group, `ntok % 4 == 1`; more than one band of the k-quant lanes GEMM in
+/// [`lanes_gemm_past_one_band_matches_scalar`]).
 const NS: [usize; 17] = [2, 3, 4, 5, 6, 7, 8, 9, 12, 15, 16, 17, 24, 37, 45, 64, 133];
 
 fn cols_for(ty: GgmlType) -> &'static [usize] {
@@ -89,6 +90,44 @@ fn batched_matmuls_on_many_rows_match_scalar() {
         }
     }
     assert!(checked > 100_000, "only {checked} comparisons ran");
+}
+
+/// The k-quant lanes GEMM (256-value types, from 16 tokens) past one band of 32 token groups:
+/// 529 tokens are two bands (32 groups, then one full and one of a single token), whose
+/// register tiles take 3 (Intel) or 2 (AMD) groups and then the band's last one or two; 70
+/// rows cross its 64-row panel, from an odd row.
+#[test]
+fn lanes_gemm_past_one_band_matches_scalar() {
+    let mut rng = Rng(0xBA7D);
+    let (n, cols, total_rows) = (529usize, 512usize, 73usize);
+    let rows = 1..71;
+    let mut checked = 0usize;
+    for ty in MATMUL_TYPES.into_iter().filter(|t| t.block_size() == 256) {
+        let w = random_weights(ty, cols * total_rows, &mut rng);
+        let m = QMatrix::new(ty, total_rows, cols, &w).unwrap();
+        let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+        let mut act = Activations::new();
+        act.quantize_for(ty, &x, n, cols).unwrap();
+        for numerics in [Numerics::Parity, Numerics::Invariant] {
+            let want = run(Isa::Scalar, &m, &act, rows.clone(), numerics);
+            if !Isa::Avx512.is_available() {
+                continue;
+            }
+            let got = run(Isa::Avx512, &m, &act, rows.clone(), numerics);
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    g.to_bits() == w.to_bits(),
+                    "{ty:?} {numerics:?} t={} row={}: got {g} want {w}",
+                    i / rows.len(),
+                    rows.start + i % rows.len()
+                );
+                checked += 1;
+            }
+        }
+    }
+    if Isa::Avx512.is_available() {
+        assert!(checked > 1_000_000, "only {checked} comparisons ran");
+    }
 }
 
 /// The largest codes every k-quant (and q4_0, q5_0, q8_0: the largest and the most negative)

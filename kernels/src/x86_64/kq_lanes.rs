@@ -34,15 +34,23 @@ use core::arch::x86_64::*;
 
 /// Tokens per register.
 const LANES: usize = 16;
-/// Token groups per band: the band's rearranged activations are reused by every row panel.
-const BAND_GROUPS: usize = 8;
+/// Token groups per band: the band's rearranged activations are reused by every row panel, and
+/// each weight super-block is unpacked once per band. 32 groups (512 tokens, 8.4 MB of
+/// rearranged activations at K = 14336) took the IQ types and q6_K 1.07-1.10x faster than 8
+/// (Intel Xeon, session 27; each panel streams the band from L2/L3 while its 64 rows x 512
+/// tokens of products take ~2 ms).
+const BAND_GROUPS: usize = 32;
 /// Weight rows per panel: one super-block of them is unpacked at a time and stays in L1 while
 /// every group of the band passes over it.
 const PANEL: usize = 16 * R;
-/// Rows × token groups of the register tile. On AMD EPYC (Zen 4) 4 × 2 ran q6_K 0.99-1.05×
-/// llama.cpp's tiled matmul and 6 × 2 0.87× (4 × 3, 3 × 3, 8 × 1 and 2 × 4 in between).
+/// Super-blocks ahead that [`unpack_panel`] prefetches.
+const PREFETCH: usize = 2;
+/// Rows of the register tile; its token groups are [`gemm`]'s `G`: 3 on Intel, 2 on AMD. On an
+/// AMD EPYC (Zen 4, whose 512-bit operations are double-pumped) 4 × 2 ran q6_K 0.99-1.05×
+/// llama.cpp's tiled matmul and 6 × 2 0.87× (4 × 3, 3 × 3, 8 × 1 and 2 × 4 in between); on an
+/// Intel Xeon (session 27, with each order's loops unrolled) 4 × 3 beat 4 × 2 and 6 × 2: twelve
+/// accumulators keep both `vpdpbusd` ports busy past its latency.
 const R: usize = 4;
-const G: usize = 2;
 
 /// One group of 16 tokens at one super-block, rearranged.
 #[derive(Clone, Copy)]
@@ -167,6 +175,28 @@ pub(super) unsafe fn gemm<const KIND: u8>(
     order: KOrder,
     out: &mut [f32],
 ) {
+    // SAFETY: as this function's contract.
+    unsafe {
+        if super::is_amd() {
+            gemm_g::<KIND, 2>(g, t0, t1, order, out)
+        } else {
+            gemm_g::<KIND, 3>(g, t0, t1, order, out)
+        }
+    }
+}
+
+/// [`gemm`] with a register tile of [`R`] rows × `G` token groups (2 or 3).
+///
+/// # Safety
+/// As [`gemm`].
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+unsafe fn gemm_g<const KIND: u8, const G: usize>(
+    g: &Gemm<'_>,
+    t0: usize,
+    t1: usize,
+    order: KOrder,
+    out: &mut [f32],
+) {
     // The (kind, order) pairs `micro` implements: the IQ types and q6_K / q3_K only tiled
     // (their offset comes out there), q2_K never tiled.
     debug_assert!(match KIND {
@@ -207,12 +237,19 @@ pub(super) unsafe fn gemm<const KIND: u8>(
                                 // SAFETY: the tile's accumulators lie in `accs` (rows r..r+R of
                                 // the panel, groups gi..gi+ng of the band).
                                 unsafe {
-                                    if ng == G {
-                                        let a: [&ActBlock; G] = core::array::from_fn(ab);
-                                        micro::<KIND, G>(&w, &a, order, p, band, base)
-                                    } else {
-                                        // G = 2: the band's odd last group.
-                                        micro::<KIND, 1>(&w, &[ab(0)], order, p, band, base)
+                                    match ng {
+                                        3 => {
+                                            let a: [&ActBlock; 3] = core::array::from_fn(ab);
+                                            micro_in::<KIND, 3>(&w, &a, order, p, band, base)
+                                        }
+                                        2 => {
+                                            let a: [&ActBlock; 2] = core::array::from_fn(ab);
+                                            micro_in::<KIND, 2>(&w, &a, order, p, band, base)
+                                        }
+                                        // The band's last group (G = 2 or 3).
+                                        _ => {
+                                            micro_in::<KIND, 1>(&w, &[ab(0)], order, p, band, base)
+                                        }
                                     }
                                 };
                                 r += R;
@@ -329,10 +366,20 @@ unsafe fn unpack_panel<const KIND: u8>(
     wrows: &mut [WRow],
 ) {
     let wbs = k_block_bytes(KIND);
+    // The panel's rows are `w_stride` apart, more streams than the hardware prefetcher follows:
+    // each row's super-block `PREFETCH` ahead is fetched here, while this one is unpacked.
+    let ahead = sb + PREFETCH < g.cols / QK_K;
     for (i, wr) in wrows[..np].iter_mut().enumerate() {
         // SAFETY: row r0 + i < nrows, super-block sb: `wbs` bytes; the closure writes 256 bytes.
         unsafe {
             let p = g.w.as_ptr().add((r0 + i) * g.w_stride + sb * wbs);
+            if ahead {
+                let q = p.add(PREFETCH * wbs);
+                for off in (0..wbs).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(q.add(off).cast());
+                }
+                _mm_prefetch::<_MM_HINT_T0>(q.add(wbs - 1).cast());
+            }
             unpack_row::<KIND>(p, wr, |codes| {
                 let kb = super::avx512q::unpack_k::<KIND>(p);
                 for c in 0..4 {
@@ -459,16 +506,13 @@ fn pair_dot(w: &WRow, a: &ActBlock, n: usize) -> __m512i {
     s
 }
 
-/// R rows × NG groups (NG = G, or 1 for a band's odd last group) at one super-block: the exact
-/// integer sums, then each (row, token)'s float step(s) of `order` into
-/// `accs[base + 2(i·band + k)]` (and `+ 1`, the mins' chain).
+/// [`micro`] for `order`, as a constant so that each order's loops are unrolled.
 ///
 /// # Safety
-/// Features as the module; the accumulators of rows `0..R` and groups `0..NG` from `base` lie
-/// in `accs`.
+/// As [`micro`].
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
-unsafe fn micro<const KIND: u8, const NG: usize>(
+unsafe fn micro_in<const KIND: u8, const NG: usize>(
     w: &[&WRow; R],
     a: &[&ActBlock; NG],
     order: KOrder,
@@ -476,6 +520,40 @@ unsafe fn micro<const KIND: u8, const NG: usize>(
     band: usize,
     base: usize,
 ) {
+    // SAFETY: as this function's contract.
+    unsafe {
+        match order {
+            KOrder::Tiled => micro::<KIND, NG, { KOrder::Tiled as u8 }>(w, a, accs, band, base),
+            KOrder::Sb256 => micro::<KIND, NG, { KOrder::Sb256 as u8 }>(w, a, accs, band, base),
+            KOrder::Sb128 => micro::<KIND, NG, { KOrder::Sb128 as u8 }>(w, a, accs, band, base),
+            KOrder::Sb64 => micro::<KIND, NG, { KOrder::Sb64 as u8 }>(w, a, accs, band, base),
+            KOrder::Lanes8 => unreachable!("kq_lanes::handles excludes Lanes8"),
+        }
+    }
+}
+
+/// R rows × NG groups (NG = `gemm_g`'s G, or fewer for a band's last groups) at one super-block: the exact
+/// integer sums, then each (row, token)'s float step(s) of the order `ORD` (a [`KOrder`] as
+/// `u8`) into `accs[base + 2(i·band + k)]` (and `+ 1`, the mins' chain).
+///
+/// # Safety
+/// Features as the module; the accumulators of rows `0..R` and groups `0..NG` from `base` lie
+/// in `accs`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn micro<const KIND: u8, const NG: usize, const ORD: u8>(
+    w: &[&WRow; R],
+    a: &[&ActBlock; NG],
+    accs: *mut __m512,
+    band: usize,
+    base: usize,
+) {
+    let order = match ORD {
+        o if o == KOrder::Sb64 as u8 => KOrder::Sb64,
+        o if o == KOrder::Sb128 as u8 => KOrder::Sb128,
+        o if o == KOrder::Sb256 as u8 => KOrder::Sb256,
+        _ => KOrder::Tiled,
+    };
     // q6_K, q3_K, q2_K, IQ2_XS, IQ2_S, IQ1_M: 16-value sub-blocks (q6_K's and q3_K's with
     // signed scales and codes carrying an offset, q2_K's with mins).
     let sub16 = sub16(KIND);
