@@ -64,6 +64,8 @@ struct ActBlock {
     pairs: [__m512i; 8],
     /// Lane `t` = token `t`'s q8_K scale.
     d: __m512,
+    /// q3_K: lane `t` = 127 × the sum of token `t`'s 256 values (the offset of [`folded`] codes).
+    asum127: __m512i,
 }
 
 // SAFETY: vectors only; alignment 64.
@@ -99,6 +101,13 @@ const fn is_grid(kind: u8) -> bool {
 /// The kinds whose sub-blocks are 16 values (16 scales, block sums taken as they are).
 const fn sub16(kind: u8) -> bool {
     matches!(kind, Q6_K | Q3_K | Q2_K) || super::iq2::scales16(kind)
+}
+
+/// The kinds whose unpacked codes carry their sub-block's scale (`v · sc` fits a byte), so the
+/// micro-kernel needs no multiply per sub-block: q2_K (`v · sc` in 0..=45) and q3_K (`v · sc +
+/// 127` in 3..=255, the offset removed from the token's sum).
+const fn folded(kind: u8) -> bool {
+    matches!(kind, Q2_K | Q3_K)
 }
 
 /// Whether [`gemm`] computes this order.
@@ -311,6 +320,7 @@ unsafe fn prep_band<const KIND: u8>(
             let mut codes = [[0u32; LANES]; 64];
             let mut pairs = [[0u32; LANES]; 8];
             let mut d = [0f32; LANES];
+            let mut asum127 = [0i32; LANES];
             for t in 0..n {
                 // SAFETY: token ts + t < t1 <= ntok, super-block sb < nsb: Q8_K_BYTES.
                 let p = unsafe { g.a.as_ptr().add((ts + t) * g.a_stride + sb * Q8_K_BYTES) };
@@ -323,6 +333,9 @@ unsafe fn prep_band<const KIND: u8>(
                     )
                 };
                 d[t] = dt;
+                if KIND == Q3_K {
+                    asum127[t] = 127 * bs.iter().map(|&b| b as i32).sum::<i32>();
+                }
                 for (c, v) in codes.iter_mut().zip(q) {
                     c[t] = v;
                 }
@@ -348,6 +361,7 @@ unsafe fn prep_band<const KIND: u8>(
                     *o = _mm512_loadu_si512(c.as_ptr().cast());
                 }
                 blk.d = _mm512_loadu_ps(d.as_ptr());
+                blk.asum127 = _mm512_loadu_si512(asum127.as_ptr().cast());
             }
         }
     }
@@ -385,8 +399,36 @@ unsafe fn unpack_panel<const KIND: u8>(
                 for c in 0..4 {
                     _mm512_storeu_si512(codes.as_mut_ptr().add(64 * c).cast(), kb.u[c]);
                 }
-            })
+            });
+            if folded(KIND) {
+                fold::<KIND>(wr);
+            }
         }
+    }
+}
+
+/// A [`folded`] kind's codes times their sub-block's scale: q2_K `code · sc` (codes 0..=3,
+/// scales 0..=15), q3_K `(code - 4) · sc + 127` (codes 0..=7, scales -32..=31).
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+fn fold<const KIND: u8>(wr: &mut WRow) {
+    let (off, bias) = if KIND == Q3_K { (4, 127) } else { (0, 0) };
+    for c in 0..8 {
+        // Two 16-value sub-blocks: 32 codes widened to i16 against their two scales.
+        // SAFETY: bytes 32c..32c + 32 of the 256 codes.
+        let b = unsafe { _mm256_loadu_si256(wr.codes.as_ptr().add(32 * c).cast()) };
+        let v = _mm512_sub_epi16(_mm512_cvtepu8_epi16(b), _mm512_set1_epi16(off));
+        let sc = _mm512_inserti64x4::<1>(
+            _mm512_set1_epi16(wr.sc[2 * c] as i16),
+            _mm256_set1_epi16(wr.sc[2 * c + 1] as i16),
+        );
+        let p = _mm512_add_epi16(_mm512_mullo_epi16(v, sc), _mm512_set1_epi16(bias));
+        // SAFETY: as the load.
+        unsafe {
+            _mm256_storeu_si256(
+                wr.codes.as_mut_ptr().add(32 * c).cast(),
+                _mm512_cvtepi16_epi8(p),
+            )
+        };
     }
 }
 
@@ -572,7 +614,28 @@ unsafe fn micro<const KIND: u8, const NG: usize, const ORD: u8>(
     unsafe {
         let mut s1 = [[_mm512_setzero_si512(); NG]; R];
         for j0 in (0..nsub).step_by(per) {
+            if folded(KIND) {
+                // The codes carry their sub-block's scale: one chain over the whole step.
+                for q in j0 * nq..(j0 + per) * nq {
+                    let c: [__m512i; NG] = core::array::from_fn(|k| a[k].codes[q]);
+                    for i in 0..R {
+                        let wv = _mm512_set1_epi32(
+                            w[i].codes
+                                .as_ptr()
+                                .add(4 * q)
+                                .cast::<i32>()
+                                .read_unaligned(),
+                        );
+                        for k in 0..NG {
+                            s1[i][k] = _mm512_dpbusd_epi32(s1[i][k], wv, c[k]);
+                        }
+                    }
+                }
+            }
             for j in j0..j0 + per {
+                if folded(KIND) {
+                    break;
+                }
                 let mut raw = [[_mm512_setzero_si512(); NG]; R];
                 for q in j * nq..j * nq + nq {
                     let c: [__m512i; NG] = core::array::from_fn(|k| a[k].codes[q]);
@@ -650,14 +713,14 @@ unsafe fn micro<const KIND: u8, const NG: usize, const ORD: u8>(
                 }
             }
             KOrder::Tiled => {
-                // q6_K: codes carry +32, q3_K +4; remove offset · Σ_j sc_j · bsums_j.
+                // q6_K: codes carry +32; remove 32 · Σ_j sc_j · bsums_j. q3_K (folded): codes
+                // `v · sc + 127`; remove 127 · the token's sum.
                 for i in 0..R {
                     for k in 0..NG {
-                        let corr = pair_dot(w[i], a[k], 8);
                         let corr = if KIND == Q3_K {
-                            _mm512_slli_epi32::<2>(corr)
+                            a[k].asum127
                         } else {
-                            _mm512_slli_epi32::<5>(corr)
+                            _mm512_slli_epi32::<5>(pair_dot(w[i], a[k], 8))
                         };
                         let isum = _mm512_sub_epi32(s1[i][k], corr);
                         let res = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w[i].d));
