@@ -64,8 +64,9 @@ struct ActBlock {
     pairs: [__m512i; 8],
     /// Lane `t` = token `t`'s q8_K scale.
     d: __m512,
-    /// q3_K: lane `t` = 127 × the sum of token `t`'s 256 values (the offset of [`folded`] codes).
-    asum127: __m512i,
+    /// q3_K and IQ1_S: lane `t` = the sum of token `t`'s 256 values times the offset of the
+    /// [`folded`] codes (q3_K 127, IQ1_S 128).
+    asum_off: __m512i,
 }
 
 // SAFETY: vectors only; alignment 64.
@@ -104,10 +105,12 @@ const fn sub16(kind: u8) -> bool {
 }
 
 /// The kinds whose unpacked codes carry their sub-block's scale (`v · sc` fits a byte), so the
-/// micro-kernel needs no multiply per sub-block: q2_K (`v · sc` in 0..=45) and q3_K (`v · sc +
-/// 127` in 3..=255, the offset removed from the token's sum).
+/// micro-kernel needs no multiply per sub-block: q2_K (`v · sc` in 0..=45), q3_K (`v · sc +
+/// 127` in 3..=255, the offset removed from the token's sum) and IQ1_S (values `8g + δ`, `δ =
+/// ±1` per 32-value sub-block: `g · sc + 128` with `sc` in 1..=15; the `sc · δ` part from the
+/// block sums, as [`fold`] leaves it in the row's pairs).
 const fn folded(kind: u8) -> bool {
-    matches!(kind, Q2_K | Q3_K)
+    matches!(kind, Q2_K | Q3_K | IQ1_S)
 }
 
 /// Whether [`gemm`] computes this order.
@@ -320,7 +323,7 @@ unsafe fn prep_band<const KIND: u8>(
             let mut codes = [[0u32; LANES]; 64];
             let mut pairs = [[0u32; LANES]; 8];
             let mut d = [0f32; LANES];
-            let mut asum127 = [0i32; LANES];
+            let mut asum_off = [0i32; LANES];
             for t in 0..n {
                 // SAFETY: token ts + t < t1 <= ntok, super-block sb < nsb: Q8_K_BYTES.
                 let p = unsafe { g.a.as_ptr().add((ts + t) * g.a_stride + sb * Q8_K_BYTES) };
@@ -333,8 +336,9 @@ unsafe fn prep_band<const KIND: u8>(
                     )
                 };
                 d[t] = dt;
-                if KIND == Q3_K {
-                    asum127[t] = 127 * bs.iter().map(|&b| b as i32).sum::<i32>();
+                if matches!(KIND, Q3_K | IQ1_S) {
+                    let off = if KIND == Q3_K { 127 } else { 128 };
+                    asum_off[t] = off * bs.iter().map(|&b| b as i32).sum::<i32>();
                 }
                 for (c, v) in codes.iter_mut().zip(q) {
                     c[t] = v;
@@ -361,7 +365,7 @@ unsafe fn prep_band<const KIND: u8>(
                     *o = _mm512_loadu_si512(c.as_ptr().cast());
                 }
                 blk.d = _mm512_loadu_ps(d.as_ptr());
-                blk.asum127 = _mm512_loadu_si512(asum127.as_ptr().cast());
+                blk.asum_off = _mm512_loadu_si512(asum_off.as_ptr().cast());
             }
         }
     }
@@ -411,6 +415,33 @@ unsafe fn unpack_panel<const KIND: u8>(
 /// scales 0..=15), q3_K `(code - 4) · sc + 127` (codes 0..=7, scales -32..=31).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 fn fold<const KIND: u8>(wr: &mut WRow) {
+    if KIND == IQ1_S {
+        let pair = |a: i32, b: i32| (a as i16 as u16 as i32) | ((b as i16 as u16 as i32) << 16);
+        let mut scd = [0i32; 8];
+        for (j, x) in scd.iter_mut().enumerate() {
+            // Codes `8g + δ + 128`, g in -1..=1; (v + 4) >> 3 = g for δ = ±1. The sub-block's
+            // δ from its first value.
+            let v0 = wr.codes[32 * j] as i32 - 128;
+            *x = wr.sc[j] * (v0 - 8 * ((v0 + 4) >> 3));
+            // SAFETY: bytes 32j..32j + 32 of the 256 codes.
+            let b = unsafe { _mm256_loadu_si256(wr.codes.as_ptr().add(32 * j).cast()) };
+            let v = _mm512_sub_epi16(_mm512_cvtepu8_epi16(b), _mm512_set1_epi16(128 - 4));
+            let gv = _mm512_srai_epi16::<3>(v);
+            let sc = _mm512_set1_epi16(wr.sc[j] as i16);
+            let p = _mm512_add_epi16(_mm512_mullo_epi16(gv, sc), _mm512_set1_epi16(128));
+            // SAFETY: as the load.
+            unsafe {
+                _mm256_storeu_si256(
+                    wr.codes.as_mut_ptr().add(32 * j).cast(),
+                    _mm512_cvtepi16_epi8(p),
+                )
+            };
+        }
+        for q in 0..4 {
+            wr.pairs[q] = pair(scd[2 * q], scd[2 * q + 1]);
+        }
+        return;
+    }
     let (off, bias) = if KIND == Q3_K { (4, 127) } else { (0, 0) };
     for c in 0..8 {
         // Two 16-value sub-blocks: 32 codes widened to i16 against their two scales.
@@ -682,6 +713,20 @@ unsafe fn micro<const KIND: u8, const NG: usize, const ORD: u8>(
         }
         match order {
             KOrder::Sb64 | KOrder::Sb128 => {}
+            KOrder::Tiled if KIND == IQ1_S => {
+                // Folded codes `g · sc + 128` of values `8g + δ`: 8 · (the sums less 128 · the
+                // token's sum) plus each sub-block's `sc · δ` against its block sums.
+                for i in 0..R {
+                    for k in 0..NG {
+                        let grid =
+                            _mm512_slli_epi32::<3>(_mm512_sub_epi32(s1[i][k], a[k].asum_off));
+                        let isum = _mm512_add_epi32(grid, pair_dot(w[i], a[k], 4));
+                        let res = _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_set1_ps(w[i].d));
+                        let x = accs.add(base + acc(i, k));
+                        *x = _mm512_fmadd_ps(res, a[k].d, *x);
+                    }
+                }
+            }
             KOrder::Tiled if KIND == IQ4_XS || is_grid(KIND) => {
                 // Codes carry +128: remove 128 · Σ_j sc_j · (the sub-blocks' sums).
                 for i in 0..R {
@@ -718,7 +763,7 @@ unsafe fn micro<const KIND: u8, const NG: usize, const ORD: u8>(
                 for i in 0..R {
                     for k in 0..NG {
                         let corr = if KIND == Q3_K {
-                            a[k].asum127
+                            a[k].asum_off
                         } else {
                             _mm512_slli_epi32::<5>(pair_dot(w[i], a[k], 8))
                         };
