@@ -10,7 +10,8 @@
 //!   `[a0..32, a64..96]`, `[a32..64, a96..128]`, and so on. Each sub-block's 6-bit scale reaches
 //!   its 16 `vpmaddubsw` lanes through one in-lane `vpshufb` of the 8 scales.
 //! - **Reductions are shared**: rows are read one after another (one sequential stream from
-//!   memory, which the hardware prefetchers follow); one transposing reduction turns the 16
+//!   memory, which the hardware prefetchers follow on AMD and software prefetch leads on Intel,
+//!   `super::stream_prefetch`); one transposing reduction turns the 16
 //!   partial-sum lanes of four consecutive super-blocks of a row into their four exact sums,
 //!   parked in L1 (48 bytes per row and four super-blocks) until four rows are done; then the
 //!   f32 steps of those four rows run in the lanes of one register, each row's in the
@@ -186,6 +187,7 @@ unsafe fn row<const KIND: u8>(w: *const u8, prep: &[Prep], park: &mut [Parked], 
         unsafe { _mm512_loadu_si512(QH_BITS[t].as_ptr().cast()) }
     });
     let five = _mm512_set1_epi8(16);
+    let pf = super::stream_prefetch();
     for (gi, (g4, pk)) in prep.chunks(4).zip(park.iter_mut()).enumerate() {
         let mut v = [_mm512_setzero_si512(); 4];
         let mut m = [_mm_setzero_si128(); 4];
@@ -195,6 +197,12 @@ unsafe fn row<const KIND: u8>(w: *const u8, prep: &[Prep], park: &mut [Parked], 
             // 12 scale bytes, q5_K's 32 bytes of fifth bits, 128 bytes of nibbles).
             unsafe {
                 let p = w.add((4 * gi + j) * wbs);
+                if pf > 0 {
+                    // The rows are one stream (`super::stream_prefetch`).
+                    for l in (0..wbs).step_by(64) {
+                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf + l).cast());
+                    }
+                }
                 let qs = if KIND == Q5_K { p.add(48) } else { p.add(16) };
                 // Two 256-bit loads per 64 bytes: on an AMD EPYC (Zen 4) a 512-bit load of
                 // weights streaming from DRAM ran this GEMV at 12 GB/s where two 256-bit
