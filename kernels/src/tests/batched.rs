@@ -92,42 +92,53 @@ fn batched_matmuls_on_many_rows_match_scalar() {
     assert!(checked > 100_000, "only {checked} comparisons ran");
 }
 
-/// The k-quant lanes GEMM (256-value types, from 16 tokens) past one band of 32 token groups:
-/// 529 tokens are two bands (32 groups, then one full and one of a single token), whose
-/// register tiles take 3 (Intel) or 2 (AMD) groups and then the band's last one or two; 70
-/// rows cross its 64-row panel, from an odd row.
+/// The k-quant lanes GEMM (k-quants, IQ4_XS and the IQ grid types from 16 tokens) past one
+/// band of 32 token groups, with each register tile (3 token groups, Intel's, and 2, AMD's,
+/// forced in turn): 529 tokens are two bands (32 groups, then one full and one of a single
+/// token), 561 two with four groups in the second; each tile then takes the band's last one
+/// or two groups (q4_K and q2_K in Parity: 528 and 560 tokens through the GEMM, the rest
+/// apart); 70 rows cross its 64-row panel, from an odd row.
 #[test]
 fn lanes_gemm_past_one_band_matches_scalar() {
+    if !Isa::Avx512.is_available() {
+        eprintln!("no AVX-512 VNNI here: the lanes GEMM does not run on this CPU");
+        return;
+    }
     let mut rng = Rng(0xBA7D);
-    let (n, cols, total_rows) = (529usize, 512usize, 73usize);
+    let (cols, total_rows) = (512usize, 73usize);
     let rows = 1..71;
     let mut checked = 0usize;
-    for ty in MATMUL_TYPES.into_iter().filter(|t| t.block_size() == 256) {
+    let lanes_kinds = MATMUL_TYPES
+        .into_iter()
+        .filter(|t| t.block_size() == 256 && !matches!(t, GgmlType::TQ1_0 | GgmlType::TQ2_0));
+    for ty in lanes_kinds {
         let w = random_weights(ty, cols * total_rows, &mut rng);
         let m = QMatrix::new(ty, total_rows, cols, &w).unwrap();
-        let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
-        let mut act = Activations::new();
-        act.quantize_for(ty, &x, n, cols).unwrap();
-        for numerics in [Numerics::Parity, Numerics::Invariant] {
-            let want = run(Isa::Scalar, &m, &act, rows.clone(), numerics);
-            if !Isa::Avx512.is_available() {
-                continue;
-            }
-            let got = run(Isa::Avx512, &m, &act, rows.clone(), numerics);
-            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert!(
-                    g.to_bits() == w.to_bits(),
-                    "{ty:?} {numerics:?} t={} row={}: got {g} want {w}",
-                    i / rows.len(),
-                    rows.start + i % rows.len()
-                );
-                checked += 1;
+        for n in [529usize, 561] {
+            let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+            let mut act = Activations::new();
+            act.quantize_for(ty, &x, n, cols).unwrap();
+            for numerics in [Numerics::Parity, Numerics::Invariant] {
+                let want = run(Isa::Scalar, &m, &act, rows.clone(), numerics);
+                for groups in [2, 3] {
+                    crate::x86_64::kq_lanes::FORCE_G
+                        .store(groups, std::sync::atomic::Ordering::Relaxed);
+                    let got = run(Isa::Avx512, &m, &act, rows.clone(), numerics);
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert!(
+                            g.to_bits() == w.to_bits(),
+                            "{ty:?} {numerics:?} n={n} tile 4x{groups} t={} row={}: got {g} want {w}",
+                            i / rows.len(),
+                            rows.start + i % rows.len()
+                        );
+                        checked += 1;
+                    }
+                }
             }
         }
     }
-    if Isa::Avx512.is_available() {
-        assert!(checked > 1_000_000, "only {checked} comparisons ran");
-    }
+    crate::x86_64::kq_lanes::FORCE_G.store(0, std::sync::atomic::Ordering::Relaxed);
+    assert!(checked > 3_000_000, "only {checked} comparisons ran");
 }
 
 /// The largest codes every k-quant (and q4_0, q5_0, q8_0: the largest and the most negative)
@@ -142,9 +153,11 @@ fn lanes_gemm_past_one_band_matches_scalar() {
 fn quant_matmuls_at_extreme_codes_match_scalar() {
     // (type, bytes per block, offsets of its f16 scales, the code bytes: every bit set, or
     // q8_0's -127)
-    let kinds: [(GgmlType, usize, &[usize], u8); 11] = [
+    let kinds: [(GgmlType, usize, &[usize], u8); 12] = [
         (GgmlType::Q2_K, 84, &[80, 82], 0xFF),
         (GgmlType::Q3_K, 110, &[108], 0xFF),
+        // Every value -4 with every scale -32: the lanes GEMM's folded code at its top (255).
+        (GgmlType::Q3_K, 110, &[108], 0x00),
         (GgmlType::Q4_K, 144, &[0, 2], 0xFF),
         (GgmlType::Q5_K, 176, &[0, 2], 0xFF),
         (GgmlType::Q6_K, 210, &[208], 0xFF),

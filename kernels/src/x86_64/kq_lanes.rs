@@ -11,8 +11,10 @@
 //!   them as i16 pairs, and the 16 scales as f32.
 //! - Weights: four codes of one row, broadcast to all lanes, are the unsigned operand. A
 //!   sub-block's 16 raw sums are scaled by one `vpmulld`; the mins (q4_K/q5_K) and the codes'
-//!   offset (q6_K 32, q3_K 4, the IQ types 128: their values looked up as `value + 128`) come from the
-//!   i16 pairs by `vpdpwssd`. (Weights as the signed operand, broadcast from memory into each
+//!   offset (q6_K 32, the IQ types 128: their values looked up as `value + 128`) come from the
+//!   i16 pairs by `vpdpwssd`. The [`folded`] kinds (q2_K, q3_K, IQ1_S) carry each sub-block's
+//!   scale in their codes: no `vpmulld`, q3_K's and IQ1_S's offset out through each token's
+//!   sum ([`ActBlock::asum_off`]), IQ1_S's `sc · δ` through the pairs. (Weights as the signed operand, broadcast from memory into each
 //!   `vpdpbusd` and the activations biased instead, measured slower: a broadcast register
 //!   serves the G token groups, a memory operand is loaded again for each.)
 //! - The float steps are the scalar reference's, per (row, token): [`KOrder::Sb256`],
@@ -76,13 +78,15 @@ unsafe impl Pod for ActBlock {}
 #[derive(Clone, Copy)]
 #[repr(C, align(64))]
 pub(super) struct WRow {
+    /// After [`fold`], a [`folded`] kind's codes carry their sub-block's scale.
     pub(super) codes: [u8; QK_K],
     /// Sub-block scales (q4_K/q5_K: 8, 6-bit; q6_K, q3_K: 16, signed; q2_K: 16, 4-bit; IQ4_XS
     /// and the 32-value IQ grid types: 8, signed; IQ2_XS, IQ2_S, IQ1_M: 16, positive).
     pub(super) sc: [i32; 16],
-    /// i16 pairs for `vpdpwssd`: q4_K/q5_K (4) and q2_K (8) the mins `(m[2p], m[2p+1])`; q6_K,
-    /// q3_K (8) and the IQ types (4, or 8 for the 16-value ones) the scales `(sc[2p],
-    /// sc[2p+1])`, which remove the codes' offset.
+    /// i16 pairs for `vpdpwssd`: q4_K/q5_K (4) and q2_K (8) the mins `(m[2p], m[2p+1])`; q6_K
+    /// (8) and the IQ types (4, or 8 for the 16-value ones) the scales `(sc[2p], sc[2p+1])`,
+    /// which remove the codes' offset; after [`fold`], IQ1_S's first 4 the `sc · δ` of its
+    /// sub-blocks (q3_K's are unused then).
     pub(super) pairs: [i32; 8],
     pub(super) d: f32,
     pub(super) dmin: f32,
@@ -187,15 +191,25 @@ pub(super) unsafe fn gemm<const KIND: u8>(
     order: KOrder,
     out: &mut [f32],
 ) {
+    #[cfg(test)]
+    let forced = FORCE_G.load(std::sync::atomic::Ordering::Relaxed);
+    #[cfg(not(test))]
+    let forced = 0;
     // SAFETY: as this function's contract.
     unsafe {
-        if super::is_amd() {
+        if forced == 2 || (forced == 0 && super::is_amd()) {
             gemm_g::<KIND, 2>(g, t0, t1, order, out)
         } else {
             gemm_g::<KIND, 3>(g, t0, t1, order, out)
         }
     }
 }
+
+/// Tests: the token groups of [`gemm`]'s register tile, 2 or 3 (0: by vendor), so that CI on
+/// either vendor runs both tiles. Every tile gives the same bits, so tests running meanwhile
+/// are unaffected.
+#[cfg(test)]
+pub(crate) static FORCE_G: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
 /// [`gemm`] with a register tile of [`R`] rows × `G` token groups (2 or 3).
 ///
@@ -388,7 +402,8 @@ unsafe fn unpack_panel<const KIND: u8>(
     // each row's super-block `PREFETCH` ahead is fetched here, while this one is unpacked.
     let ahead = sb + PREFETCH < g.cols / QK_K;
     for (i, wr) in wrows[..np].iter_mut().enumerate() {
-        // SAFETY: row r0 + i < nrows, super-block sb: `wbs` bytes; the closure writes 256 bytes.
+        // SAFETY: row r0 + i < nrows, super-block sb: `wbs` bytes; the closure writes 256 bytes;
+        // the prefetched super-block sb + PREFETCH < nsb lies in the same row.
         unsafe {
             let p = g.w.as_ptr().add((r0 + i) * g.w_stride + sb * wbs);
             if ahead {
@@ -412,7 +427,9 @@ unsafe fn unpack_panel<const KIND: u8>(
 }
 
 /// A [`folded`] kind's codes times their sub-block's scale: q2_K `code · sc` (codes 0..=3,
-/// scales 0..=15), q3_K `(code - 4) · sc + 127` (codes 0..=7, scales -32..=31).
+/// scales 0..=15), q3_K `(code - 4) · sc + 127` (codes 0..=7, scales -32..=31), IQ1_S (codes
+/// `8g + δ + 128`, g in -1..=1, one δ = ±1 per 32-value sub-block, scales 1..=15) `g · sc +
+/// 128`, with each sub-block's `sc · δ` into the row's first four pairs.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 fn fold<const KIND: u8>(wr: &mut WRow) {
     if KIND == IQ1_S {
@@ -566,9 +583,9 @@ pub(super) unsafe fn unpack_row<const KIND: u8>(
 }
 
 /// `Σ_{p < n} pairs_w[p] · pairs_a[p]` per token lane (i16 pairs, exact): a row's mins
-/// against the tokens' block sums (q4_K/q5_K `n = 4`, q2_K `n = 8`), or the scales against
-/// them to remove the codes' offset (q6_K, q3_K and the 16-value IQ types `n = 8`; the others
-/// `n = 4`).
+/// against the tokens' block sums (q4_K/q5_K `n = 4`, q2_K `n = 8`), the scales against them
+/// to remove the codes' offset (q6_K and the 16-value IQ types `n = 8`; the others `n = 4`),
+/// or IQ1_S's `sc · δ` against them (`n = 4`, the deltas' part of its sums).
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 fn pair_dot(w: &WRow, a: &ActBlock, n: usize) -> __m512i {
