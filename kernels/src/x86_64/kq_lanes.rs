@@ -596,6 +596,36 @@ fn pair_dot(w: &WRow, a: &ActBlock, n: usize) -> __m512i {
     s
 }
 
+/// `acc[i][k] +=` row `i`'s codes against group `k`'s activations over quads `qs` (four values
+/// each): per quad, the row's four codes broadcast, one `vpdpbusd` per group.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+fn dot_quads<const NG: usize>(
+    w: &[&WRow; R],
+    a: &[&ActBlock; NG],
+    qs: core::ops::Range<usize>,
+    acc: &mut [[__m512i; NG]; R],
+) {
+    for q in qs {
+        let c: [__m512i; NG] = core::array::from_fn(|k| a[k].codes[q]);
+        for i in 0..R {
+            // SAFETY: quad q < 64 of the row's 256 codes.
+            let wv = unsafe {
+                _mm512_set1_epi32(
+                    w[i].codes
+                        .as_ptr()
+                        .add(4 * q)
+                        .cast::<i32>()
+                        .read_unaligned(),
+                )
+            };
+            for k in 0..NG {
+                acc[i][k] = _mm512_dpbusd_epi32(acc[i][k], wv, c[k]);
+            }
+        }
+    }
+}
+
 /// [`micro`] for `order`, as a constant so that each order's loops are unrolled.
 ///
 /// # Safety
@@ -664,42 +694,14 @@ unsafe fn micro<const KIND: u8, const NG: usize, const ORD: u8>(
         for j0 in (0..nsub).step_by(per) {
             if folded(KIND) {
                 // The codes carry their sub-block's scale: one chain over the whole step.
-                for q in j0 * nq..(j0 + per) * nq {
-                    let c: [__m512i; NG] = core::array::from_fn(|k| a[k].codes[q]);
-                    for i in 0..R {
-                        let wv = _mm512_set1_epi32(
-                            w[i].codes
-                                .as_ptr()
-                                .add(4 * q)
-                                .cast::<i32>()
-                                .read_unaligned(),
-                        );
-                        for k in 0..NG {
-                            s1[i][k] = _mm512_dpbusd_epi32(s1[i][k], wv, c[k]);
-                        }
-                    }
-                }
+                dot_quads(w, a, j0 * nq..(j0 + per) * nq, &mut s1);
             }
             for j in j0..j0 + per {
                 if folded(KIND) {
                     break;
                 }
                 let mut raw = [[_mm512_setzero_si512(); NG]; R];
-                for q in j * nq..j * nq + nq {
-                    let c: [__m512i; NG] = core::array::from_fn(|k| a[k].codes[q]);
-                    for i in 0..R {
-                        let wv = _mm512_set1_epi32(
-                            w[i].codes
-                                .as_ptr()
-                                .add(4 * q)
-                                .cast::<i32>()
-                                .read_unaligned(),
-                        );
-                        for k in 0..NG {
-                            raw[i][k] = _mm512_dpbusd_epi32(raw[i][k], wv, c[k]);
-                        }
-                    }
-                }
+                dot_quads(w, a, j * nq..j * nq + nq, &mut raw);
                 for i in 0..R {
                     let sc = _mm512_set1_epi32(w[i].sc[j]);
                     for k in 0..NG {
