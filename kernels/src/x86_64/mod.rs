@@ -128,7 +128,8 @@ pub(crate) fn fast_gathers() -> bool {
 /// On an Intel Xeon (session 27, KVM) the hardware prefetchers left those GEMVs at ~8 GB/s on
 /// the small expert matrices of MoE decode (768 × 2048, 0.9-1.3 MB each, cold): the 16-layer
 /// Qwen3-30B-A3B-shaped model decoded at 17.9 t/s without and 22.4-24.6 with 1.5-2 KB ahead
-/// (2 threads; 10.0-10.6 against 13.6-14.1 at one; 4 KB ahead 11.6-11.7). On an AMD EPYC (Zen 4)
+/// (2 threads; 16.4-16.9 against 20.4-20.9 in a slower hour of the host; 10.0-10.6 against
+/// 13.6-14.1 at one thread; 4-6 KB ahead slower than 2). On an AMD EPYC (Zen 4)
 /// prefetching 8 rows ahead (94 KB) slowed q6_K's one-row GEMV from DRAM by a third; this
 /// distance is not measured there, so AMD keeps the hardware's.
 pub(crate) fn stream_prefetch() -> usize {
