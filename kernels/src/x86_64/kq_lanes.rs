@@ -695,17 +695,16 @@ unsafe fn micro<const KIND: u8, const NG: usize, const ORD: u8>(
             if folded(KIND) {
                 // The codes carry their sub-block's scale: one chain over the whole step.
                 dot_quads(w, a, j0 * nq..(j0 + per) * nq, &mut s1);
-            }
-            for j in j0..j0 + per {
-                if folded(KIND) {
-                    break;
-                }
-                let mut raw = [[_mm512_setzero_si512(); NG]; R];
-                dot_quads(w, a, j * nq..j * nq + nq, &mut raw);
-                for i in 0..R {
-                    let sc = _mm512_set1_epi32(w[i].sc[j]);
-                    for k in 0..NG {
-                        s1[i][k] = _mm512_add_epi32(s1[i][k], _mm512_mullo_epi32(raw[i][k], sc));
+            } else {
+                for j in j0..j0 + per {
+                    let mut raw = [[_mm512_setzero_si512(); NG]; R];
+                    dot_quads(w, a, j * nq..j * nq + nq, &mut raw);
+                    for i in 0..R {
+                        let sc = _mm512_set1_epi32(w[i].sc[j]);
+                        for k in 0..NG {
+                            let scaled = _mm512_mullo_epi32(raw[i][k], sc);
+                            s1[i][k] = _mm512_add_epi32(s1[i][k], scaled);
+                        }
                     }
                 }
             }
