@@ -9,11 +9,11 @@
 //! 8 values, summed apart (`scalar::Delta`). On AVX-512, from 16 tokens, the tokens-in-lanes
 //! k-quant GEMM (`kq_lanes`, values looked up as `value + 128`; the IQ1 types' as
 //! `8 · grid + delta + 128`); where gathers are fast (`super::fast_gathers`), the GEMVs of all
-//! but IQ2_S, and IQ1_S up to 15 tokens, take tiles that gather whole grid rows, two
-//! sub-blocks a register ([`tile512_iq1_gather`], [`tile512_sign_gather`]), with the same
-//! integer lanes; elsewhere, on CPUs with AVX512-VBMI and GFNI, IQ2_XXS, IQ2_XS and IQ3_XXS
-//! compute a super-block's sign masks in three vector instructions ([`sign_masks`]) instead
-//! of looking each group's signs up.
+//! but IQ2_S, and IQ1_S up to 15 tokens (on AMD IQ1_S only), take tiles that gather whole
+//! grid rows, two sub-blocks a register ([`tile512_iq1_gather`], [`tile512_sign_gather`]),
+//! with the same integer lanes; elsewhere, on CPUs with AVX512-VBMI and GFNI, IQ2_XXS, IQ2_XS
+//! and IQ3_XXS compute a super-block's sign masks in three vector instructions
+//! ([`sign_masks`]) instead of looking each group's signs up.
 
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
@@ -458,13 +458,14 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     // but IQ2_S for one token (GEMV IQ1_M 1.3-2x, IQ2_XXS 1.10x, IQ3_XXS 1.16-1.19x, IQ2_XS
     // 1.45x, IQ3_S 2.05x; at 4 tokens the sub-block tile, which unpacks each sub-block once
     // for its four tokens, is level or ahead: IQ1_M 0.91-0.93x, IQ2_XXS 0.80-0.95x, IQ3_XXS
-    // 0.91-1.06x with gathers).
-    let gather = super::fast_gathers()
-        && match KIND {
-            IQ1_S => true,
-            IQ1_M | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ3_S => g.ntok == 1,
-            _ => false,
-        };
+    // 0.91-1.06x with gathers). On AMD only IQ1_S gathers: on a Zen 4 (session 28, alternated
+    // in one process) its GEMV 1.00-1.09x at 1 thread, 1.14-1.23x at 2, 4 tokens 1.10-1.19x;
+    // the others 0.53-0.90x (IQ3_S 0.94-1.11x).
+    let gather = match KIND {
+        IQ1_S => super::fast_gathers() || super::is_amd(),
+        IQ1_M | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ3_S => super::fast_gathers() && g.ntok == 1,
+        _ => false,
+    };
     if gather && is_iq1(KIND) {
         if g.ntok == 1 {
             drive!(g, out, tile512_iq1_gather, 4, 1, KIND);

@@ -101,8 +101,8 @@ macro_rules! grid_entries {
 pub(crate) use grid_entries;
 
 /// Whether this is an AMD CPU (CPUID vendor "AuthenticAMD"), for the few choices the two
-/// vendors' cores want made differently (`avx2::float_act`, the IQ grid types' GEMVs in `iq2`
-/// through [`fast_gathers`]).
+/// vendors' cores want made differently (`avx2::float_act`, the IQ grid types' GEMVs in `iq2`:
+/// [`fast_gathers`], and IQ1_S, which gathers on AMD too).
 pub(crate) fn is_amd() -> bool {
     static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AMD.get_or_init(|| {
@@ -115,8 +115,9 @@ pub(crate) fn is_amd() -> bool {
 
 /// Whether `vpgather*` is worth a table lookup here: an Intel CPU with AVX512-FP16, i.e.
 /// Sapphire Rapids or later. Skylake-SP through Ice Lake and Tiger Lake run gathers under the
-/// Gather Data Sampling ("Downfall") microcode mitigation, several times slower; AMD's gathers
-/// were not measured. The IQ grid types' AVX-512 GEMVs gather their grid rows where this holds
+/// Gather Data Sampling ("Downfall") microcode mitigation, several times slower; on an AMD
+/// Zen 4 (session 28) the gather tiles were slower than the sub-block tile for every grid type
+/// but IQ1_S, which `iq2` lets gather on AMD. The IQ grid types' AVX-512 GEMVs gather their grid rows where this holds
 /// (`iq2::run_grid_avx512`; measured on an Emerald Rapids Xeon, session 26).
 pub(crate) fn fast_gathers() -> bool {
     static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
