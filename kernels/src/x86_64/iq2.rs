@@ -13,7 +13,8 @@
 //! grid rows, two sub-blocks a register ([`tile512_iq1_gather`], [`tile512_sign_gather`]),
 //! with the same integer lanes; elsewhere, on CPUs with AVX512-VBMI and GFNI, IQ2_XXS, IQ2_XS
 //! and IQ3_XXS compute a super-block's sign masks in three vector instructions
-//! ([`sign_masks`]) instead of looking each group's signs up.
+//! ([`sign_masks`]) instead of looking each group's signs up, and IQ3_S its 64 grid indices
+//! in four ([`iq3s_indices`]).
 
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
@@ -475,9 +476,10 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     } else if gather {
         drive!(g, out, tile512_sign_gather, 4, 1, KIND);
     } else if masks_ok::<KIND>() {
-        // The sign-table kinds' signs as bit masks: on an AMD EPYC Zen 4 (session 28, both
-        // tiles alternated in one process, 4096 × 14336) GEMV 1.24-1.43x the sub-block tile's
-        // speed at 1 and 2 threads, 4 tokens 1.10-1.12x. Not measured on Intel.
+        // The sign-table kinds' signs as bit masks, IQ3_S's grid indices built in registers:
+        // on an AMD EPYC Zen 4 (session 28, both tiles alternated in one process, 4096 ×
+        // 14336) GEMV 1.24-1.43x the sub-block tile's speed at 1 and 2 threads, 4 tokens
+        // 1.10-1.12x; IQ3_S 1.01-1.14x and 1.15x. Not measured on Intel.
         if g.ntok == 1 {
             drive!(g, out, tile512_masks, 4, 1, KIND);
         } else {
@@ -490,10 +492,11 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     }
 }
 
-/// Whether `KIND` takes [`tile512_masks`] here: IQ2_XXS, IQ2_XS and IQ3_XXS where the CPU has
-/// AVX512-VBMI and GFNI (Ice Lake, Sapphire Rapids, Zen 4 and later) and gathers do not run.
+/// Whether `KIND` takes [`tile512_masks`] here: IQ2_XXS, IQ2_XS, IQ3_XXS and IQ3_S where the
+/// CPU has AVX512-VBMI and GFNI (Ice Lake, Sapphire Rapids, Zen 4 and later) and gathers do
+/// not run.
 fn masks_ok<const KIND: u8>() -> bool {
-    matches!(KIND, IQ2_XXS | IQ2_XS | IQ3_XXS) && has_vbmi_gfni()
+    (sign_table(KIND) || KIND == IQ3_S) && has_vbmi_gfni()
 }
 
 /// AVX512-VBMI and GFNI (what [`sign_masks`] needs besides the AVX-512 table's features).
@@ -505,7 +508,8 @@ fn has_vbmi_gfni() -> bool {
 /// compiled for AVX-512 (32 registers, EVEX encodings), which the AVX-512 table runs, and
 /// `tile512_masks` that with VBMI and GFNI, where IQ2_XXS, IQ2_XS and IQ3_XXS take their signs
 /// from [`sign_masks`] (one masked `vpsubb` negating the activations, instead of four
-/// `SIGNS64` loads, their shifts and masks, and the shuffles joining them, per sub-block).
+/// `SIGNS64` loads, their shifts and masks, and the shuffles joining them, per sub-block) and
+/// IQ3_S its grid indices from [`iq3s_indices`].
 macro_rules! tile_fn {
     ($name:ident, $features:literal, $pdep:literal, $mask:literal) => {
         /// # Safety
@@ -533,10 +537,15 @@ macro_rules! tile_fn {
                         let mut dl = [_mm256_setzero_si256(); T];
                         let mut dsum = [0i32; T];
                         let sv = scales16_vec::<KIND>(wp);
-                        let masks = if $mask {
+                        let masks = if $mask && sign_table(KIND) {
                             sign_masks::<KIND>(wp)
                         } else {
                             [0; 16]
+                        };
+                        let ix = if $mask && KIND == IQ3_S {
+                            iq3s_indices(wp)
+                        } else {
+                            [0; 64]
                         };
                         for ib in 0..8 {
                             let idx = if $pdep {
@@ -544,12 +553,25 @@ macro_rules! tile_fn {
                             } else {
                                 None
                             };
-                            let sb = sub_block_with::<KIND>(wp, ib, sv, idx);
+                            let mut sb = sub_block_with::<KIND>(wp, ib, sv, idx);
+                            if $mask && KIND == IQ3_S {
+                                let g = |k: usize| IQ3S_GRID[ix[8 * ib + k] as usize & 511] as i32;
+                                sb.grid = _mm256_setr_epi32(
+                                    g(0),
+                                    g(1),
+                                    g(2),
+                                    g(3),
+                                    g(4),
+                                    g(5),
+                                    g(6),
+                                    g(7),
+                                );
+                            }
                             for t in 0..T {
                                 let q8 =
                                     g.a.as_ptr().add((t0 + t) * g.a_stride + b * Q8_K_BYTES + 4);
                                 let a = _mm256_loadu_si256(q8.add(32 * ib).cast());
-                                let sa = if $mask {
+                                let sa = if $mask && sign_table(KIND) {
                                     let k = masks[if KIND == IQ3_XXS { ib } else { 2 * ib }];
                                     _mm256_mask_sub_epi8(a, k, _mm256_setzero_si256(), a)
                                 } else {
@@ -602,6 +624,37 @@ tile_fn!(
     true,
     true
 );
+
+/// Whether `kind`'s signs are 7-bit fields looked up in ggml's `ksigns_iq2xs` (what
+/// [`sign_masks`] computes instead).
+const fn sign_table(kind: u8) -> bool {
+    matches!(kind, IQ2_XXS | IQ2_XS | IQ3_XXS)
+}
+
+/// An IQ3_S super-block's 64 grid indices at `p`: index `8 · ib + k` is byte `k` of sub-block
+/// `ib`'s eight at 2, plus 256 where bit `k` of its high-bits byte at 66 is set, so bit
+/// `8 · ib + k` of the eight bytes at 66 read as one u64. Two zero-extensions and two masked
+/// adds, where each index took a load, a shift, a mask and an or.
+///
+/// # Safety
+/// AVX-512 F/BW available; `p` readable for one IQ3_S super-block.
+#[target_feature(enable = "avx512f,avx512bw")]
+#[inline]
+unsafe fn iq3s_indices(p: *const u8) -> [u16; 64] {
+    let mut ix = [0u16; 64];
+    // SAFETY: 64 bytes at 2 and 8 at 66 within the super-block; `ix` holds 128 bytes.
+    unsafe {
+        let high = p.add(66).cast::<u64>().read_unaligned();
+        let lo = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(2).cast()));
+        let hi = _mm512_cvtepu8_epi16(_mm256_loadu_si256(p.add(34).cast()));
+        let add = _mm512_set1_epi16(256);
+        let lo = _mm512_mask_add_epi16(lo, high as u32, lo, add);
+        let hi = _mm512_mask_add_epi16(hi, (high >> 32) as u32, hi, add);
+        _mm512_storeu_si512(ix.as_mut_ptr().cast(), lo);
+        _mm512_storeu_si512(ix.as_mut_ptr().add(32).cast(), hi);
+    }
+    ix
+}
 
 /// The sign masks of the eight sub-blocks of an IQ2_XXS, IQ2_XS or IQ3_XXS super-block at `p`:
 /// bit `j` of a mask is the sign of the sub-block's value `j` (ggml's `ksigns_iq2xs` entry of
@@ -1082,7 +1135,7 @@ mod tests {
                 // SAFETY (the drives): AVX-512 F/BW/VL/DQ, VNNI and BMI2 checked by the caller
                 // (VBMI and GFNI for the mask tile here); `g` is a Gemm of KIND's weights with
                 // outputs of `n * rows`.
-                if matches!(KIND, IQ2_XXS | IQ2_XS | IQ3_XXS) && has_vbmi_gfni() {
+                if matches!(KIND, IQ2_XXS | IQ2_XS | IQ3_XXS | IQ3_S) && has_vbmi_gfni() {
                     drive!(&g, &mut want, tile512, 4, 1, KIND);
                     drive!(&g, &mut got, tile512_masks, 4, 1, KIND);
                     assert_eq!(
