@@ -93,11 +93,12 @@ fn batched_matmuls_on_many_rows_match_scalar() {
 }
 
 /// The k-quant lanes GEMM (k-quants, IQ4_XS and the IQ grid types from 16 tokens) past one
-/// band of 32 token groups, with each register tile (3 token groups, Intel's, and 2, AMD's,
-/// forced in turn): 529 tokens are two bands (32 groups, then one full and one of a single
-/// token), 561 two with four groups in the second; each tile then takes the band's last one
-/// or two groups (q4_K and q2_K in Parity: 528 and 560 tokens through the GEMM, the rest
-/// apart); 70 rows cross its 64-row panel, from an odd row.
+/// band of token groups, with each register tile (3 token groups, Intel's, and 2, AMD's) and
+/// each band (32 groups, Intel's, and 8, AMD's) forced in turn: with bands of 32, 529 tokens
+/// are two bands (32 groups, then one full and one of a single token), 561 two with four
+/// groups in the second (with bands of 8, five); each tile then takes the band's last one or
+/// two groups (q4_K and q2_K in Parity: 528 and 560 tokens through the GEMM, the rest apart);
+/// 70 rows cross its 64-row panel, from an odd row.
 #[test]
 fn lanes_gemm_past_one_band_matches_scalar() {
     if !Isa::Avx512.is_available() {
@@ -120,14 +121,17 @@ fn lanes_gemm_past_one_band_matches_scalar() {
             act.quantize_for(ty, &x, n, cols).unwrap();
             for numerics in [Numerics::Parity, Numerics::Invariant] {
                 let want = run(Isa::Scalar, &m, &act, rows.clone(), numerics);
-                for groups in [2, 3] {
+                for (groups, band) in [(2, 8), (3, 32), (2, 32), (3, 8)] {
                     crate::x86_64::kq_lanes::FORCE_G
                         .store(groups, std::sync::atomic::Ordering::Relaxed);
+                    crate::x86_64::kq_lanes::FORCE_BAND
+                        .store(band, std::sync::atomic::Ordering::Relaxed);
                     let got = run(Isa::Avx512, &m, &act, rows.clone(), numerics);
                     for (i, (g, w)) in got.iter().zip(&want).enumerate() {
                         assert!(
                             g.to_bits() == w.to_bits(),
-                            "{ty:?} {numerics:?} n={n} tile 4x{groups} t={} row={}: got {g} want {w}",
+                            "{ty:?} {numerics:?} n={n} tile 4x{groups} band {band} t={} row={}: \
+                             got {g} want {w}",
                             i / rows.len(),
                             rows.start + i % rows.len()
                         );
@@ -138,7 +142,8 @@ fn lanes_gemm_past_one_band_matches_scalar() {
         }
     }
     crate::x86_64::kq_lanes::FORCE_G.store(0, std::sync::atomic::Ordering::Relaxed);
-    assert!(checked > 3_000_000, "only {checked} comparisons ran");
+    crate::x86_64::kq_lanes::FORCE_BAND.store(0, std::sync::atomic::Ordering::Relaxed);
+    assert!(checked > 6_000_000, "only {checked} comparisons ran");
 }
 
 /// The largest codes every k-quant (and q4_0, q5_0, q8_0: the largest and the most negative)

@@ -40,8 +40,23 @@ const LANES: usize = 16;
 /// each weight super-block is unpacked once per band. 32 groups (512 tokens, 8.4 MB of
 /// rearranged activations at K = 14336) took the IQ types and q6_K 1.07-1.10x faster than 8
 /// (Intel Xeon, session 27; each panel streams the band from L2/L3 while its 64 rows x 512
-/// tokens of products take ~2 ms).
-const BAND_GROUPS: usize = 32;
+/// tokens of products take ~2 ms). On an AMD EPYC Zen 4 (session 28, 1 MB of L2; both
+/// alternated in one process, 4096 x 14336, 512 tokens) 8 groups were the faster for the
+/// k-quants and IQ4_XS (q2_K 1.18x, q3_K 1.13x, q4_K 1.07-1.22x, q5_K 1.11x, q6_K 1.05-1.10x,
+/// IQ4_XS 1.16x) and level for the grid types (0.87-1.08x, inside that host's noise), so AMD
+/// takes 8.
+fn band_groups() -> usize {
+    #[cfg(test)]
+    match FORCE_BAND.load(std::sync::atomic::Ordering::Relaxed) {
+        0 => {}
+        forced => return forced,
+    }
+    if super::is_amd() {
+        8
+    } else {
+        32
+    }
+}
 /// Weight rows per panel: one super-block of them is unpacked at a time and stays in L1 while
 /// every group of the band passes over it.
 const PANEL: usize = 16 * R;
@@ -211,6 +226,12 @@ pub(super) unsafe fn gemm<const KIND: u8>(
 #[cfg(test)]
 pub(crate) static FORCE_G: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// Tests: the token groups of a band (0: [`band_groups`]'s by vendor), so that either vendor's
+/// CI runs both. Same bits at any band, as for [`FORCE_G`].
+#[cfg(test)]
+pub(crate) static FORCE_BAND: std::sync::atomic::AtomicUsize =
+    std::sync::atomic::AtomicUsize::new(0);
+
 /// [`gemm`] with a register tile of [`R`] rows × `G` token groups (2 or 3).
 ///
 /// # Safety
@@ -233,7 +254,7 @@ unsafe fn gemm_g<const KIND: u8, const G: usize>(
     });
     let nsb = g.cols / QK_K;
     let ngroups = (t1 - t0).div_ceil(LANES);
-    let band = BAND_GROUPS.min(ngroups);
+    let band = band_groups().min(ngroups);
     let panel = PANEL.min(g.nrows.div_ceil(R) * R);
     with_scratch(0, band * nsb, |acts: &mut [ActBlock]| {
         with_scratch(1, panel, |wrows: &mut [WRow]| {
