@@ -461,7 +461,7 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     // for its four tokens, is level or ahead: IQ1_M 0.91-0.93x, IQ2_XXS 0.80-0.95x, IQ3_XXS
     // 0.91-1.06x with gathers). On AMD only IQ1_S gathers: on a Zen 4 (session 28, alternated
     // in one process) its GEMV 1.00-1.09x at 1 thread, 1.14-1.23x at 2, 4 tokens 1.10-1.19x;
-    // the others 0.53-0.90x (IQ3_S 0.94-1.11x).
+    // the others 0.53-0.90x (IQ3_S 0.94-1.11x). Zen 5 takes the same, unmeasured.
     let gather = match KIND {
         IQ1_S => super::fast_gathers() || super::is_amd(),
         IQ1_M | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ3_S => super::fast_gathers() && g.ntok == 1,
@@ -479,7 +479,9 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
         // The sign-table kinds' signs as bit masks, IQ3_S's grid indices built in registers:
         // on an AMD EPYC Zen 4 (session 28, both tiles alternated in one process, 4096 ×
         // 14336) GEMV 1.24-1.43x the sub-block tile's speed at 1 and 2 threads, 4 tokens
-        // 1.10-1.12x; IQ3_S 1.01-1.14x and 1.15x. Not measured on Intel.
+        // 1.10-1.12x; IQ3_S 1.01-1.14x and 1.15x. Not measured on Intel or Zen 5.
+        // SAFETY (both drives): `masks_ok` checked AVX512-VBMI and GFNI, the features this
+        // tile adds to this function's.
         if g.ntok == 1 {
             drive!(g, out, tile512_masks, 4, 1, KIND);
         } else {
@@ -555,16 +557,19 @@ macro_rules! tile_fn {
                             };
                             let mut sb = sub_block_with::<KIND>(wp, ib, sv, idx);
                             if $mask && KIND == IQ3_S {
-                                let g = |k: usize| IQ3S_GRID[ix[8 * ib + k] as usize & 511] as i32;
+                                // The grid from the indices built once per super-block;
+                                // `sub_block_with`'s own lookups are dead then and compiled
+                                // out (pure loads whose results go unused).
+                                let grid = |k: usize| IQ3S_GRID[ix[8 * ib + k] as usize & 511];
                                 sb.grid = _mm256_setr_epi32(
-                                    g(0),
-                                    g(1),
-                                    g(2),
-                                    g(3),
-                                    g(4),
-                                    g(5),
-                                    g(6),
-                                    g(7),
+                                    grid(0) as i32,
+                                    grid(1) as i32,
+                                    grid(2) as i32,
+                                    grid(3) as i32,
+                                    grid(4) as i32,
+                                    grid(5) as i32,
+                                    grid(6) as i32,
+                                    grid(7) as i32,
                                 );
                             }
                             for t in 0..T {
@@ -684,8 +689,9 @@ unsafe fn sign_masks<const KIND: u8>(p: *const u8) -> [u32; 16] {
                 _mm512_set1_epi64(i64::from_le_bytes([9, 25, 41, 57, 9, 25, 41, 57])),
                 _mm512_loadu_si512(p.add(2).cast()),
             ),
-            // The eight u32 at 66, two per qword: fields at 7l and 32 + 7l.
-            _ => _mm512_castsi256_si512(_mm256_multishift_epi64_epi8(
+            // The eight u32 at 66, two per qword: fields at 7l and 32 + 7l (masks 8..16
+            // zero).
+            _ => _mm512_zextsi256_si512(_mm256_multishift_epi64_epi8(
                 _mm256_set1_epi64x(i64::from_le_bytes([0, 7, 14, 21, 32, 39, 46, 53])),
                 _mm256_loadu_si256(p.add(66).cast()),
             )),
@@ -1132,49 +1138,35 @@ mod tests {
                 let g = Gemm::new(&q, &act, 0..rows, n * rows, numerics).expect("gemm");
                 let (mut want, mut got) = (vec![0f32; n * rows], vec![0f32; n * rows]);
                 let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-                // SAFETY (the drives): AVX-512 F/BW/VL/DQ, VNNI and BMI2 checked by the caller
-                // (VBMI and GFNI for the mask tile here); `g` is a Gemm of KIND's weights with
-                // outputs of `n * rows`.
+                // `$tile` against the sub-block tile, `$r` x `$t` rows x tokens. SAFETY (its
+                // drives): AVX-512 F/BW/VL/DQ, VNNI and BMI2 checked by the caller (VBMI and
+                // GFNI for the mask tile, below); `g` is a Gemm of KIND's weights with outputs
+                // of `n * rows`.
+                macro_rules! same {
+                    ($tile:ident, $r:literal, $t:literal) => {
+                        drive!(&g, &mut want, tile512, $r, $t, KIND);
+                        drive!(&g, &mut got, $tile, $r, $t, KIND);
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{ty:?} {n} tokens {numerics:?}: {} {} x {}",
+                            stringify!($tile),
+                            $r,
+                            $t
+                        );
+                    };
+                }
                 if matches!(KIND, IQ2_XXS | IQ2_XS | IQ3_XXS | IQ3_S) && has_vbmi_gfni() {
-                    drive!(&g, &mut want, tile512, 4, 1, KIND);
-                    drive!(&g, &mut got, tile512_masks, 4, 1, KIND);
-                    assert_eq!(
-                        bits(&got),
-                        bits(&want),
-                        "{ty:?} {n} tokens {numerics:?}, masks 4 x 1"
-                    );
-                    drive!(&g, &mut want, tile512, 2, 4, KIND);
-                    drive!(&g, &mut got, tile512_masks, 2, 4, KIND);
-                    assert_eq!(
-                        bits(&got),
-                        bits(&want),
-                        "{ty:?} {n} tokens {numerics:?}, masks 2 x 4"
-                    );
+                    same!(tile512_masks, 4, 1);
+                    same!(tile512_masks, 2, 4);
                 }
                 if is_iq1(KIND) {
-                    drive!(&g, &mut want, tile512, 4, 1, KIND);
-                    drive!(&g, &mut got, tile512_iq1_gather, 4, 1, KIND);
+                    same!(tile512_iq1_gather, 4, 1);
+                    same!(tile512_iq1_gather, 2, 4);
                 } else {
-                    drive!(&g, &mut want, tile512, 4, 1, KIND);
-                    drive!(&g, &mut got, tile512_sign_gather, 4, 1, KIND);
+                    same!(tile512_sign_gather, 4, 1);
+                    same!(tile512_sign_gather, 2, 4);
                 }
-                assert_eq!(
-                    bits(&got),
-                    bits(&want),
-                    "{ty:?} {n} tokens {numerics:?}, 4 x 1"
-                );
-                if is_iq1(KIND) {
-                    drive!(&g, &mut want, tile512, 2, 4, KIND);
-                    drive!(&g, &mut got, tile512_iq1_gather, 2, 4, KIND);
-                } else {
-                    drive!(&g, &mut want, tile512, 2, 4, KIND);
-                    drive!(&g, &mut got, tile512_sign_gather, 2, 4, KIND);
-                }
-                assert_eq!(
-                    bits(&got),
-                    bits(&want),
-                    "{ty:?} {n} tokens {numerics:?}, 2 x 4"
-                );
             }
         }
     }

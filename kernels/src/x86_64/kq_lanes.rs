@@ -42,9 +42,9 @@ const LANES: usize = 16;
 /// (Intel Xeon, session 27; each panel streams the band from L2/L3 while its 64 rows x 512
 /// tokens of products take ~2 ms). On an AMD EPYC Zen 4 (session 28, 1 MB of L2; both
 /// alternated in one process, 4096 x 14336, 512 tokens) 8 groups were the faster for the
-/// k-quants and IQ4_XS (q2_K 1.18x, q3_K 1.13x, q4_K 1.07-1.22x, q5_K 1.11x, q6_K 1.05-1.10x,
-/// IQ4_XS 1.16x) and level for the grid types (0.87-1.08x, inside that host's noise), so AMD
-/// takes 8.
+/// k-quants and IQ4_XS (q2_K 1.18x, q3_K 1.13x, q4_K 1.07-1.22x, q5_K 1.11x, q6_K 1.05-1.10x
+/// with one short round at 0.82x, IQ4_XS 1.16x) and level for the grid types (0.87-1.08x,
+/// inside that host's noise), so AMD takes 8 (Zen 5, with 1 MB of L2 too, unmeasured).
 fn band_groups() -> usize {
     #[cfg(test)]
     match FORCE_BAND.load(std::sync::atomic::Ordering::Relaxed) {

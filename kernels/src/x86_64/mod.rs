@@ -116,9 +116,10 @@ pub(crate) fn is_amd() -> bool {
 /// Whether `vpgather*` is worth a table lookup here: an Intel CPU with AVX512-FP16, i.e.
 /// Sapphire Rapids or later. Skylake-SP through Ice Lake and Tiger Lake run gathers under the
 /// Gather Data Sampling ("Downfall") microcode mitigation, several times slower; on an AMD
-/// Zen 4 (session 28) the gather tiles were slower than the sub-block tile for every grid type
-/// but IQ1_S, which `iq2` lets gather on AMD. The IQ grid types' AVX-512 GEMVs gather their grid rows where this holds
-/// (`iq2::run_grid_avx512`; measured on an Emerald Rapids Xeon, session 26).
+/// Zen 4 (session 28) the gather tiles were slower than the sub-block tile for every grid
+/// type but IQ1_S, which `iq2` lets gather on AMD (Zen 5 unmeasured). The IQ grid types'
+/// AVX-512 GEMVs gather their grid rows where this holds (`iq2::run_grid_avx512`; measured on
+/// an Emerald Rapids Xeon, session 26).
 pub(crate) fn fast_gathers() -> bool {
     static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FAST.get_or_init(|| !is_amd() && is_x86_feature_detected!("avx512fp16"))
