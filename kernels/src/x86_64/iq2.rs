@@ -498,12 +498,7 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
 /// CPU has AVX512-VBMI and GFNI (Ice Lake, Sapphire Rapids, Zen 4 and later) and gathers do
 /// not run.
 fn masks_ok<const KIND: u8>() -> bool {
-    (sign_table(KIND) || KIND == IQ3_S) && has_vbmi_gfni()
-}
-
-/// AVX512-VBMI and GFNI (what [`sign_masks`] needs besides the AVX-512 table's features).
-fn has_vbmi_gfni() -> bool {
-    is_x86_feature_detected!("avx512vbmi") && is_x86_feature_detected!("gfni")
+    (sign_table(KIND) || KIND == IQ3_S) && super::has_vbmi_gfni()
 }
 
 /// Rows `r0..r0+R` × tokens `t0..t0+T`: `tile` with AVX2's features, `tile512` the same code
@@ -1115,8 +1110,8 @@ mod tests {
         v
     }
 
-    /// One kind's gather tile (and, for the sign-table kinds on a CPU with VBMI and GFNI, its
-    /// mask tile) against the sub-block tile, driven over the same rows and tokens with the
+    /// One kind's gather tile (and, for the kinds [`masks_ok`] gives the mask tile on this CPU,
+    /// that one) against the sub-block tile, driven over the same rows and tokens with the
     /// same tile shapes: every output bit equal.
     fn gather_equals_sub_block<const KIND: u8>(ty: crate::GgmlType) {
         let (rows, cols) = (6, 2 * QK_K);
@@ -1156,7 +1151,7 @@ mod tests {
                         );
                     };
                 }
-                if matches!(KIND, IQ2_XXS | IQ2_XS | IQ3_XXS | IQ3_S) && has_vbmi_gfni() {
+                if masks_ok::<KIND>() {
                     same!(tile512_masks, 4, 1);
                     same!(tile512_masks, 2, 4);
                 }

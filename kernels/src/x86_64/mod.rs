@@ -125,6 +125,12 @@ pub(crate) fn fast_gathers() -> bool {
     *FAST.get_or_init(|| !is_amd() && is_x86_feature_detected!("avx512fp16"))
 }
 
+/// AVX512-VBMI and GFNI, what the ternary table decoder (`tern_avx512`) and the IQ grid types'
+/// mask tile (`iq2::sign_masks`) need besides the AVX-512 table's features.
+pub(crate) fn has_vbmi_gfni() -> bool {
+    is_x86_feature_detected!("avx512vbmi") && is_x86_feature_detected!("gfni")
+}
+
 /// Bytes ahead of the read position that the GEMVs reading their weights as one sequential
 /// stream (q4_K / q5_K's `gemv_k4`, q6_K's one-row path) prefetch: 2048 on Intel, none on AMD.
 /// On an Intel Xeon (session 27, KVM) the hardware prefetchers left those GEMVs at ~8 GB/s on
@@ -132,8 +138,9 @@ pub(crate) fn fast_gathers() -> bool {
 /// Qwen3-30B-A3B-shaped model decoded at 17.9 t/s without and 22.4-24.6 with 1.5-2 KB ahead
 /// (2 threads; 16.4-16.9 against 20.4-20.9 in a slower hour of the host; 10.0-10.6 against
 /// 13.6-14.1 at one thread; 4-6 KB ahead slower than 2). On an AMD EPYC (Zen 4)
-/// prefetching 8 rows ahead (94 KB) slowed q6_K's one-row GEMV from DRAM by a third; this
-/// distance is not measured there, so AMD keeps the hardware's.
+/// prefetching 8 rows ahead (94 KB) slowed q6_K's one-row GEMV from DRAM by a third, and this
+/// distance (2-4 KB) on the same decode in session 28 came out between -2 % and +10 % over
+/// three sittings, inside that host's noise, so AMD keeps the hardware's.
 pub(crate) fn stream_prefetch() -> usize {
     static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *PF.get_or_init(|| if is_amd() { 0 } else { 2048 })

@@ -356,9 +356,7 @@ fn use_vbmi<const KIND: u8>() -> bool {
     if PLAIN.with(|p| p.get()) {
         return false;
     }
-    (KIND == TQ1_0 || KIND == TF1)
-        && is_x86_feature_detected!("avx512vbmi")
-        && is_x86_feature_detected!("gfni")
+    (KIND == TQ1_0 || KIND == TF1) && super::has_vbmi_gfni()
 }
 
 #[cfg(test)]
@@ -378,7 +376,7 @@ pub(crate) fn without_vbmi<R>(f: impl FnOnce() -> R) -> R {
 /// Whether this CPU runs the table decoder (the test says when it could only check one).
 #[cfg(test)]
 pub(crate) fn has_table_decoder() -> bool {
-    is_x86_feature_detected!("avx512vbmi") && is_x86_feature_detected!("gfni")
+    super::has_vbmi_gfni()
 }
 
 /// Every tile width sums a (row, token) in the same order (the module's), so the result does
