@@ -191,6 +191,8 @@ fn replay(
                     p.read_done(id(l, e), true, t);
                 }
             }
+            // Hints for this layer that it did not use lose their protection.
+            p.layer_ran(l as u32);
             for &e in set {
                 p.release(id(l, e));
             }

@@ -100,7 +100,10 @@ fn assert_same_as_mapped(path: &Path) {
                     assert!(s.reads > 0 && s.bytes_read > 0, "{s:?}");
                     if budget == BUDGETS[0] {
                         assert!(s.evictions > 0, "a one-expert budget evicts: {s:?}");
+                        assert!(s.buffers_reused > 0, "evicted buffers are reused: {s:?}");
                     }
+                    // Spare buffers never take the store past its budget.
+                    assert!(s.used_bytes + s.spare_bytes <= s.budget_bytes, "{s:?}");
                     if !hints {
                         assert_eq!(s.prefetches, 0);
                     }

@@ -177,6 +177,18 @@ pub fn store(enc: &mut DescriptorEncoder, s: &StoreStats) -> Result {
         "ternfleet_expert_store_budget_bytes",
         "The store's RAM budget (--ram-budget)",
         s.budget_bytes as f64,
+    )?;
+    gauge(
+        enc,
+        "ternfleet_expert_store_spare_bytes",
+        "Bytes of evicted experts' buffers kept for the next reads (within the budget)",
+        s.spare_bytes as f64,
+    )?;
+    counter(
+        enc,
+        "ternfleet_expert_store_buffers_reused",
+        "Expert reads into a spare buffer instead of a fresh mapping",
+        s.buffers_reused,
     )
 }
 

@@ -1,7 +1,8 @@
 //! The expert store: which experts a process keeps in RAM within a byte budget, which it reads
 //! from disk on demand or ahead of time on a hint (DESIGN.md "Node memory hierarchy").
 //!
-//! - [`policy`] is the decision logic (LRU within the budget; no I/O, time as input).
+//! - [`policy`] is the decision logic (LFU or LRU within the budget, hinted experts protected
+//!   until their layer runs; no I/O, time as input).
 //! - [`StoreExperts`] is the expert backend over it: routed experts live on disk in the model
 //!   file and are read into aligned buffers with `O_DIRECT` (so "cold" means read from disk:
 //!   nothing of an evicted expert stays in the page cache; where the filesystem refuses
@@ -10,6 +11,10 @@
 //!   demand for an expert that is neither resident nor in flight is a miss, read at once by
 //!   the I/O threads ahead of any prefetch, counted and timed. A failed read fails the batch
 //!   that needed it (that request only); the next demand reads again.
+//! - A batch computes its experts in the order their weights are ready: resident ones while
+//!   its misses are read, each miss as soon as it lands, on every compute thread.
+//! - Reads go into buffers of evicted experts of the same size when no batch holds them
+//!   (kept within the budget), not fresh mappings: no page faults or unmaps per read.
 //!
 //! Shared experts and dense FFNs are not routed: they stay memory-mapped, outside the budget.
 pub mod policy;
@@ -138,7 +143,16 @@ impl Layout {
 /// Mutable state under one lock.
 struct State {
     policy: Policy,
-    resident: HashMap<ExpertId, Arc<FfnWeights>>,
+    /// Resident experts, with the buffer their matrices point into.
+    resident: HashMap<ExpertId, (Arc<FfnWeights>, Arc<AlignedBuf>)>,
+    /// Buffers of evicted experts kept for the next reads of the same size (a fresh mapping
+    /// costs a page fault and a kernel zero-fill per 4 KiB page before `O_DIRECT` can fill
+    /// it, and an unmap with its TLB shootdown after). A buffer is reused only once no batch
+    /// holds it; spare buffers are trimmed so that they and the policy's bytes stay within
+    /// the budget ([`Shared::take_buffer`]).
+    spare: Vec<Arc<AlignedBuf>>,
+    /// Reads that took a spare buffer.
+    reused: u64,
     /// Reads that failed, for the demands waiting on them.
     failed: HashMap<ExpertId, String>,
     /// Queued reads: demands at the front, prefetches at the back.
@@ -153,8 +167,10 @@ struct Shared {
     layers: Vec<Vec<FfnWeights>>,
     layouts: Vec<Vec<Option<Layout>>>,
     state: Mutex<State>,
-    /// Signalled when a read completes or fails, and when work is queued.
-    changed: Condvar,
+    /// Signalled when a read completes or fails (compute and demands wait on it).
+    landed: Condvar,
+    /// Signalled when a read is queued, and at shutdown (the I/O threads wait on it).
+    work: Condvar,
 }
 
 /// The store-backed expert backend of one process (see the module docs).
@@ -221,11 +237,14 @@ impl StoreExperts {
             state: Mutex::new(State {
                 policy: Policy::with_eviction(budget, evict),
                 resident: HashMap::new(),
+                spare: Vec::new(),
+                reused: 0,
                 failed: HashMap::new(),
                 queue: VecDeque::new(),
                 shutdown: false,
             }),
-            changed: Condvar::new(),
+            landed: Condvar::new(),
+            work: Condvar::new(),
         });
         let mut io = Vec::with_capacity(io_threads.max(1));
         for i in 0..io_threads.max(1) {
@@ -238,7 +257,7 @@ impl StoreExperts {
                 Err(err) => {
                     // Stop the threads already started before reporting.
                     shared.lock().shutdown = true;
-                    shared.changed.notify_all();
+                    shared.work.notify_all();
                     io.into_iter().for_each(|t: std::thread::JoinHandle<()>| {
                         let _ = t.join();
                     });
@@ -269,6 +288,8 @@ impl StoreExperts {
             resident: st.policy.resident() as u64,
             used_bytes: st.policy.used(),
             budget_bytes: st.policy.budget(),
+            spare_bytes: st.spare.iter().map(|b| b.len() as u64).sum(),
+            buffers_reused: st.reused,
             ..st.policy.stats().clone()
         }
     }
@@ -277,7 +298,7 @@ impl StoreExperts {
 impl Drop for StoreExperts {
     fn drop(&mut self) {
         self.shared.lock().shutdown = true;
-        self.shared.changed.notify_all();
+        self.shared.work.notify_all();
         for t in self.io.drain(..) {
             let _ = t.join();
         }
@@ -320,7 +341,9 @@ impl Shared {
     /// Drops evicted experts (their memory goes when no batch holds them) and queues `id`.
     fn queue(&self, st: &mut State, id: ExpertId, evict: &[ExpertId], front: bool) {
         for e in evict {
-            st.resident.remove(e);
+            if let Some((_, buf)) = st.resident.remove(e) {
+                st.spare.push(buf);
+            }
         }
         st.failed.remove(&id);
         if front {
@@ -328,7 +351,7 @@ impl Shared {
         } else {
             st.queue.push_back(id);
         }
-        self.changed.notify_all();
+        self.work.notify_one();
     }
 
     fn io_loop(&self) {
@@ -342,18 +365,22 @@ impl Shared {
                     if let Some(id) = st.queue.pop_front() {
                         break id;
                     }
-                    st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                    st = self.work.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
             };
-            let got = self.read(id);
+            let buf = self.take_buffer(&mut self.lock(), id);
+            let got = buf.and_then(|b| self.read(id, b));
             let mut st = self.lock();
             let now = Instant::now();
             match got {
-                Ok(w) => {
+                Ok((w, buf)) => {
                     st.policy.read_done(id, true, now);
                     // Evicted or failed while being read: the policy forgot it.
                     if st.policy.is_resident(id) {
-                        st.resident.insert(id, Arc::new(w));
+                        st.resident.insert(id, (Arc::new(w), buf));
+                    } else {
+                        drop(w);
+                        st.spare.push(buf);
                     }
                 }
                 Err(e) => {
@@ -363,18 +390,55 @@ impl Shared {
                 }
             }
             drop(st);
-            self.changed.notify_all();
+            self.landed.notify_all();
         }
     }
 
-    /// Reads expert `id`'s three matrices from disk into one aligned buffer.
-    fn read(&self, id: ExpertId) -> Result<FfnWeights, String> {
+    /// A buffer for reading expert `id`: a spare one of its size that no batch holds, else a
+    /// fresh mapping. Then drops unheld spare buffers until they and the policy's bytes (which
+    /// count this read) fit the budget.
+    fn take_buffer(&self, st: &mut State, id: ExpertId) -> Result<AlignedBuf, String> {
+        let lay = self
+            .layout(id)
+            .ok_or_else(|| format!("{id} is not stored"))?;
+        let len = lay.bytes as usize;
+        let reuse = st
+            .spare
+            .iter()
+            .position(|b| b.len() == len && Arc::strong_count(b) == 1)
+            .and_then(|i| Arc::try_unwrap(st.spare.swap_remove(i)).ok());
+        let buf = match reuse {
+            Some(b) => {
+                st.reused += 1;
+                b
+            }
+            None => AlignedBuf::zeroed(len).ok_or_else(|| format!("allocating {len} bytes"))?,
+        };
+        let mut spare: u64 = st.spare.iter().map(|b| b.len() as u64).sum();
+        let budget = st.policy.budget();
+        let mut i = 0;
+        while st.policy.used() + spare > budget && i < st.spare.len() {
+            if Arc::strong_count(&st.spare[i]) == 1 {
+                spare -= st.spare[i].len() as u64;
+                st.spare.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        Ok(buf)
+    }
+
+    /// Reads expert `id`'s three matrices from disk into `buf` (its length, from
+    /// [`Shared::take_buffer`]).
+    fn read(
+        &self,
+        id: ExpertId,
+        mut buf: AlignedBuf,
+    ) -> Result<(FfnWeights, Arc<AlignedBuf>), String> {
         let lay = self
             .layout(id)
             .ok_or_else(|| format!("{id} is not stored"))?;
         let w = &self.layers[id.layer as usize][id.expert as usize];
-        let mut buf = AlignedBuf::zeroed(lay.bytes as usize)
-            .ok_or_else(|| format!("allocating {} bytes", lay.bytes))?;
         let f = &self.files[lay.file];
         let mut at = 0;
         for (span, &need) in lay.spans.iter().zip(&lay.need) {
@@ -388,6 +452,8 @@ impl Shared {
                     span.start
                 ));
             }
+            // The page padding past the file's end: no stale bytes of a reused buffer.
+            dst[n..].fill(0);
             if !f.direct {
                 drop_cached(&f.file, span.start, span.len());
             }
@@ -396,13 +462,14 @@ impl Shared {
         let starts = lay.starts;
         let buf = Arc::new(buf);
         let e = |e: ComputeError| e.to_string();
-        Ok(FfnWeights {
+        let w = FfnWeights {
             gate: w.gate.rebind(&buf, starts[0]).map_err(e)?,
             up: w.up.rebind(&buf, starts[1]).map_err(e)?,
             down: w.down.rebind(&buf, starts[2]).map_err(e)?,
             act: w.act,
             routed: w.routed,
-        })
+        };
+        Ok((w, buf))
     }
 
     /// Demands `id` (pinning it), waiting while reads in flight fill the budget: they land
@@ -418,10 +485,60 @@ impl Shared {
                 }
                 Ok(_) => return Ok(()),
                 Err(PolicyError::Full { reading, .. }) if reading > 0 => {
-                    st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+                    st = self.landed.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
                 Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// Moves `id`'s read to the front of the queue if it has not started.
+    fn to_front(&self, st: &mut State, id: ExpertId) {
+        if let Some(i) = st.queue.iter().position(|&q| q == id) {
+            st.queue.remove(i);
+            st.queue.push_front(id);
+        }
+    }
+
+    /// `layer` has demanded its experts: the policy ends the protection of its hints, and
+    /// hinted reads for it that have not started are dropped from the queue.
+    fn finish_layer(&self, st: &mut State, layer: usize) {
+        for id in st.policy.layer_ran(layer as u32) {
+            if let Some(i) = st.queue.iter().position(|&q| q == id) {
+                st.queue.remove(i);
+                st.policy.cancel(id);
+            }
+        }
+    }
+
+    /// Takes from `todo` an expert of `layer` whose weights are ready (mapped, resident, or
+    /// whose read failed), waiting for a read to land when none is; `None` once `todo` is
+    /// empty.
+    fn next_ready(&self, layer: usize, todo: &Mutex<Vec<usize>>) -> Option<(usize, Loaded)> {
+        let mut st = self.lock();
+        loop {
+            {
+                let mut todo = todo.lock().unwrap_or_else(|p| p.into_inner());
+                if todo.is_empty() {
+                    return None;
+                }
+                let found = todo.iter().enumerate().find_map(|(i, &e)| {
+                    if self.layouts[layer][e].is_none() {
+                        return Some((i, Loaded::Mapped));
+                    }
+                    let id = Shared::id(layer, e);
+                    if let Some((w, _)) = st.resident.get(&id) {
+                        return Some((i, Loaded::Read(w.clone())));
+                    }
+                    st.failed
+                        .get(&id)
+                        .map(|err| (i, Loaded::Failed(err.clone())))
+                });
+                if let Some((i, r)) = found {
+                    return Some((todo.remove(i), r));
+                }
+            }
+            st = self.landed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
     }
 
@@ -429,15 +546,28 @@ impl Shared {
     fn wait_resident(&self, id: ExpertId) -> Result<Arc<FfnWeights>, String> {
         let mut st = self.lock();
         loop {
-            if let Some(w) = st.resident.get(&id) {
+            if let Some((w, _)) = st.resident.get(&id) {
                 return Ok(w.clone());
             }
             if let Some(e) = st.failed.get(&id) {
                 return Err(e.clone());
             }
-            st = self.changed.wait(st).unwrap_or_else(|p| p.into_inner());
+            st = self.landed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
     }
+}
+
+/// One expert's output rows for a batch, or why it has none.
+type ExpertOutput = Result<Vec<f32>, ExpertError>;
+
+/// An expert's weights, ready for compute.
+enum Loaded {
+    /// Not stored: used from the map.
+    Mapped,
+    /// Read into memory.
+    Read(Arc<FfnWeights>),
+    /// Its read failed.
+    Failed(String),
 }
 
 /// `pread` until `buf` is full or the file ends; returns the bytes read.
@@ -505,7 +635,12 @@ impl StoreExperts {
                         s.queue(&mut st, id, &evict, true);
                         pinned.push(id);
                     }
-                    Ok(_) => pinned.push(id),
+                    Ok(Demand::Wait) => {
+                        // A hinted read not yet started goes ahead of other hints.
+                        s.to_front(&mut st, id);
+                        pinned.push(id);
+                    }
+                    Ok(Demand::Hit) => pinned.push(id),
                     Err(PolicyError::Full { .. }) => {
                         // The budget cannot hold the whole layer's share at once: let go
                         // and take the experts one at a time below.
@@ -524,10 +659,12 @@ impl StoreExperts {
                 for id in pinned.drain(..) {
                     st.policy.release(id);
                 }
+            } else {
+                s.finish_layer(&mut st, layer);
             }
         }
         let compute = |source| ExpertError::Compute { layer, source };
-        let run_one = |e: usize| -> Result<Vec<f32>, ExpertError> {
+        let run_one = |e: usize, w: &FfnWeights| -> Result<Vec<f32>, ExpertError> {
             let rows: Vec<usize> = mine[e]
                 .iter()
                 .map(|&r| b.routes[r].token as usize)
@@ -535,29 +672,61 @@ impl StoreExperts {
             let mut x = Activations::new();
             x.gather(b.input, &rows);
             let mut y = vec![0f32; rows.len() * d];
-            if s.layouts[layer][e].is_none() {
-                run_ffn(&experts[e], &x, b.numerics, &mut y).map_err(compute)?;
-                return Ok(y);
-            }
-            let id = Shared::id(layer, e);
-            if one_by_one {
-                s.demand_blocking(id)
-                    .map_err(|err| unavailable(layer, err.to_string()))?;
-            }
-            let w = s.wait_resident(id);
-            let out = match &w {
-                Ok(w) => run_ffn(w, &x, b.numerics, &mut y).map_err(compute),
-                Err(err) => Err(unavailable(layer, format!("reading {id}: {err}"))),
-            };
-            if one_by_one {
-                s.lock().policy.release(id);
-            }
-            out.map(|_| y)
+            run_ffn(w, &x, b.numerics, &mut y).map_err(compute)?;
+            Ok(y)
         };
         let outputs: Result<Vec<Vec<f32>>, ExpertError> = if one_by_one {
-            active.iter().map(|&e| run_one(e)).collect()
+            let r = active
+                .iter()
+                .map(|&e| {
+                    if s.layouts[layer][e].is_none() {
+                        return run_one(e, &experts[e]);
+                    }
+                    let id = Shared::id(layer, e);
+                    s.demand_blocking(id)
+                        .map_err(|err| unavailable(layer, err.to_string()))?;
+                    let out = match s.wait_resident(id) {
+                        Ok(w) => run_one(e, &w),
+                        Err(err) => Err(unavailable(layer, format!("reading {id}: {err}"))),
+                    };
+                    s.lock().policy.release(id);
+                    out
+                })
+                .collect();
+            s.finish_layer(&mut s.lock(), layer);
+            r
         } else {
-            active.par_iter().map(|&e| run_one(e)).collect()
+            // Experts in the order their weights are ready: resident ones while the misses
+            // are read, each miss as soon as it lands, on every compute thread.
+            let todo = Mutex::new(active.clone());
+            let workers = rayon::current_num_threads().clamp(1, active.len().max(1));
+            // One slot per expert of `active`, filled by whichever worker ran it.
+            let slots: Vec<Mutex<Option<ExpertOutput>>> =
+                active.iter().map(|_| Mutex::new(None)).collect();
+            (0..workers).into_par_iter().for_each(|_| {
+                while let Some((e, w)) = s.next_ready(layer, &todo) {
+                    let y = match w {
+                        Loaded::Mapped => run_one(e, &experts[e]),
+                        Loaded::Read(w) => run_one(e, &w),
+                        Loaded::Failed(err) => Err(unavailable(
+                            layer,
+                            format!("reading {}: {err}", Shared::id(layer, e)),
+                        )),
+                    };
+                    if let Some(i) = active.iter().position(|&a| a == e) {
+                        *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(y);
+                    }
+                }
+            });
+            active
+                .iter()
+                .zip(slots)
+                .map(|(e, slot)| {
+                    slot.into_inner()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .unwrap_or_else(|| Err(unavailable(layer, format!("expert {e} not run"))))
+                })
+                .collect()
         };
         {
             let mut st = s.lock();
@@ -593,14 +762,11 @@ impl ExpertBackend for StoreExperts {
         let s = &*self.shared;
         let mut st = s.lock();
         let now = Instant::now();
+        // Hints queue behind every demand (demands go to the front); those whose layer runs
+        // before they start are cancelled (`finish_layer`). Dropping hints while reads wait
+        // (session 7's rule) measured slower on Intel in session 29 (MoEfied Gemma, 25 %
+        // resident, learned hints 1 ahead: 27-31 t/s against 31-33; docs/moe-scale.md).
         for &e in experts {
-            // Opportunistic: hints use a disk the demands leave idle. Reads still waiting for
-            // an I/O thread mean the disk is busy; a prefetch queued now would only delay the
-            // demand reads behind it.
-            if !st.queue.is_empty() {
-                st.policy.note_hint_skipped();
-                continue;
-            }
             let id = Shared::id(layer, e as usize);
             let Some(bytes) = s.layout(id).map(|l| l.bytes) else {
                 continue;

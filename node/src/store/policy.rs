@@ -18,9 +18,15 @@
 //!   in flight) the caller waits for that read, nothing is read twice; otherwise it is a miss
 //!   and the caller reads it.
 //! - A hint ([`Policy::hint`]) reads an expert ahead of time only if it is neither resident
-//!   nor being read, room can be made without touching pinned experts, and prefetches in
-//!   flight stay within half the budget (so demands always find room once reads land); a
+//!   nor being read, room can be made without touching pinned experts, and hinted experts
+//!   stay within half the budget (so demands always find room once reads land); a
 //!   prefetched expert that is evicted before any demand counts as wasted.
+//! - A hinted expert (read ahead, or already resident) is **protected** until it is demanded
+//!   or its layer has run ([`Policy::layer_ran`]): never evicted meanwhile, so the demands of
+//!   the layers in between cannot throw out what was read for the next one (under LFU a
+//!   prefetched expert, demanded zero times, would otherwise go first). Protection never
+//!   blocks a demand: when nothing else can make room, every protection is lifted. A hinted
+//!   read still queued when its layer runs without it is cancelled ([`Policy::cancel`]).
 //! - A failed read removes the entry: the demand that waited on it gets the error (for that
 //!   request only) and the next demand reads again.
 
@@ -94,8 +100,8 @@ struct Entry {
     pins: u32,
     /// Read by a hint and not demanded since.
     prefetched: bool,
-    /// Its read (in flight) was started by a hint.
-    hinted_read: bool,
+    /// Hinted, not demanded since, its layer not run: not evictable, counted in `held`.
+    protected: bool,
 }
 
 /// Errors of the policy.
@@ -121,8 +127,10 @@ pub enum PolicyError {
 pub struct Policy {
     budget: u64,
     used: u64,
-    /// Bytes of prefetches being read.
-    prefetching: u64,
+    /// Bytes of protected (hinted) experts, being read or resident.
+    held: u64,
+    /// The protected experts, by layer.
+    protected: BTreeSet<ExpertId>,
     tick: u64,
     entries: HashMap<ExpertId, Entry>,
     /// Evictable candidates: (order key, id) of resident, unpinned entries.
@@ -145,7 +153,8 @@ impl Policy {
         Policy {
             budget,
             used: 0,
-            prefetching: 0,
+            held: 0,
+            protected: BTreeSet::new(),
             tick: 0,
             entries: HashMap::new(),
             lru: BTreeSet::new(),
@@ -221,7 +230,7 @@ impl Policy {
         self.tick += 1;
         let key = self.key(id, self.tick);
         if let Some(e) = self.entries.get_mut(&id) {
-            if e.state == State::Resident && e.pins == 0 {
+            if e.state == State::Resident && e.pins == 0 && !e.protected {
                 self.lru.remove(&(e.last, id));
                 self.lru.insert((key, id));
             }
@@ -262,7 +271,7 @@ impl Policy {
         for e in self.entries.values() {
             match e.state {
                 State::Reading { .. } => reading += e.bytes,
-                State::Resident if e.pins > 0 => pinned += e.bytes,
+                State::Resident if e.pins > 0 || e.protected => pinned += e.bytes,
                 State::Resident => {}
             }
         }
@@ -286,9 +295,78 @@ impl Policy {
                 last,
                 pins,
                 prefetched: pins == 0,
-                hinted_read: pins == 0,
+                protected: pins == 0,
             },
         );
+        if pins == 0 {
+            self.held += bytes;
+            self.protected.insert(id);
+        }
+    }
+
+    /// Ends `id`'s protection (demanded, or its layer ran): evictable again once unpinned and
+    /// resident.
+    fn unprotect(&mut self, id: ExpertId) {
+        let Some(e) = self.entries.get_mut(&id) else {
+            return;
+        };
+        if !std::mem::take(&mut e.protected) {
+            return;
+        }
+        self.held -= e.bytes;
+        self.protected.remove(&id);
+        if e.pins == 0 && e.state == State::Resident {
+            self.lru.insert((e.last, id));
+        }
+    }
+
+    /// Layer `layer` has demanded what it needs: its hinted experts that were not demanded
+    /// lose their protection (under LFU, with no demands counted, they go first). Returns
+    /// those of them whose hinted read is still in flight, for the caller to cancel if it has
+    /// not started them ([`Policy::cancel`]).
+    pub fn layer_ran(&mut self, layer: u32) -> Vec<ExpertId> {
+        let lo = ExpertId { layer, expert: 0 };
+        let hi = ExpertId {
+            layer,
+            expert: u32::MAX,
+        };
+        let ids: Vec<ExpertId> = self.protected.range(lo..=hi).copied().collect();
+        let mut reading = Vec::new();
+        for id in ids {
+            if matches!(self.entries.get(&id), Some(e) if e.pins == 0 && matches!(e.state, State::Reading { .. }))
+            {
+                reading.push(id);
+            }
+            self.unprotect(id);
+        }
+        reading
+    }
+
+    /// A hinted read that was never started and is no longer wanted (its layer ran without
+    /// it): forgotten, its bytes free, counted as wasted. Nothing happens to an expert that
+    /// is resident, demanded or not being read.
+    pub fn cancel(&mut self, id: ExpertId) {
+        let Some(e) = self.entries.get(&id) else {
+            return;
+        };
+        if e.pins > 0 || e.state == State::Resident {
+            return;
+        }
+        self.unprotect(id);
+        if let Some(e) = self.entries.remove(&id) {
+            self.used -= e.bytes;
+            if e.prefetched {
+                self.stats.prefetch_wasted += 1;
+            }
+        }
+    }
+
+    /// Lifts every protection (a demand found no other room).
+    fn unprotect_all(&mut self) {
+        let ids: Vec<ExpertId> = self.protected.iter().copied().collect();
+        for id in ids {
+            self.unprotect(id);
+        }
     }
 
     /// Compute needs `id` (`bytes` long) now. Pins it until [`Policy::release`]; on
@@ -312,6 +390,7 @@ impl Policy {
             if was_prefetch {
                 self.stats.prefetch_used += 1;
             }
+            let was_protected = e.protected;
             let out = match e.state {
                 State::Resident => {
                     self.stats.hits += 1;
@@ -329,6 +408,9 @@ impl Policy {
                 }
             };
             e.pins += 1;
+            if was_protected {
+                self.unprotect(id);
+            }
             self.touch(id);
             return Ok(out);
         }
@@ -339,7 +421,14 @@ impl Policy {
                 budget: self.budget,
             });
         }
-        let evict = self.victims(bytes).ok_or_else(|| self.full(id))?;
+        let evict = match self.victims(bytes) {
+            Some(v) => v,
+            None if !self.protected.is_empty() => {
+                self.unprotect_all();
+                self.victims(bytes).ok_or_else(|| self.full(id))?
+            }
+            None => return Err(self.full(id)),
+        };
         self.evict(&evict);
         self.stats.misses += 1;
         self.insert_reading(id, bytes, now, 1);
@@ -349,13 +438,26 @@ impl Policy {
     /// A hint that `id` will be needed soon. `Some(evict)`: read it ahead (after dropping
     /// `evict`) and call [`Policy::read_done`]; `None`: nothing to do.
     pub fn hint(&mut self, id: ExpertId, bytes: u64, now: Instant) -> Option<Vec<ExpertId>> {
-        if self.entries.contains_key(&id) {
-            // Resident or in flight: refresh its place in the LRU order, read nothing.
+        if let Some(e) = self.entries.get(&id) {
+            // Resident or in flight: refresh its place in the order and, if resident and
+            // unpinned, protect it until its layer runs; read nothing.
+            let (b, protect) = (
+                e.bytes,
+                e.state == State::Resident && e.pins == 0 && !e.protected,
+            );
             self.touch(id);
+            if protect && self.held + b <= self.budget / 2 {
+                if let Some(e) = self.entries.get_mut(&id) {
+                    self.lru.remove(&(e.last, id));
+                    e.protected = true;
+                    self.held += b;
+                    self.protected.insert(id);
+                }
+            }
             self.stats.hints_skipped += 1;
             return None;
         }
-        let Some(evict) = (self.prefetching + bytes <= self.budget / 2)
+        let Some(evict) = (self.held + bytes <= self.budget / 2)
             .then(|| self.victims(bytes))
             .flatten()
         else {
@@ -364,14 +466,8 @@ impl Policy {
         };
         self.evict(&evict);
         self.stats.prefetches += 1;
-        self.prefetching += bytes;
         self.insert_reading(id, bytes, now, 0);
         Some(evict)
-    }
-
-    /// Counts a hint the caller dropped without asking (e.g. the disk was busy).
-    pub fn note_hint_skipped(&mut self) {
-        self.stats.hints_skipped += 1;
     }
 
     /// The read of `id` finished at `now` (`ok`: its bytes are in memory). A failed read
@@ -383,16 +479,15 @@ impl Policy {
         let State::Reading { since } = e.state else {
             return;
         };
-        if e.hinted_read {
-            self.prefetching -= e.bytes;
-        }
         if !ok {
             self.stats.read_errors += 1;
             if e.prefetched {
                 self.stats.prefetch_wasted += 1;
             }
-            self.used -= e.bytes;
-            self.entries.remove(&id);
+            self.unprotect(id);
+            if let Some(e) = self.entries.remove(&id) {
+                self.used -= e.bytes;
+            }
             return;
         }
         let ns = now.saturating_duration_since(since).as_nanos() as u64;
@@ -401,7 +496,7 @@ impl Policy {
         self.stats.read_ns_max = self.stats.read_ns_max.max(ns);
         self.stats.bytes_read += e.bytes;
         e.state = State::Resident;
-        if e.pins == 0 {
+        if e.pins == 0 && !e.protected {
             self.lru.insert((e.last, id));
         }
     }
@@ -411,7 +506,7 @@ impl Policy {
     pub fn release(&mut self, id: ExpertId) {
         if let Some(e) = self.entries.get_mut(&id) {
             e.pins = e.pins.saturating_sub(1);
-            if e.pins == 0 && e.state == State::Resident {
+            if e.pins == 0 && e.state == State::Resident && !e.protected {
                 self.lru.insert((e.last, id));
             }
         }
@@ -561,36 +656,130 @@ mod tests {
     }
 
     #[test]
-    fn prefetches_in_flight_stay_within_half_the_budget() {
+    fn prefetches_stay_within_half_the_budget() {
         let t = Instant::now();
         let mut p = Policy::new(400);
-        assert!(p.hint(id(0, 0), 100, t).is_some());
-        assert!(p.hint(id(0, 1), 100, t).is_some());
-        // A third in flight would pass half the budget: skipped, room left for demands.
-        assert_eq!(p.hint(id(0, 2), 100, t), None);
+        assert!(p.hint(id(1, 0), 100, t).is_some());
+        assert!(p.hint(id(1, 1), 100, t).is_some());
+        // A third would pass half the budget: skipped, room left for demands.
+        assert_eq!(p.hint(id(1, 2), 100, t), None);
         assert!(matches!(
             p.demand(id(0, 3), 200, t),
             Ok(Demand::Read { .. })
         ));
-        // Once one lands, another prefetch may start (evicting the landed, unused one: the
-        // budget is full with the demand's 200 bytes).
-        p.read_done(id(0, 0), true, t);
-        assert_eq!(p.hint(id(0, 2), 100, t), Some(vec![id(0, 0)]));
-        assert_eq!(p.stats().prefetch_wasted, 1);
+        // Landed but still protected (layer 1 has not run): no room for another.
+        p.read_done(id(1, 0), true, t);
+        assert_eq!(p.hint(id(1, 2), 100, t), None);
+        // Layer 1 runs without them: their protection ends, the read in flight is reported
+        // for cancelling, and a new prefetch may evict the landed, unused one.
+        assert_eq!(p.layer_ran(1), vec![id(1, 1)]);
+        p.cancel(id(1, 1));
+        assert_eq!(p.used(), 300);
+        assert_eq!(p.hint(id(2, 2), 100, t), Some(vec![])); // room: 400 - 300
+        assert!(p.entries.contains_key(&id(2, 2)));
+        assert_eq!(p.hint(id(2, 4), 100, t), Some(vec![id(1, 0)]));
+        assert_eq!(p.stats().prefetch_wasted, 2);
+    }
+
+    #[test]
+    fn a_hinted_expert_survives_lfu_until_its_layer_runs() {
+        let t = Instant::now();
+        let mut p = Policy::with_eviction(400, Evict::Lfu);
+        // Two often-used experts of layer 0, then a prefetch for layer 1 (count 0).
+        for _ in 0..3 {
+            use_now(&mut p, id(0, 0), 100, t);
+            use_now(&mut p, id(0, 1), 100, t);
+        }
+        assert_eq!(p.hint(id(1, 5), 100, t), Some(vec![]));
+        p.read_done(id(1, 5), true, t);
+        use_now(&mut p, id(0, 2), 100, t);
+        // Layer 0 needs room: without protection the prefetch (count 0) would go first.
+        assert_eq!(
+            use_now(&mut p, id(0, 3), 100, t),
+            Demand::Read {
+                evict: vec![id(0, 2)]
+            }
+        );
+        assert_eq!(use_now(&mut p, id(1, 5), 100, t), Demand::Hit);
+        assert_eq!(p.stats().prefetch_used, 1);
+        // A hint for a resident expert protects it too; once its layer has run it is
+        // evictable by the usual order.
+        assert_eq!(p.hint(id(0, 3), 100, t), None);
+        assert_eq!(
+            use_now(&mut p, id(2, 0), 100, t),
+            Demand::Read {
+                evict: vec![id(1, 5)]
+            }
+        );
+        assert!(p.layer_ran(0).is_empty());
+        assert_eq!(
+            use_now(&mut p, id(2, 1), 100, t),
+            Demand::Read {
+                evict: vec![id(0, 3)]
+            }
+        );
+    }
+
+    #[test]
+    fn protection_never_blocks_a_demand() {
+        let t = Instant::now();
+        let mut p = Policy::new(400);
+        for e in 0..2 {
+            assert!(p.hint(id(1, e), 100, t).is_some());
+            p.read_done(id(1, e), true, t);
+        }
+        // 200 bytes pinned by compute, 200 protected: a demand lifts the protections.
+        assert!(matches!(
+            p.demand(id(0, 0), 100, t),
+            Ok(Demand::Read { .. })
+        ));
+        assert!(matches!(
+            p.demand(id(0, 1), 100, t),
+            Ok(Demand::Read { .. })
+        ));
+        assert_eq!(
+            p.demand(id(0, 2), 100, t),
+            Ok(Demand::Read {
+                evict: vec![id(1, 0)]
+            })
+        );
+        assert!(p.protected.is_empty());
+        assert_eq!(p.held, 0);
+    }
+
+    #[test]
+    fn a_demand_for_a_queued_hint_waits_for_it_and_cancel_leaves_it_alone() {
+        let t = Instant::now();
+        let mut p = Policy::new(400);
+        assert!(p.hint(id(1, 0), 100, t).is_some());
+        assert_eq!(p.demand(id(1, 0), 100, t), Ok(Demand::Wait));
+        assert!(p.layer_ran(1).is_empty());
+        p.cancel(id(1, 0)); // demanded: not cancelled
+        assert!(p.entries.contains_key(&id(1, 0)));
+        p.read_done(id(1, 0), true, t);
+        p.release(id(1, 0));
+        p.cancel(id(1, 0)); // resident: not cancelled
+        assert!(p.is_resident(id(1, 0)));
+        assert_eq!(p.stats().prefetch_wasted, 0);
     }
 
     #[test]
     fn unused_prefetches_count_as_wasted_when_evicted() {
         let t = Instant::now();
-        let mut p = Policy::new(200);
+        let mut p = Policy::new(400);
         for e in 0..2 {
             assert!(p.hint(id(0, e), 100, t).is_some());
             p.read_done(id(0, e), true, t);
         }
         assert_eq!(use_now(&mut p, id(0, 0), 100, t), Demand::Hit);
+        // Layer 0 ran without expert 1: no longer protected (and no read of it in flight).
+        assert!(p.layer_ran(0).is_empty());
+        for e in 2..4 {
+            use_now(&mut p, id(0, e), 100, t);
+        }
         // Expert 1 (never used) is the LRU one.
         assert_eq!(
-            use_now(&mut p, id(0, 2), 100, t),
+            use_now(&mut p, id(0, 4), 100, t),
             Demand::Read {
                 evict: vec![id(0, 1)]
             }
@@ -657,6 +846,14 @@ mod tests {
                     }
                 }
                 1 if p.hint(x, bytes, t).is_some() => reading.push(x),
+                1 if rnd(3) == 0 => {
+                    for y in p.layer_ran(x.layer) {
+                        if rnd(2) == 0 {
+                            p.cancel(y);
+                            reading.retain(|&r| r != y);
+                        }
+                    }
+                }
                 2 if !reading.is_empty() => {
                     let i = rnd(reading.len() as u64) as usize;
                     let x = reading.swap_remove(i);
@@ -674,13 +871,19 @@ mod tests {
             for &(k, x) in &p.lru {
                 let e = &p.entries[&x];
                 assert!(e.pins == 0 && e.state == State::Resident && e.last == k);
+                assert!(!e.protected);
             }
             let listed = p
                 .entries
                 .values()
-                .filter(|e| e.pins == 0 && e.state == State::Resident)
+                .filter(|e| e.pins == 0 && e.state == State::Resident && !e.protected)
                 .count();
             assert_eq!(listed, p.lru.len());
+            let held: u64 = p.protected.iter().map(|x| p.entries[x].bytes).sum();
+            assert_eq!(held, p.held);
+            assert!(p.held <= p.budget / 2);
+            let flagged = p.entries.values().filter(|e| e.protected).count();
+            assert_eq!(flagged, p.protected.len());
         }
     }
 }
