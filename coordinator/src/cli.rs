@@ -590,7 +590,9 @@ pub struct ModelArgs {
     #[arg(long = "ram-budget", value_parser = parse_size)]
     pub ram_budget: Option<u64>,
     /// With --ram-budget: what hints the expert store. `none`: demand reads only (the default:
-    /// on the disks measured, hinted reads cost more than they saved; docs/moe-scale.md);
+    /// hints read about a third more bytes, so they pay only where the disk has time to
+    /// spare: `learned` 1 ahead gained 5 % on one disk measured, lost on others;
+    /// docs/moe-scale.md);
     /// `router`: later layers' routers on the current state, --lookahead layers ahead;
     /// `learned`: the predictor `ternfleet fit-predictor` fitted (--predictor, or the one in
     /// the bundle / beside the GGUF file), the router predictor where it has no map.
