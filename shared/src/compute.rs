@@ -56,6 +56,31 @@ impl AlignedBuf {
         std::ptr::NonNull::new(p.cast()).map(|ptr| AlignedBuf { ptr, len })
     }
 
+    /// The same mapping resized to `len` bytes (moved if it must grow in place and cannot):
+    /// pages kept keep their bytes, pages added are zero, pages cut go back to the system.
+    /// `Err(self)` unchanged when the kernel refuses.
+    pub fn resized(self, len: usize) -> Result<AlignedBuf, AlignedBuf> {
+        if len == self.len {
+            return Ok(self);
+        }
+        // SAFETY: `ptr` is a mapping of `len` bytes that this value owns alone (it is moved
+        // in); on success the old range is no longer ours and `forget` keeps Drop off it.
+        let p = unsafe {
+            libc::mremap(
+                self.ptr.as_ptr().cast(),
+                self.len.max(1),
+                len.max(1),
+                libc::MREMAP_MAYMOVE,
+            )
+        };
+        // (A successful mremap never returns address 0: Linux does not map the zero page.)
+        let Some(ptr) = std::ptr::NonNull::new(p.cast()).filter(|_| p != libc::MAP_FAILED) else {
+            return Err(self);
+        };
+        std::mem::forget(self);
+        Ok(AlignedBuf { ptr, len })
+    }
+
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` is valid for `len` bytes and uniquely borrowed.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }

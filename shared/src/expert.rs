@@ -94,8 +94,8 @@ pub struct StoreStats {
     pub used_bytes: u64,
     pub budget_bytes: u64,
     /// Buffers of evicted experts kept for the next reads (no page faults, no unmapping):
-    /// their bytes (with `used_bytes` within the budget once no batch holds them), and reads
-    /// that took one instead of a fresh mapping.
+    /// their bytes (with `used_bytes` within the budget whenever no read waits to start and
+    /// no batch holds them), and reads that took one instead of a fresh mapping.
     pub spare_bytes: u64,
     pub buffers_reused: u64,
 }

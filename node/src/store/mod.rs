@@ -13,8 +13,9 @@
 //!   that needed it (that request only); the next demand reads again.
 //! - A batch computes its experts in the order their weights are ready: resident ones while
 //!   its misses are read, each miss as soon as it lands, on every compute thread.
-//! - Reads go into buffers of evicted experts of the same size when no batch holds them
-//!   (kept within the budget), not fresh mappings: no page faults or unmaps per read.
+//! - Reads go into buffers of evicted experts (resized with `mremap` when sizes differ) once
+//!   no batch holds them, kept within the budget, not fresh mappings: no page faults or
+//!   unmaps per read.
 //!
 //! Shared experts and dense FFNs are not routed: they stay memory-mapped, outside the budget.
 pub mod policy;
@@ -145,11 +146,12 @@ struct State {
     policy: Policy,
     /// Resident experts, with the buffer their matrices point into.
     resident: HashMap<ExpertId, (Arc<FfnWeights>, Arc<AlignedBuf>)>,
-    /// Buffers of evicted experts kept for the next reads of the same size (a fresh mapping
-    /// costs a page fault and a kernel zero-fill per 4 KiB page before `O_DIRECT` can fill
-    /// it, and an unmap with its TLB shootdown after). A buffer is reused only once no batch
-    /// holds it; spare buffers are trimmed so that they and the policy's bytes stay within
-    /// the budget ([`Shared::take_buffer`]).
+    /// Buffers of evicted experts kept for the next reads (a fresh mapping costs a page fault
+    /// and a kernel zero-fill per 4 KiB page before `O_DIRECT` can fill it, and an unmap with
+    /// its TLB shootdown after). A buffer is reused only once no batch holds it. Each read
+    /// that starts trims the free ones so that they and the policy's bytes fit the budget
+    /// ([`Shared::take_buffer`]); between an eviction and the start of the read that replaces
+    /// it, the evicted expert's buffer is counted here (the same memory it held).
     spare: Vec<Arc<AlignedBuf>>,
     /// Reads that took a spare buffer.
     reused: u64,
@@ -356,19 +358,19 @@ impl Shared {
 
     fn io_loop(&self) {
         loop {
-            let id = {
+            let (id, buf) = {
                 let mut st = self.lock();
                 loop {
                     if st.shutdown {
                         return;
                     }
                     if let Some(id) = st.queue.pop_front() {
-                        break id;
+                        let buf = self.take_buffer(&mut st, id);
+                        break (id, buf);
                     }
                     st = self.work.wait(st).unwrap_or_else(|p| p.into_inner());
                 }
             };
-            let buf = self.take_buffer(&mut self.lock(), id);
             let got = buf.and_then(|b| self.read(id, b));
             let mut st = self.lock();
             let now = Instant::now();
@@ -394,19 +396,30 @@ impl Shared {
         }
     }
 
-    /// A buffer for reading expert `id`: a spare one of its size that no batch holds, else a
-    /// fresh mapping. Then drops unheld spare buffers until they and the policy's bytes (which
-    /// count this read) fit the budget.
+    /// A buffer for reading expert `id` (already taken off the queue): a spare one that no
+    /// batch holds, else a fresh mapping. Then drops unheld spare buffers until they and the
+    /// buffers in use (the policy's bytes, this read's included, less the reads still queued)
+    /// fit the budget.
     fn take_buffer(&self, st: &mut State, id: ExpertId) -> Result<AlignedBuf, String> {
         let lay = self
             .layout(id)
             .ok_or_else(|| format!("{id} is not stored"))?;
         let len = lay.bytes as usize;
-        let reuse = st
+        // A spare of this size, else the largest free one resized (`mremap`: only the pages
+        // it grows by are new).
+        let free = |b: &Arc<AlignedBuf>| Arc::strong_count(b) == 1;
+        let pick = st
             .spare
             .iter()
-            .position(|b| b.len() == len && Arc::strong_count(b) == 1)
-            .and_then(|i| Arc::try_unwrap(st.spare.swap_remove(i)).ok());
+            .position(|b| b.len() == len && free(b))
+            .or_else(|| {
+                (0..st.spare.len())
+                    .filter(|&i| free(&st.spare[i]))
+                    .max_by_key(|&i| st.spare[i].len())
+            });
+        let reuse = pick
+            .and_then(|i| Arc::try_unwrap(st.spare.swap_remove(i)).ok())
+            .and_then(|b| b.resized(len).ok());
         let buf = match reuse {
             Some(b) => {
                 st.reused += 1;
@@ -415,9 +428,18 @@ impl Shared {
             None => AlignedBuf::zeroed(len).ok_or_else(|| format!("allocating {len} bytes"))?,
         };
         let mut spare: u64 = st.spare.iter().map(|b| b.len() as u64).sum();
+        // Reads still queued are counted by the policy but hold no buffer yet: the spare
+        // buffers they will take are not over the budget.
+        let queued: u64 = st
+            .queue
+            .iter()
+            .filter_map(|&q| self.layout(q))
+            .map(|l| l.bytes)
+            .sum();
+        let mapped = st.policy.used().saturating_sub(queued);
         let budget = st.policy.budget();
         let mut i = 0;
-        while st.policy.used() + spare > budget && i < st.spare.len() {
+        while mapped + spare > budget && i < st.spare.len() {
             if Arc::strong_count(&st.spare[i]) == 1 {
                 spare -= st.spare[i].len() as u64;
                 st.spare.swap_remove(i);
@@ -505,8 +527,9 @@ impl Shared {
     fn finish_layer(&self, st: &mut State, layer: usize) {
         for id in st.policy.layer_ran(layer as u32) {
             if let Some(i) = st.queue.iter().position(|&q| q == id) {
-                st.queue.remove(i);
-                st.policy.cancel(id);
+                if st.policy.cancel(id) {
+                    st.queue.remove(i);
+                }
             }
         }
     }
@@ -530,9 +553,18 @@ impl Shared {
                     if let Some((w, _)) = st.resident.get(&id) {
                         return Some((i, Loaded::Read(w.clone())));
                     }
-                    st.failed
-                        .get(&id)
-                        .map(|err| (i, Loaded::Failed(err.clone())))
+                    if let Some(err) = st.failed.get(&id) {
+                        return Some((i, Loaded::Failed(err.clone())));
+                    }
+                    // Neither resident, failed nor being read: another request's failure
+                    // released it (a rare race); fail this batch (retryable) instead of
+                    // waiting for a read that will not come.
+                    (!st.policy.is_known(id)).then(|| {
+                        (
+                            i,
+                            Loaded::Failed("released before its read landed".to_string()),
+                        )
+                    })
                 });
                 if let Some((i, r)) = found {
                     return Some((todo.remove(i), r));
@@ -551,6 +583,9 @@ impl Shared {
             }
             if let Some(e) = st.failed.get(&id) {
                 return Err(e.clone());
+            }
+            if !st.policy.is_known(id) {
+                return Err("released before its read landed".to_string());
             }
             st = self.landed.wait(st).unwrap_or_else(|p| p.into_inner());
         }
@@ -651,6 +686,7 @@ impl StoreExperts {
                         for id in pinned.drain(..) {
                             st.policy.release(id);
                         }
+                        s.finish_layer(&mut st, layer);
                         return Err(unavailable(layer, e.to_string()));
                     }
                 }

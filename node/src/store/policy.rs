@@ -21,7 +21,8 @@
 //!   nor being read, room can be made without touching pinned experts, and hinted experts
 //!   stay within half the budget (so demands always find room once reads land); a
 //!   prefetched expert that is evicted before any demand counts as wasted.
-//! - A hinted expert (read ahead, or already resident) is **protected** until it is demanded
+//! - A hinted expert (read ahead, or already resident while protected bytes stay within half
+//!   the budget) is **protected** until it is demanded
 //!   or its layer has run ([`Policy::layer_ran`]): never evicted meanwhile, so the demands of
 //!   the layers in between cannot throw out what was read for the next one (under LFU a
 //!   prefetched expert, demanded zero times, would otherwise go first). Protection never
@@ -122,7 +123,7 @@ pub enum PolicyError {
     },
 }
 
-/// The residency policy of one store (LRU within a byte budget).
+/// The residency policy of one store (LFU or LRU within a byte budget).
 #[derive(Debug)]
 pub struct Policy {
     budget: u64,
@@ -131,6 +132,8 @@ pub struct Policy {
     held: u64,
     /// The protected experts, by layer.
     protected: BTreeSet<ExpertId>,
+    /// Hinted reads in flight that no demand has pinned, by layer (protected or not).
+    hinted_reading: BTreeSet<ExpertId>,
     tick: u64,
     entries: HashMap<ExpertId, Entry>,
     /// Evictable candidates: (order key, id) of resident, unpinned entries.
@@ -155,6 +158,7 @@ impl Policy {
             used: 0,
             held: 0,
             protected: BTreeSet::new(),
+            hinted_reading: BTreeSet::new(),
             tick: 0,
             entries: HashMap::new(),
             lru: BTreeSet::new(),
@@ -301,6 +305,7 @@ impl Policy {
         if pins == 0 {
             self.held += bytes;
             self.protected.insert(id);
+            self.hinted_reading.insert(id);
         }
     }
 
@@ -322,8 +327,8 @@ impl Policy {
 
     /// Layer `layer` has demanded what it needs: its hinted experts that were not demanded
     /// lose their protection (under LFU, with no demands counted, they go first). Returns
-    /// those of them whose hinted read is still in flight, for the caller to cancel if it has
-    /// not started them ([`Policy::cancel`]).
+    /// its hinted reads still in flight that no demand wants, for the caller to cancel if it
+    /// has not started them ([`Policy::cancel`]).
     pub fn layer_ran(&mut self, layer: u32) -> Vec<ExpertId> {
         let lo = ExpertId { layer, expert: 0 };
         let hi = ExpertId {
@@ -331,34 +336,36 @@ impl Policy {
             expert: u32::MAX,
         };
         let ids: Vec<ExpertId> = self.protected.range(lo..=hi).copied().collect();
-        let mut reading = Vec::new();
         for id in ids {
-            if matches!(self.entries.get(&id), Some(e) if e.pins == 0 && matches!(e.state, State::Reading { .. }))
-            {
-                reading.push(id);
-            }
             self.unprotect(id);
         }
-        reading
+        self.hinted_reading.range(lo..=hi).copied().collect()
+    }
+
+    /// Whether the policy holds an entry for `id` (resident or being read).
+    pub fn is_known(&self, id: ExpertId) -> bool {
+        self.entries.contains_key(&id)
     }
 
     /// A hinted read that was never started and is no longer wanted (its layer ran without
-    /// it): forgotten, its bytes free, counted as wasted. Nothing happens to an expert that
-    /// is resident, demanded or not being read.
-    pub fn cancel(&mut self, id: ExpertId) {
+    /// it): forgotten, its bytes free, counted as wasted; `true`. Nothing happens to an
+    /// expert that is resident, demanded or not being read (`false`): its read must go on.
+    pub fn cancel(&mut self, id: ExpertId) -> bool {
         let Some(e) = self.entries.get(&id) else {
-            return;
+            return false;
         };
         if e.pins > 0 || e.state == State::Resident {
-            return;
+            return false;
         }
         self.unprotect(id);
+        self.hinted_reading.remove(&id);
         if let Some(e) = self.entries.remove(&id) {
             self.used -= e.bytes;
             if e.prefetched {
                 self.stats.prefetch_wasted += 1;
             }
         }
+        true
     }
 
     /// Lifts every protection (a demand found no other room).
@@ -411,6 +418,7 @@ impl Policy {
             if was_protected {
                 self.unprotect(id);
             }
+            self.hinted_reading.remove(&id);
             self.touch(id);
             return Ok(out);
         }
@@ -479,6 +487,7 @@ impl Policy {
         let State::Reading { since } = e.state else {
             return;
         };
+        self.hinted_reading.remove(&id);
         if !ok {
             self.stats.read_errors += 1;
             if e.prefetched {
@@ -673,7 +682,7 @@ mod tests {
         // Layer 1 runs without them: their protection ends, the read in flight is reported
         // for cancelling, and a new prefetch may evict the landed, unused one.
         assert_eq!(p.layer_ran(1), vec![id(1, 1)]);
-        p.cancel(id(1, 1));
+        assert!(p.cancel(id(1, 1)));
         assert_eq!(p.used(), 300);
         assert_eq!(p.hint(id(2, 2), 100, t), Some(vec![])); // room: 400 - 300
         assert!(p.entries.contains_key(&id(2, 2)));
@@ -701,9 +710,10 @@ mod tests {
             }
         );
         assert_eq!(use_now(&mut p, id(1, 5), 100, t), Demand::Hit);
+        assert_eq!(use_now(&mut p, id(1, 5), 100, t), Demand::Hit);
         assert_eq!(p.stats().prefetch_used, 1);
-        // A hint for a resident expert protects it too; once its layer has run it is
-        // evictable by the usual order.
+        // A hint for a resident expert protects it too: (0, 3), demanded once, would go
+        // before (1, 5), demanded twice.
         assert_eq!(p.hint(id(0, 3), 100, t), None);
         assert_eq!(
             use_now(&mut p, id(2, 0), 100, t),
@@ -711,6 +721,7 @@ mod tests {
                 evict: vec![id(1, 5)]
             }
         );
+        // Once its layer has run it is evictable by the usual order, and goes first.
         assert!(p.layer_ran(0).is_empty());
         assert_eq!(
             use_now(&mut p, id(2, 1), 100, t),
@@ -718,6 +729,32 @@ mod tests {
                 evict: vec![id(0, 3)]
             }
         );
+    }
+
+    #[test]
+    fn a_layer_ending_lifts_only_its_own_protections() {
+        let t = Instant::now();
+        let mut p = Policy::new(800);
+        for l in [1, 2] {
+            assert!(p.hint(id(l, 0), 100, t).is_some());
+            p.read_done(id(l, 0), true, t);
+        }
+        assert!(p.layer_ran(1).is_empty());
+        assert!(p.protected.contains(&id(2, 0)) && !p.protected.contains(&id(1, 0)));
+        for e in 1..7 {
+            assert_eq!(
+                use_now(&mut p, id(0, e), 100, t),
+                Demand::Read { evict: vec![] }
+            );
+        }
+        // Full: the oldest unprotected expert goes, (1, 0); then (0, 1), never (2, 0).
+        for (e, gone) in [(7, id(1, 0)), (8, id(0, 1))] {
+            assert_eq!(
+                use_now(&mut p, id(0, e), 100, t),
+                Demand::Read { evict: vec![gone] }
+            );
+        }
+        assert!(p.is_resident(id(2, 0)));
     }
 
     #[test]
@@ -737,6 +774,7 @@ mod tests {
             p.demand(id(0, 1), 100, t),
             Ok(Demand::Read { .. })
         ));
+        assert_eq!((p.protected.len(), p.held), (2, 200));
         assert_eq!(
             p.demand(id(0, 2), 100, t),
             Ok(Demand::Read {
@@ -754,11 +792,11 @@ mod tests {
         assert!(p.hint(id(1, 0), 100, t).is_some());
         assert_eq!(p.demand(id(1, 0), 100, t), Ok(Demand::Wait));
         assert!(p.layer_ran(1).is_empty());
-        p.cancel(id(1, 0)); // demanded: not cancelled
+        assert!(!p.cancel(id(1, 0))); // demanded: not cancelled
         assert!(p.entries.contains_key(&id(1, 0)));
         p.read_done(id(1, 0), true, t);
         p.release(id(1, 0));
-        p.cancel(id(1, 0)); // resident: not cancelled
+        assert!(!p.cancel(id(1, 0))); // resident: not cancelled
         assert!(p.is_resident(id(1, 0)));
         assert_eq!(p.stats().prefetch_wasted, 0);
     }
@@ -848,8 +886,7 @@ mod tests {
                 1 if p.hint(x, bytes, t).is_some() => reading.push(x),
                 1 if rnd(3) == 0 => {
                     for y in p.layer_ran(x.layer) {
-                        if rnd(2) == 0 {
-                            p.cancel(y);
+                        if rnd(2) == 0 && p.cancel(y) {
                             reading.retain(|&r| r != y);
                         }
                     }
@@ -884,6 +921,10 @@ mod tests {
             assert!(p.held <= p.budget / 2);
             let flagged = p.entries.values().filter(|e| e.protected).count();
             assert_eq!(flagged, p.protected.len());
+            for x in &p.hinted_reading {
+                let e = &p.entries[x];
+                assert!(e.pins == 0 && e.prefetched && matches!(e.state, State::Reading { .. }));
+            }
         }
     }
 }
