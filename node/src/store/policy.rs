@@ -736,8 +736,7 @@ mod tests {
         let t = Instant::now();
         let mut p = Policy::new(800);
         for l in [1, 2] {
-            assert!(p.hint(id(l, 0), 100, t).is_some());
-            p.read_done(id(l, 0), true, t);
+            prefetched(&mut p, l, 0..1, t);
         }
         assert!(p.layer_ran(1).is_empty());
         assert!(p.protected.contains(&id(2, 0)) && !p.protected.contains(&id(1, 0)));
@@ -757,14 +756,19 @@ mod tests {
         assert!(p.is_resident(id(2, 0)));
     }
 
+    /// Hints experts `es` of `layer` (100 bytes each) and lands their reads.
+    fn prefetched(p: &mut Policy, layer: u32, es: std::ops::Range<u32>, t: Instant) {
+        for e in es {
+            assert!(p.hint(id(layer, e), 100, t).is_some());
+            p.read_done(id(layer, e), true, t);
+        }
+    }
+
     #[test]
     fn protection_never_blocks_a_demand() {
         let t = Instant::now();
         let mut p = Policy::new(400);
-        for e in 0..2 {
-            assert!(p.hint(id(1, e), 100, t).is_some());
-            p.read_done(id(1, e), true, t);
-        }
+        prefetched(&mut p, 1, 0..2, t);
         // 200 bytes pinned by compute, 200 protected: a demand lifts the protections.
         assert!(matches!(
             p.demand(id(0, 0), 100, t),
@@ -805,10 +809,7 @@ mod tests {
     fn unused_prefetches_count_as_wasted_when_evicted() {
         let t = Instant::now();
         let mut p = Policy::new(400);
-        for e in 0..2 {
-            assert!(p.hint(id(0, e), 100, t).is_some());
-            p.read_done(id(0, e), true, t);
-        }
+        prefetched(&mut p, 0, 0..2, t);
         assert_eq!(use_now(&mut p, id(0, 0), 100, t), Demand::Hit);
         // Layer 0 ran without expert 1: no longer protected (and no read of it in flight).
         assert!(p.layer_ran(0).is_empty());
