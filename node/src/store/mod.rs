@@ -545,27 +545,10 @@ impl Shared {
                 if todo.is_empty() {
                     return None;
                 }
-                let found = todo.iter().enumerate().find_map(|(i, &e)| {
-                    if self.layouts[layer][e].is_none() {
-                        return Some((i, Loaded::Mapped));
-                    }
-                    let id = Shared::id(layer, e);
-                    if let Some((w, _)) = st.resident.get(&id) {
-                        return Some((i, Loaded::Read(w.clone())));
-                    }
-                    if let Some(err) = st.failed.get(&id) {
-                        return Some((i, Loaded::Failed(err.clone())));
-                    }
-                    // Neither resident, failed nor being read: another request's failure
-                    // released it (a rare race); fail this batch (retryable) instead of
-                    // waiting for a read that will not come.
-                    (!st.policy.is_known(id)).then(|| {
-                        (
-                            i,
-                            Loaded::Failed("released before its read landed".to_string()),
-                        )
-                    })
-                });
+                let found = todo
+                    .iter()
+                    .enumerate()
+                    .find_map(|(i, &e)| Some((i, self.loaded(&st, layer, e)?)));
                 if let Some((i, r)) = found {
                     return Some((todo.remove(i), r));
                 }
@@ -574,21 +557,24 @@ impl Shared {
         }
     }
 
-    /// Takes expert `id` for compute, waiting for its read; the caller releases it.
-    fn wait_resident(&self, id: ExpertId) -> Result<Arc<FfnWeights>, String> {
-        let mut st = self.lock();
-        loop {
-            if let Some((w, _)) = st.resident.get(&id) {
-                return Ok(w.clone());
-            }
-            if let Some(e) = st.failed.get(&id) {
-                return Err(e.clone());
-            }
-            if !st.policy.is_known(id) {
-                return Err("released before its read landed".to_string());
-            }
-            st = self.landed.wait(st).unwrap_or_else(|p| p.into_inner());
+    /// Expert `e` of `layer` if its weights are ready for compute (mapped, resident, or its
+    /// read failed); `None` while its read is still to land.
+    fn loaded(&self, st: &State, layer: usize, e: usize) -> Option<Loaded> {
+        if self.layouts[layer][e].is_none() {
+            return Some(Loaded::Mapped);
         }
+        let id = Shared::id(layer, e);
+        if let Some((w, _)) = st.resident.get(&id) {
+            return Some(Loaded::Read(w.clone()));
+        }
+        if let Some(err) = st.failed.get(&id) {
+            return Some(Loaded::Failed(err.clone()));
+        }
+        // Neither resident, failed nor being read: another request's failure released it (a
+        // rare race); fail this batch (retryable) instead of waiting for a read that will
+        // not come.
+        (!st.policy.is_known(id))
+            .then(|| Loaded::Failed("released before its read landed".to_string()))
     }
 }
 
@@ -711,21 +697,33 @@ impl StoreExperts {
             run_ffn(w, &x, b.numerics, &mut y).map_err(compute)?;
             Ok(y)
         };
+        let run_loaded = |e: usize, w: Loaded| -> ExpertOutput {
+            match w {
+                Loaded::Mapped => run_one(e, &experts[e]),
+                Loaded::Read(w) => run_one(e, &w),
+                Loaded::Failed(err) => Err(unavailable(
+                    layer,
+                    format!("reading {}: {err}", Shared::id(layer, e)),
+                )),
+            }
+        };
         let outputs: Result<Vec<Vec<f32>>, ExpertError> = if one_by_one {
             let r = active
                 .iter()
                 .map(|&e| {
-                    if s.layouts[layer][e].is_none() {
-                        return run_one(e, &experts[e]);
-                    }
+                    let stored = s.layouts[layer][e].is_some();
                     let id = Shared::id(layer, e);
-                    s.demand_blocking(id)
-                        .map_err(|err| unavailable(layer, err.to_string()))?;
-                    let out = match s.wait_resident(id) {
-                        Ok(w) => run_one(e, &w),
-                        Err(err) => Err(unavailable(layer, format!("reading {id}: {err}"))),
+                    if stored {
+                        s.demand_blocking(id)
+                            .map_err(|err| unavailable(layer, err.to_string()))?;
+                    }
+                    let out = match s.next_ready(layer, &Mutex::new(vec![e])) {
+                        Some((e, w)) => run_loaded(e, w),
+                        None => Err(unavailable(layer, format!("expert {e} not run"))),
                     };
-                    s.lock().policy.release(id);
+                    if stored {
+                        s.lock().policy.release(id);
+                    }
                     out
                 })
                 .collect();
@@ -741,14 +739,7 @@ impl StoreExperts {
                 active.iter().map(|_| Mutex::new(None)).collect();
             (0..workers).into_par_iter().for_each(|_| {
                 while let Some((e, w)) = s.next_ready(layer, &todo) {
-                    let y = match w {
-                        Loaded::Mapped => run_one(e, &experts[e]),
-                        Loaded::Read(w) => run_one(e, &w),
-                        Loaded::Failed(err) => Err(unavailable(
-                            layer,
-                            format!("reading {}: {err}", Shared::id(layer, e)),
-                        )),
-                    };
+                    let y = run_loaded(e, w);
                     if let Some(i) = active.iter().position(|&a| a == e) {
                         *slots[i].lock().unwrap_or_else(|p| p.into_inner()) = Some(y);
                     }
