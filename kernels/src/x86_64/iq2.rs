@@ -461,10 +461,14 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     // for its four tokens, is level or ahead: IQ1_M 0.91-0.93x, IQ2_XXS 0.80-0.95x, IQ3_XXS
     // 0.91-1.06x with gathers). On AMD only IQ1_S gathers: on a Zen 4 (session 28, alternated
     // in one process) its GEMV 1.00-1.09x at 1 thread, 1.14-1.23x at 2, 4 tokens 1.10-1.19x;
-    // the others 0.53-0.90x (IQ3_S 0.94-1.11x). Zen 5 takes the same, unmeasured.
+    // the others 0.53-0.90x (IQ3_S 0.94-1.11x). On a Zen 5 (session 30, four alternated
+    // rounds, 4096 × 14336, against what the dispatch takes otherwise) IQ3_S's GEMV gathers too:
+    // 1.10-1.11x (parity) and 1.16-1.17x (invariant) at 1 and 2 threads; IQ1_S's gathers are
+    // level in parity (0.99-1.00x) and 1.20x in invariant; IQ1_M's 0.72-0.90x.
     let gather = match KIND {
         IQ1_S => super::fast_gathers() || super::is_amd(),
-        IQ1_M | IQ2_XXS | IQ2_XS | IQ3_XXS | IQ3_S => super::fast_gathers() && g.ntok == 1,
+        IQ3_S => (super::fast_gathers() || super::is_amd_zen5_or_later()) && g.ntok == 1,
+        IQ1_M | IQ2_XXS | IQ2_XS | IQ3_XXS => super::fast_gathers() && g.ntok == 1,
         _ => false,
     };
     if gather && is_iq1(KIND) {

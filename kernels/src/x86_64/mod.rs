@@ -113,13 +113,35 @@ pub(crate) fn is_amd() -> bool {
     })
 }
 
+/// Whether this is an AMD CPU of family 0x1A or later (Zen 5 on), CPUID leaf 1's base family
+/// plus its extended family: where IQ3_S's GEMV gathers its grid rows (`iq2`), which on a Zen 4
+/// (family 0x19) measured slower.
+pub(crate) fn is_amd_zen5_or_later() -> bool {
+    static ZEN5: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ZEN5.get_or_init(|| {
+        if !is_amd() {
+            return false;
+        }
+        // CPUID leaf 1 exists on every x86-64 CPU; EAX bits 8..12 the base family, 20..28 the
+        // extended family (added when the base family is 0xF, as on every AMD CPU since K8).
+        let eax = core::arch::x86_64::__cpuid(1).eax;
+        let base = (eax >> 8) & 0xF;
+        let family = if base == 0xF {
+            base + ((eax >> 20) & 0xFF)
+        } else {
+            base
+        };
+        family >= 0x1A
+    })
+}
+
 /// Whether `vpgather*` is worth a table lookup here: an Intel CPU with AVX512-FP16, i.e.
 /// Sapphire Rapids or later. Skylake-SP through Ice Lake and Tiger Lake run gathers under the
 /// Gather Data Sampling ("Downfall") microcode mitigation, several times slower; on an AMD
 /// Zen 4 (session 28) the gather tiles were slower than the sub-block tile for every grid
-/// type but IQ1_S, which `iq2` lets gather on AMD (Zen 5 unmeasured). The IQ grid types'
-/// AVX-512 GEMVs gather their grid rows where this holds (`iq2::run_grid_avx512`; measured on
-/// an Emerald Rapids Xeon, session 26).
+/// type but IQ1_S, which `iq2` lets gather on AMD (and IQ3_S's GEMV on Zen 5:
+/// [`is_amd_zen5_or_later`]). The IQ grid types' AVX-512 GEMVs gather their grid rows where
+/// this holds (`iq2::run_grid_avx512`; measured on an Emerald Rapids Xeon, session 26).
 pub(crate) fn fast_gathers() -> bool {
     static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FAST.get_or_init(|| !is_amd() && is_x86_feature_detected!("avx512fp16"))
