@@ -1192,7 +1192,7 @@ pub(super) unsafe fn sb256_row<const KIND: u8>(g: &Gemm<'_>, r: usize) -> f32 {
 /// reduction serves their four integer sums and the f32 chains run in the lanes of one
 /// register (on an AMD EPYC Zen 4, q4_K 8192 × 14336 from DRAM, one thread, three
 /// alternations: 3.94–3.97 ms, against 4.53–4.61 ms through `gemv_k4`); shorter q6_K rows go
-/// one at a time (one sequential stream from memory, prefetched ahead on Intel:
+/// one at a time (one sequential stream from memory, prefetched ahead on Intel and Zen 5:
 /// `super::stream_prefetch`), as does q6_K's `vec_dot` order ([`KOrder::Lanes8`], eight lanes
 /// per row).
 ///
@@ -1263,9 +1263,9 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                 r += 4;
             }
         }
-        // One sequential stream: prefetched `stream_prefetch` bytes ahead on Intel; on AMD
-        // the hardware prefetchers follow it (on Zen 4, prefetching 8 rows ahead made q6_K
-        // 8192×14336 take 8.8–10.3 ms instead of 6.2–6.8).
+        // One sequential stream: prefetched `stream_prefetch` bytes ahead on Intel and AMD
+        // Zen 5; on older AMD CPUs the hardware prefetchers follow it (on Zen 4, prefetching 8
+        // rows ahead made q6_K 8192×14336 take 8.8–10.3 ms instead of 6.2–6.8).
         let pf = super::stream_prefetch();
         let ahead = |p: *const u8| {
             if pf > 0 {

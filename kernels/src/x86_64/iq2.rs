@@ -9,7 +9,8 @@
 //! 8 values, summed apart (`scalar::Delta`). On AVX-512, from 16 tokens, the tokens-in-lanes
 //! k-quant GEMM (`kq_lanes`, values looked up as `value + 128`; the IQ1 types' as
 //! `8 · grid + delta + 128`); where gathers are fast (`super::fast_gathers`), the GEMVs of all
-//! but IQ2_S, and IQ1_S up to 15 tokens (on AMD IQ1_S only), take tiles that gather whole
+//! but IQ2_S, and IQ1_S up to 15 tokens (on AMD IQ1_S, and from Zen 5 on IQ3_S's GEMV too),
+//! take tiles that gather whole
 //! grid rows, two sub-blocks a register ([`tile512_iq1_gather`], [`tile512_sign_gather`]),
 //! with the same integer lanes; elsewhere, on CPUs with AVX512-VBMI and GFNI, IQ2_XXS, IQ2_XS
 //! and IQ3_XXS compute a super-block's sign masks in three vector instructions
@@ -459,12 +460,14 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     // but IQ2_S for one token (GEMV IQ1_M 1.3-2x, IQ2_XXS 1.10x, IQ3_XXS 1.16-1.19x, IQ2_XS
     // 1.45x, IQ3_S 2.05x; at 4 tokens the sub-block tile, which unpacks each sub-block once
     // for its four tokens, is level or ahead: IQ1_M 0.91-0.93x, IQ2_XXS 0.80-0.95x, IQ3_XXS
-    // 0.91-1.06x with gathers). On AMD only IQ1_S gathers: on a Zen 4 (session 28, alternated
+    // 0.91-1.06x with gathers). On a Zen 4 only IQ1_S gathers (session 28, alternated
     // in one process) its GEMV 1.00-1.09x at 1 thread, 1.14-1.23x at 2, 4 tokens 1.10-1.19x;
     // the others 0.53-0.90x (IQ3_S 0.94-1.11x). On a Zen 5 (session 30, four alternated
     // rounds, 4096 × 14336, against what the dispatch takes otherwise) IQ3_S's GEMV gathers too:
     // 1.10-1.11x (parity) and 1.16-1.17x (invariant) at 1 and 2 threads; IQ1_S's gathers are
-    // level in parity (0.99-1.00x) and 1.20x in invariant; IQ1_M's 0.72-0.90x.
+    // level in parity (0.99-1.00x) and 1.20-1.21x in invariant; IQ1_M's 0.72-0.90x. Measured
+    // on one KVM EPYC (family 26 model 2); Zen 5 parts with 256-bit AVX-512 datapaths
+    // (Ryzen, mobile) take the same, unmeasured.
     let gather = match KIND {
         IQ1_S => super::fast_gathers() || super::is_amd(),
         IQ3_S => (super::fast_gathers() || super::is_amd_zen5_or_later()) && g.ntok == 1,
@@ -1171,7 +1174,7 @@ mod tests {
     }
 
     /// The gather tiles, called directly (the dispatch takes them only where gathers are fast,
-    /// and some kinds only for one token), and the mask tile where the CPU has VBMI and GFNI
+    /// IQ1_S's on AMD and IQ3_S's GEMV on Zen 5, and some kinds only for one token), and the mask tile where the CPU has VBMI and GFNI
     /// (which the dispatch then takes instead of the sub-block tile, so this keeps that one
     /// checked too): equal to the sub-block tile on any CPU with the AVX-512 table, for every
     /// kind they serve, 1 to 5 tokens, tiles of 4 × 1 and 2 × 4 rows × tokens with their
