@@ -44,14 +44,18 @@ const LANES: usize = 16;
 /// alternated in one process, 4096 x 14336, 512 tokens) 8 groups were the faster for the
 /// k-quants and IQ4_XS (q2_K 1.18x, q3_K 1.13x, q4_K 1.07-1.22x, q5_K 1.11x, q6_K 1.05-1.10x
 /// with one short round at 0.82x, IQ4_XS 1.16x) and level for the grid types (0.87-1.08x,
-/// inside that host's noise), so AMD takes 8 (Zen 5, with 1 MB of L2 too, unmeasured).
-fn band_groups() -> usize {
+/// inside that host's noise), so AMD takes 8. On an AMD EPYC Zen 5 (session 30, 1 MB of L2;
+/// alternated, three rounds, 2 threads) 32 groups ran the grid types faster (IQ1_S 1.18x,
+/// IQ3_S 1.18x, IQ2_XS 1.14x, IQ2_S 1.06-1.10x, IQ2_XXS 1.05-1.08x, IQ3_XXS 1.04-1.08x, IQ1_M
+/// 0.98-1.04x) and the others slower or level (q2_K 0.92-0.95x, q4_K 0.92-0.99x, q5_K
+/// 0.90-0.96x, IQ4_XS 0.94-0.97x, q6_K 1.04x, q3_K 1.08x), so there the grid kinds take 32.
+fn band_groups<const KIND: u8>() -> usize {
     #[cfg(test)]
     match FORCE_BAND.load(std::sync::atomic::Ordering::Relaxed) {
         0 => {}
         forced => return forced,
     }
-    if super::is_amd() {
+    if super::is_amd() && !(is_grid(KIND) && super::is_amd_zen5_or_later()) {
         8
     } else {
         32
@@ -254,7 +258,7 @@ unsafe fn gemm_g<const KIND: u8, const G: usize>(
     });
     let nsb = g.cols / QK_K;
     let ngroups = (t1 - t0).div_ceil(LANES);
-    let band = band_groups().min(ngroups);
+    let band = band_groups::<KIND>().min(ngroups);
     let panel = PANEL.min(g.nrows.div_ceil(R) * R);
     with_scratch(0, band * nsb, |acts: &mut [ActBlock]| {
         with_scratch(1, panel, |wrows: &mut [WRow]| {
