@@ -47,8 +47,9 @@ const LANES: usize = 16;
 /// inside that host's noise), so AMD takes 8. On an AMD EPYC Zen 5 (session 30, 1 MB of L2;
 /// alternated, three rounds, 2 threads) 32 groups ran the grid types faster (IQ1_S 1.18x,
 /// IQ3_S 1.18x, IQ2_XS 1.14x, IQ2_S 1.06-1.10x, IQ2_XXS 1.05-1.08x, IQ3_XXS 1.04-1.08x, IQ1_M
-/// 0.98-1.04x) and the others slower or level (q2_K 0.92-0.95x, q4_K 0.92-0.99x, q5_K
-/// 0.90-0.96x, IQ4_XS 0.94-0.97x, q6_K 1.04x, q3_K 1.08x), so there the grid kinds take 32.
+/// 0.98-1.04x) and the others mostly slower (q2_K 0.92-0.95x, q4_K 0.92-0.99x, q5_K
+/// 0.90-0.96x, IQ4_XS 0.94-0.97x; q6_K 1.04x and q3_K 1.08x in one set of rounds only), so
+/// there the grid kinds take 32.
 fn band_groups<const KIND: u8>() -> usize {
     #[cfg(test)]
     match FORCE_BAND.load(std::sync::atomic::Ordering::Relaxed) {
