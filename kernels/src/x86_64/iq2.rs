@@ -10,12 +10,11 @@
 //! k-quant GEMM (`kq_lanes`, values looked up as `value + 128`; the IQ1 types' as
 //! `8 · grid + delta + 128`); where gathers are fast (`super::fast_gathers`), the GEMVs of all
 //! but IQ2_S, and IQ1_S up to 15 tokens (on AMD IQ1_S, and from Zen 5 on IQ3_S's GEMV too),
-//! take tiles that gather whole
-//! grid rows, two sub-blocks a register ([`tile512_iq1_gather`], [`tile512_sign_gather`]),
-//! with the same integer lanes; elsewhere, on CPUs with AVX512-VBMI and GFNI, IQ2_XXS, IQ2_XS
-//! and IQ3_XXS compute a super-block's sign masks in three vector instructions
-//! ([`sign_masks`]) instead of looking each group's signs up, and IQ3_S its 64 grid indices
-//! in four ([`iq3s_indices`]).
+//! take tiles that gather whole grid rows, two sub-blocks a register
+//! ([`tile512_iq1_gather`], [`tile512_sign_gather`]), with the same integer lanes; elsewhere,
+//! on CPUs with AVX512-VBMI and GFNI, IQ2_XXS, IQ2_XS and IQ3_XXS compute a super-block's sign
+//! masks in three vector instructions ([`sign_masks`]) instead of looking each group's signs
+//! up, and IQ3_S its 64 grid indices in four ([`iq3s_indices`]).
 
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
@@ -1174,11 +1173,11 @@ mod tests {
     }
 
     /// The gather tiles, called directly (the dispatch takes them only where gathers are fast,
-    /// IQ1_S's on AMD and IQ3_S's GEMV on Zen 5, and some kinds only for one token), and the mask tile where the CPU has VBMI and GFNI
-    /// (which the dispatch then takes instead of the sub-block tile, so this keeps that one
-    /// checked too): equal to the sub-block tile on any CPU with the AVX-512 table, for every
-    /// kind they serve, 1 to 5 tokens, tiles of 4 × 1 and 2 × 4 rows × tokens with their
-    /// one-row and short-token tails, both numerics.
+    /// IQ1_S's on AMD and IQ3_S's GEMV on Zen 5, and some kinds only for one token), and the
+    /// mask tile where the CPU has VBMI and GFNI (which the dispatch then takes instead of the
+    /// sub-block tile, so this keeps that one checked too): equal to the sub-block tile on any
+    /// CPU with the AVX-512 table, for every kind they serve, 1 to 5 tokens, tiles of 4 × 1
+    /// and 2 × 4 rows × tokens with their one-row and short-token tails, both numerics.
     #[test]
     fn gather_and_mask_tiles_equal_the_sub_block_tile() {
         if super::super::avx512::Avx512::new().is_none() {
