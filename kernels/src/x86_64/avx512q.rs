@@ -103,8 +103,9 @@ pub(super) unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// prefetch) reached 8 GB/s (Gemma's 262144 × 640 LM head: 21 ms → 11 ms). Each block is
 /// prefetched `stream_prefetch` bytes ahead: on an Intel Xeon whose cores read 10 GB/s each
 /// (session 31) that LM head took 23 ms instead of 31 at one thread and 11.7 instead of 15.7 at
-/// two; a q8_0 4096 × 14336 matrix 1.49 ms instead of 2.1-4.5, q5_0 1.5 instead of 1.7 (q4_1,
-/// q5_1 unchanged). A burst of prefetches per row instead (rows of 10 KB) made q5_0 slower.
+/// two; at two threads, back to back (so largely from that host's L3), a q8_0 4096 × 14336
+/// matrix 1.49 ms instead of 2.1-4.5 and q5_0 1.5 instead of 1.7. A burst of prefetches per row
+/// instead (rows of 10 KB) made q5_0 slower. (q4_1 / q5_1 run `legacy_min`, q4_0 `iq4`.)
 ///
 /// # Safety
 /// As [`run_legacy`], with `g.ntok == 1`.
