@@ -4,7 +4,7 @@
 //!
 //! Integer products use VNNI. Exact integer partial sums may be grouped any way; only the f32
 //! steps have to happen where ggml does them:
-//! - Legacy blocks (q8_0, q4_0, q5_0): per block, eight i32 lanes of four products, one FMA
+//! - Legacy blocks (q8_0, q5_0; q4_0 runs `iq4`): per block, eight i32 lanes of four products, one FMA
 //!   per lane, the lanes reduced as `hsum_float_8` at the end. The GEMV one row at a time (one
 //!   256-bit `vpdpbusd` per block); from 2 up to `SMALL_LEGACY_MAX` tokens (batched decode):
 //!   two rows per 512-bit register, unsigned weight codes unpacked once per block for every
@@ -51,7 +51,7 @@ pub(super) unsafe fn f16_to_f32(p: *const u8) -> f32 {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Legacy 32-value blocks: q8_0, q4_0, q5_0 against q8_0.
+// Legacy 32-value blocks: q8_0, q5_0 against q8_0 (q4_0 runs `iq4`).
 
 /// The 32 codes of the legacy block at `p` in value order, unsigned (`value + offset`; q4_1 /
 /// q5_1: the codes themselves).
