@@ -4,14 +4,14 @@
 //!
 //! Integer products use VNNI. Exact integer partial sums may be grouped any way; only the f32
 //! steps have to happen where ggml does them:
-//! - Legacy blocks (q8_0, q5_0; q4_0 runs `iq4`): per block, eight i32 lanes of four products, one FMA
-//!   per lane, the lanes reduced as `hsum_float_8` at the end. The GEMV one row at a time (one
-//!   256-bit `vpdpbusd` per block); from 2 up to `SMALL_LEGACY_MAX` tokens (batched decode):
-//!   two rows per 512-bit register, unsigned weight codes unpacked once per block for every
-//!   token, the offset removed by starting the lanes at `-offset·Σa`. More tokens (prefill): a register holds a (row, token pair) — weights
-//!   unpacked once per row chunk and broadcast to both halves, the two tokens' activations
-//!   side by side, biased by +128 to be the unsigned operand, the bias removed by starting
-//!   the lanes at `-128·Σw`.
+//! - Legacy blocks (q8_0, q5_0; q4_0 runs `iq4`): per block, eight i32 lanes of four products, one
+//!   FMA per lane, the lanes reduced as `hsum_float_8` at the end. The GEMV one row at a time (one
+//!   256-bit `vpdpbusd` per block); from 2 up to `SMALL_LEGACY_MAX` tokens (batched decode): two
+//!   rows per 512-bit register, unsigned weight codes unpacked once per block for every token, the
+//!   offset removed by starting the lanes at `-offset·Σa`. More tokens (prefill): a register holds
+//!   a (row, token pair) — weights unpacked once per row chunk and broadcast to both halves, the
+//!   two tokens' activations side by side, biased by +128 to be the unsigned operand, the bias
+//!   removed by starting the lanes at `-128·Σw`.
 //! - k-quants: the exact integer sum of a super-block (or of 64 values for the q4_K GEMM
 //!   order) is reduced horizontally, 16 (row, token) pairs at a time — four rows by four
 //!   tokens — so one transposing reduction serves sixteen dot products, then scaled in f32
