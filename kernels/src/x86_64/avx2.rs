@@ -698,6 +698,8 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let mut summs = [[0f32; T]; R];
+    // A one-row tile is one sequential stream, prefetched as the AVX-512 GEMVs'.
+    let pf = if R == 1 { super::stream_prefetch() } else { 0 };
     // SAFETY (whole body): offsets within rows r0..r0+R / tokens t0..t0+T (nb blocks each)
     // and side-table indices below `g.ntok * nb`.
     unsafe {
@@ -722,9 +724,14 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
             }
             for r in 0..R {
                 let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * bs);
-                // Software prefetch only for multi-row tiles; one row is one stream.
+                // Multi-row tiles prefetch rows ahead; one row (the q8_0 GEMV) is one stream,
+                // prefetched `stream_prefetch` bytes ahead (Intel: 2 KB; session 31, both
+                // kernels held to AVX2, Gemma's q8_0 LM head 18.6-19.6 -> 13.3-13.7 ms at two
+                // threads, 33-35 -> 24.5 at one; AMD before Zen 5: none, as before).
                 if R > 1 && b % 2 == 0 {
                     prefetch(wp.wrapping_add(PF_ROWS * R * g.w_stride));
+                } else if R == 1 && pf > 0 {
+                    prefetch(wp.wrapping_add(pf));
                 }
                 let u = unpack_legacy::<KIND>(wp);
                 let dw = f16_splat(wp);
