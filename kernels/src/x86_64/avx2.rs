@@ -726,7 +726,7 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
                 let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * bs);
                 // Multi-row tiles prefetch rows ahead; one row (the q8_0 GEMV) is one stream,
                 // prefetched `stream_prefetch` bytes ahead (Intel: 2 KB; session 31, both
-                // kernels held to AVX2, Gemma's q8_0 LM head 18.6-19.6 -> 13.3-13.7 ms at two
+                // kernels held to AVX2, Gemma's q8_0 LM head 18.6-19.6 -> 13.1-13.7 ms at two
                 // threads, 33-35 -> 24.5 at one; AMD before Zen 5: none, as before).
                 if R > 1 && b % 2 == 0 {
                     prefetch(wp.wrapping_add(PF_ROWS * R * g.w_stride));

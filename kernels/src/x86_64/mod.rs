@@ -158,9 +158,9 @@ pub(crate) fn has_vbmi_gfni() -> bool {
 }
 
 /// Bytes ahead of the read position that the GEMVs reading their weights as one sequential
-/// stream (q4_K / q5_K's `gemv_k4`, q6_K's one-row path, q8_0 / q5_0's `gemv_legacy`)
-/// prefetch: 2048 on Intel, 4096 on AMD Zen 5 and later, none on older AMD CPUs.
-/// (`gemv_legacy` took it in session 31, measured on Intel only.)
+/// stream (q4_K / q5_K's `gemv_k4`, q6_K's one-row path, q8_0 / q5_0's `gemv_legacy`, the
+/// AVX2 q8_0 one-row `tile_legacy`) prefetch: 2048 on Intel, 4096 on AMD Zen 5 and later,
+/// none on older AMD CPUs. (The last two took it in session 31, measured on Intel only.)
 /// On an Intel Xeon (session 27, KVM) the hardware prefetchers left those GEMVs at ~8 GB/s on
 /// the small expert matrices of MoE decode (768 × 2048, 0.9-1.3 MB each, cold): the 16-layer
 /// Qwen3-30B-A3B-shaped model decoded at 17.9 t/s without and 22.4-24.6 with 1.5-2 KB ahead
