@@ -275,7 +275,7 @@ fn avx2_float_gemm_feeds_equal_the_one_token_matmuls() {
                 let xt = &x[t * cols..(t + 1) * cols];
                 alone.extend(run(Isa::Avx2, &m, xt, 1, 0..rows, Numerics::Parity));
             }
-            for feed in [FloatAct::Widen, FloatAct::Convert] {
+            for feed in [FloatAct::Widen, FloatAct::Convert, FloatAct::Tiles] {
                 let got = with_float_act(feed, || {
                     run(Isa::Avx2, &m, &x, n, 0..rows, Numerics::Parity)
                 });

@@ -310,6 +310,8 @@ unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         drive!(g, out, tile_float, 4, 1, KIND);
     } else if KIND == F32 {
         drive!(g, out, tile_float, 2, 4, F32);
+    } else if float_act(KIND) == FloatAct::Tiles {
+        drive!(@ TILES_BLOCK, g, out, tile_float, 3, 3, KIND);
     } else {
         // SAFETY: as this function's contract, `KIND` f16 or bf16, ntok > 1.
         unsafe { float_gemm::<KIND>(g, out) };
@@ -334,6 +336,12 @@ const WIDE_BLOCK: usize = 3 << 19;
 /// 14 MiB 360–384.)
 const CONVERT_BLOCK: usize = 6 << 20;
 
+/// Bytes of activations per token block of [`FloatAct::Tiles`] (73 f16 tokens at 14336
+/// columns, in L3). AMD EPYC Zen 3, 1 thread, 1024 × 14336 × 512, ms by 3 × 3 tiles' block:
+/// 1 MiB 195–218, 2 MiB 194–198, 4 MiB 177–188, 8 MiB 202–213 (llama.cpp 185–187); 2 threads,
+/// 4096 × 14336 × 512, ratio to llama.cpp: 2 MiB 0.94×, 4 MiB 0.93×, 6 MiB 0.92×.
+const TILES_BLOCK: usize = 2 << 20;
+
 /// How the f16 / bf16 GEMM feeds the micro-kernel its activations.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub(crate) enum FloatAct {
@@ -345,18 +353,31 @@ pub(crate) enum FloatAct {
     /// than the FMAs, and read half the bytes. AMD EPYC Zen 5, both engines held to AVX2, 2
     /// threads, 4096 × 14336 × 512: f16 364 → 277 ms, bf16 367 → 292 (llama.cpp 255 / 315).
     Convert,
+    /// No chunked feed: [`tile_float`]'s 3 rows × 3 tokens tile (9 accumulators: LLVM keeps
+    /// tinyBLAS's 4 × 3 in the 16 registers only with a spill) converts both operands as it
+    /// loads them over all columns, in token blocks of [`TILES_BLOCK`] bytes — tinyBLAS's
+    /// scheme. For f16 on AMD CPUs without AVX-512 (Zen 2 / 3), where the converted feed's
+    /// micro-kernel ran at 45–60 GFLOP/s a core against tinyBLAS's 80: AMD EPYC Zen 3, 2
+    /// threads, 4096 × 14336 × 512, 0.72× llama.cpp → 0.92–0.95× (1 thread 0.63× → about
+    /// 1.0×). bf16 keeps [`FloatAct::Convert`] there (1.04×; the tiles measured 0.83–0.89×:
+    /// its conversion is two integer instructions, not one).
+    Tiles,
 }
 
-/// [`FloatAct::Convert`] on AMD CPUs, [`FloatAct::Widen`] elsewhere (the tests run both).
-pub(crate) fn float_act() -> FloatAct {
+/// [`FloatAct::Tiles`] for f16 on AMD CPUs without AVX-512, [`FloatAct::Convert`] on other
+/// AMD CPUs, [`FloatAct::Widen`] elsewhere (the tests run all three).
+pub(crate) fn float_act(kind: u8) -> FloatAct {
     #[cfg(test)]
     if let Some(f) = FORCE_FLOAT_ACT.with(|c| c.get()) {
         return f;
     }
-    if super::is_amd() {
-        FloatAct::Convert
-    } else {
+    static NO_AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if !super::is_amd() {
         FloatAct::Widen
+    } else if kind == F16 && *NO_AVX512.get_or_init(|| !is_x86_feature_detected!("avx512f")) {
+        FloatAct::Tiles
+    } else {
+        FloatAct::Convert
     }
 }
 
@@ -389,7 +410,7 @@ pub(crate) fn with_float_act<R>(a: FloatAct, f: impl FnOnce() -> R) -> R {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let n = g.cols;
-    if float_act() == FloatAct::Convert {
+    if float_act(KIND) == FloatAct::Convert {
         let tb = ((CONVERT_BLOCK / (2 * n.max(1))).max(3) / 3 * 3).min(g.ntok);
         let mut t0 = 0;
         while t0 < g.ntok {
