@@ -11,14 +11,15 @@
 //!    node's bandwidth) that fits it in RAM and disk.
 //! 3. **Balance.** When the most loaded node is more than `tolerance` above the mean, the
 //!    replica on it that best closes the gap moves to the least loaded node that can take it,
-//!    until the most loaded is within half the tolerance (hysteresis: routing that drifts a
-//!    little between two plans moves nothing; bounded rounds; each move counted).
+//!    until the most loaded is within half the tolerance or no move helps (hysteresis:
+//!    routing that drifts a little between two plans moves nothing; bounded rounds; each
+//!    move counted).
 //!
 //! 4. **Co-location.** From the routing of recent tokens (which experts each token used, per
 //!    layer), within each layer: move a replica to another node, or swap two, where that puts
 //!    experts that fire together on one node, when each moved expert saves at least
-//!    `colocate_min` round trips per token and no node goes above the balance line (the
-//!    current maximum, or the mean plus half the tolerance if that is higher).
+//!    `colocate_min` round trips per token and no node goes above its line: the mean plus
+//!    half the tolerance, or its own load after balancing if that is higher.
 //!
 //! Load is routing-weighted: an expert's share of the routed rows, split evenly over its
 //! replicas (the coordinator rotates the preferred replica per step). Round trips per token
@@ -334,9 +335,14 @@ pub fn plan(state: &ClusterState, input: &PlanInput) -> Result<Plan, PlanError> 
     let mut colocation_moves = 0;
     if input.colocate_min.is_finite() && !input.samples.is_empty() {
         let mean = nodes.iter().map(|n| n.load).sum::<f64>() / nodes.len() as f64;
-        let max = nodes.iter().map(|n| n.load).fold(0.0, f64::max);
-        // Below the balance line with the same margin as balancing (half the tolerance).
-        let line = max.max(mean * (1.0 + input.tolerance / 2.0));
+        // No node goes above the balance line with the same margin as balancing (half the
+        // tolerance), or above its own load if that is higher: where balancing stopped short
+        // of the margin (no move helped), co-location does not fill the other nodes up to the
+        // most loaded one.
+        let lines: Vec<f64> = nodes
+            .iter()
+            .map(|n| n.load.max(mean * (1.0 + input.tolerance / 2.0)))
+            .collect();
         let min = nodes.iter().map(|n| n.load).fold(f64::INFINITY, f64::min);
         let floor = min.min(mean * (1.0 - input.tolerance));
         for (l, sample) in input.samples.iter().enumerate() {
@@ -349,7 +355,7 @@ pub fn plan(state: &ClusterState, input: &PlanInput) -> Result<Plan, PlanError> 
                 &Layer {
                     shares: &shares,
                     sizes,
-                    line,
+                    lines: &lines,
                     floor,
                     min: input.colocate_min,
                 },
@@ -469,8 +475,8 @@ struct Layer<'a> {
     /// Each expert's share of all routed rows.
     shares: &'a [f64],
     sizes: &'a [u64],
-    /// No node's load may end above `line` or below `floor`.
-    line: f64,
+    /// No node's load may end above its `lines` entry or below `floor`.
+    lines: &'a [f64],
     floor: f64,
     /// Least round trips per token saved per moved expert.
     min: f64,
@@ -542,7 +548,7 @@ fn colocate(
                     let la_to = load_of(holders, nodes, a, to);
                     // A relocation of a.
                     if fits_a
-                        && nodes[to].load + la_to <= f.line
+                        && nodes[to].load + la_to <= f.lines[to]
                         && nodes[from].load - load_of(holders, nodes, a, from) >= f.floor
                         && !rejected.contains(&(a, from, to, None))
                     {
@@ -566,8 +572,8 @@ fn colocate(
                         let new_to = nodes[to].load - load_of(holders, nodes, b, to) + la_to;
                         let new_from = nodes[from].load - load_of(holders, nodes, a, from)
                             + load_of(holders, nodes, b, from);
-                        if new_to > f.line
-                            || new_from > f.line
+                        if new_to > f.lines[to]
+                            || new_from > f.lines[from]
                             || new_to < f.floor
                             || new_from < f.floor
                             || rejected.contains(&(a, from, to, Some(b)))

@@ -121,7 +121,8 @@ pub struct PlanOpts {
     /// An expert routed at least this many times the mean gets one more replica.
     #[arg(long = "hot-factor", default_value_t = 2.0)]
     hot_factor: f64,
-    /// Balance until the most loaded node is within this fraction of the mean.
+    /// Balance when the most loaded node is more than this fraction above the mean, down to
+    /// half of it (or until no move helps).
     #[arg(long, default_value_t = 0.10)]
     tolerance: f64,
     /// Co-location: move experts that fire together (in the tokens this coordinator routed

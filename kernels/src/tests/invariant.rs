@@ -251,10 +251,13 @@ fn numerics_only_matter_for_batch_dependent_k_quant_orders() {
     }
 }
 
-/// The AVX2 f16 / bf16 GEMM's two activation feeds — widened to f32 per token block, or
-/// converted as loaded (the default on AMD CPUs) — give the same bits as each token's 1-token
-/// matmul: ragged columns, several K chunks, and several token blocks of either feed (27004
-/// columns: 12 tokens per widened block, 114 per converted one, and a ragged tail).
+/// The AVX2 f16 / bf16 GEMM's three activation feeds — widened to f32 per token block,
+/// converted as loaded (the default on AMD CPUs), or 3 × 3 tiles converting both operands
+/// over all columns (f16 on AMD CPUs without AVX-512) — give the same bits as each token's
+/// 1-token matmul: ragged columns, several K chunks, several token blocks of every feed (27004
+/// columns: 12 tokens per widened block, 114 per converted one, 36 per tiled one, and a
+/// ragged tail), a one-row remainder of the 3-row tiles (7 rows) and 1- and 2-token
+/// remainders of the 3-token tiles (16 and 125 tokens).
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn avx2_float_gemm_feeds_equal_the_one_token_matmuls() {
@@ -265,8 +268,8 @@ fn avx2_float_gemm_feeds_equal_the_one_token_matmuls() {
     );
     let mut rng = Rng(0xF16A);
     for ty in [GgmlType::F16, GgmlType::BF16] {
-        for (cols, n) in [(1100, 17), (27004, 125)] {
-            let rows = 6;
+        for (cols, n) in [(1100, 16), (27004, 125)] {
+            let rows = 7;
             let w = random_weights(ty, cols * rows, &mut rng);
             let m = QMatrix::new(ty, rows, cols, &w).unwrap();
             let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();

@@ -336,9 +336,9 @@ const WIDE_BLOCK: usize = 3 << 19;
 /// 14 MiB 360–384.)
 const CONVERT_BLOCK: usize = 6 << 20;
 
-/// Bytes of activations per token block of [`FloatAct::Tiles`] (73 f16 tokens at 14336
+/// Bytes of activations per token block of [`FloatAct::Tiles`] (72 f16 tokens at 14336
 /// columns, in L3). AMD EPYC Zen 3, 1 thread, 1024 × 14336 × 512, ms by 3 × 3 tiles' block:
-/// 1 MiB 195–218, 2 MiB 194–198, 4 MiB 177–188, 8 MiB 202–213 (llama.cpp 185–187); 2 threads,
+/// 1 MiB 195–218, 2 MiB 187–198, 4 MiB 177–188, 8 MiB 202–213 (llama.cpp 185–190); 2 threads,
 /// 4096 × 14336 × 512, ratio to llama.cpp: 2 MiB 0.94×, 4 MiB 0.93×, 6 MiB 0.92×.
 const TILES_BLOCK: usize = 2 << 20;
 
@@ -357,10 +357,10 @@ pub(crate) enum FloatAct {
     /// tinyBLAS's 4 × 3 in the 16 registers only with a spill) converts both operands as it
     /// loads them over all columns, in token blocks of [`TILES_BLOCK`] bytes — tinyBLAS's
     /// scheme. For f16 on AMD CPUs without AVX-512 (Zen 2 / 3), where the converted feed's
-    /// micro-kernel ran at 45–60 GFLOP/s a core against tinyBLAS's 80: AMD EPYC Zen 3, 2
-    /// threads, 4096 × 14336 × 512, 0.72× llama.cpp → 0.92–0.95× (1 thread 0.63× → about
-    /// 1.0×). bf16 keeps [`FloatAct::Convert`] there (1.04×; the tiles measured 0.83–0.89×:
-    /// its conversion is two integer instructions, not one).
+    /// micro-kernel ran at 45–60 GFLOP/s a core against tinyBLAS's 80–88: AMD EPYC Zen 3, 2
+    /// threads, 4096 × 14336 × 512, 0.72× llama.cpp → 0.80–0.95× (1 thread 0.63× → 0.88×).
+    /// bf16 keeps [`FloatAct::Convert`] there (1.04×; the tiles measured 0.83–0.89×: its
+    /// conversion is two integer instructions, not one).
     Tiles,
 }
 
@@ -371,10 +371,9 @@ pub(crate) fn float_act(kind: u8) -> FloatAct {
     if let Some(f) = FORCE_FLOAT_ACT.with(|c| c.get()) {
         return f;
     }
-    static NO_AVX512: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     if !super::is_amd() {
         FloatAct::Widen
-    } else if kind == F16 && *NO_AVX512.get_or_init(|| !is_x86_feature_detected!("avx512f")) {
+    } else if kind == F16 && !is_x86_feature_detected!("avx512f") {
         FloatAct::Tiles
     } else {
         FloatAct::Convert
@@ -410,6 +409,11 @@ pub(crate) fn with_float_act<R>(a: FloatAct, f: impl FnOnce() -> R) -> R {
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let n = g.cols;
+    debug_assert_ne!(
+        float_act(KIND),
+        FloatAct::Tiles,
+        "run_float takes the tiles"
+    );
     if float_act(KIND) == FloatAct::Convert {
         let tb = ((CONVERT_BLOCK / (2 * n.max(1))).max(3) / 3 * 3).min(g.ntok);
         let mut t0 = 0;
