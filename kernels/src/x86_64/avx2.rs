@@ -310,11 +310,13 @@ unsafe fn run_float<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         drive!(g, out, tile_float, 4, 1, KIND);
     } else if KIND == F32 {
         drive!(g, out, tile_float, 2, 4, F32);
-    } else if float_act(KIND) == FloatAct::Tiles {
-        drive!(@ TILES_BLOCK, g, out, tile_float, 3, 3, KIND);
     } else {
-        // SAFETY: as this function's contract, `KIND` f16 or bf16, ntok > 1.
-        unsafe { float_gemm::<KIND>(g, out) };
+        match float_act(KIND) {
+            FloatAct::Tiles => drive!(@ TILES_BLOCK, g, out, tile_float, 3, 3, KIND),
+            // SAFETY: as this function's contract, `KIND` f16 or bf16, ntok > 1.
+            FloatAct::Convert => unsafe { float_gemm::<KIND, true>(g, out) },
+            FloatAct::Widen => unsafe { float_gemm::<KIND, false>(g, out) },
+        }
     }
 }
 
@@ -397,7 +399,7 @@ pub(crate) fn with_float_act<R>(a: FloatAct, f: impl FnOnce() -> R) -> R {
 /// f16 / bf16 GEMM (more tokens). Each row tile's weights are widened once per K chunk of
 /// [`FKC`] columns into an L1 buffer; the activations are either widened to f32 one token
 /// block of [`WIDE_BLOCK`] bytes at a time ([`FloatAct::Widen`], no conversion in the inner
-/// loop) or converted as loaded ([`FloatAct::Convert`]); a 4 rows × 3 tokens register tile
+/// loop; `CONVERT` false) or converted as loaded ([`FloatAct::Convert`], `CONVERT` true); a 4 rows × 3 tokens register tile
 /// (tinyBLAS's AVX2 tile) of 12 FMAs per 7 loads — where converting both sides in the loop
 /// costs tinyBLAS's 4 × 3 tile 7 conversions per 12 FMAs and [`tile_float`]'s 2 × 4 6 per 8
 /// (on Intel one port-0 µop each, beside the FMAs' ports 0 and 1). The 12 accumulators go to
@@ -407,14 +409,9 @@ pub(crate) fn with_float_act<R>(a: FloatAct, f: impl FnOnce() -> R) -> R {
 /// # Safety
 /// As [`run_legacy`], `KIND` f16 or bf16.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn float_gemm<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
+unsafe fn float_gemm<const KIND: u8, const CONVERT: bool>(g: &Gemm<'_>, out: &mut [f32]) {
     let n = g.cols;
-    debug_assert_ne!(
-        float_act(KIND),
-        FloatAct::Tiles,
-        "run_float takes the tiles"
-    );
-    if float_act(KIND) == FloatAct::Convert {
+    if CONVERT {
         let tb = ((CONVERT_BLOCK / (2 * n.max(1))).max(3) / 3 * 3).min(g.ntok);
         let mut t0 = 0;
         while t0 < g.ntok {
