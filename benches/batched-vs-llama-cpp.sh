@@ -67,5 +67,10 @@ for pl in npl:
     tf = {m: med([json.load(open(f"{work}/tf.{m}.{pl}.{i}.json"))["agg_tg_tps"] for i in range(1, reps + 1)]) for m in ("parity", "invariant")}
     l = med(llama[pl])
     print(f"| {pl} | {l:.1f} | {tf['parity']:.1f} | {tf['parity']/l:.2f}x | {tf['invariant']:.1f} | {tf['invariant']/l:.2f}x | {tf['invariant']/tf['parity']:.2f} |")
+# Every run, in the order they ran: this host's speed moves between runs, and the medians hide it.
+for pl in npl:
+    runs = {m: [json.load(open(f"{work}/tf.{m}.{pl}.{i}.json"))["agg_tg_tps"] for i in range(1, reps + 1)] for m in ("parity", "invariant")}
+    fmt = lambda xs: " ".join(f"{x:.1f}" for x in xs)
+    print(f"runs, {pl} sequences: llama.cpp {fmt(llama[pl])} | parity {fmt(runs['parity'])} | invariant {fmt(runs['invariant'])}")
 PY
 echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -146,6 +146,46 @@ fn lanes_gemm_past_one_band_matches_scalar() {
     assert!(checked > 6_000_000, "only {checked} comparisons ran");
 }
 
+/// The AVX-512 q8_0 / q5_0 GEMV both ways — one row at a time (AMD's) and the small-batch
+/// tiles of four rows (Intel's) — gives the scalar reference's bits: row ranges from odd rows
+/// with every remainder of the four-row tiles, one-block rows and rows longer than the tiles'
+/// prefetch distance.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn legacy_gemv_one_row_and_four_rows_match_scalar() {
+    if !Isa::Avx512.is_available() {
+        eprintln!("skipped: this CPU lacks AVX-512 VNNI");
+        return;
+    }
+    let mut rng = Rng(0x6E3F);
+    let mut checked = 0usize;
+    for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
+        for cols in [32usize, 640, 4160] {
+            let total_rows = 14;
+            let w = random_weights(ty, cols * total_rows, &mut rng);
+            let m = QMatrix::new(ty, total_rows, cols, &w).unwrap();
+            let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
+            let mut act = Activations::new();
+            act.quantize_for(ty, &x, 1, cols).unwrap();
+            for rows in [0..14, 1..14, 3..10, 5..8, 2..4, 13..14] {
+                let want = run(Isa::Scalar, &m, &act, rows.clone(), Numerics::Parity);
+                for one_row in [true, false] {
+                    let got = crate::x86_64::avx512q::with_legacy_gemv_one_row(one_row, || {
+                        run(Isa::Avx512, &m, &act, rows.clone(), Numerics::Parity)
+                    });
+                    let (gb, wb): (Vec<u32>, Vec<u32>) = (
+                        got.iter().map(|v| v.to_bits()).collect(),
+                        want.iter().map(|v| v.to_bits()).collect(),
+                    );
+                    assert_eq!(gb, wb, "{ty:?} cols={cols} rows={rows:?} one_row={one_row}");
+                    checked += got.len();
+                }
+            }
+        }
+    }
+    assert!(checked > 200, "only {checked} comparisons ran");
+}
+
 /// The largest codes every k-quant (and q4_0, q5_0, q8_0: the largest and the most negative)
 /// can hold against activations at their extremes (every value of a block at the block's
 /// maximum magnitude: all -127; or q8_K a leading -127 then 127s, q8_0 a leading 127 then

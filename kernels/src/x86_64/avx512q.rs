@@ -87,7 +87,7 @@ pub(super) unsafe fn unpack_u8<const KIND: u8>(p: *const u8) -> __m256i {
 /// g.ntok * g.nrows` and `g.wty` of kind `KIND`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 pub(super) unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    if g.ntok == 1 {
+    if g.ntok == 1 && legacy_gemv_one_row() {
         // SAFETY: as this function's contract.
         unsafe { gemv_legacy::<KIND>(g, out) };
     } else {
@@ -96,7 +96,40 @@ pub(super) unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     }
 }
 
-/// GEMV (one token): one row at a time, one 256-bit accumulator (the row's eight lanes), so
+/// Whether a one-token call runs [`gemv_legacy`] (one row at a time: AMD) or
+/// [`gemm_small_legacy`]'s tiles, four rows two per register (elsewhere). Both give the same
+/// bits. On an Intel Xeon (family 6 model 167, KVM, cores reading 10.6 GB/s each; session 33),
+/// timed alternately in one process (`gemm_bench`, medians of nine invocations), the tiles
+/// ran 1.19× as fast as one row at a time on q5_0 2048 × 640 in L2 at one thread (compute-bound
+/// there: 5.4 GB/s one row at a time), 1.11× on q8_0, 1.17× (q5_0) and 1.24× (q8_0) on 32768 ×
+/// 4096 from DRAM at two threads, and even (1.02×) on Gemma's 262144 × 640 q8_0 LM head, which
+/// the memory paces; Gemma 3 270M decoded 10 % faster (q5_0 is a fifth of its time). On an AMD EPYC
+/// Zen 4 four rows at a time streamed a matrix from DRAM at half the one-row rate (see
+/// [`gemv_legacy`]; that was before the tiles' prefetch, and Zen 5 is not measured), so AMD
+/// keeps the one-row GEMV.
+fn legacy_gemv_one_row() -> bool {
+    #[cfg(test)]
+    if let Some(f) = FORCE_ONE_ROW.with(|c| c.get()) {
+        return f;
+    }
+    super::is_amd()
+}
+
+#[cfg(test)]
+std::thread_local! {
+    static FORCE_ONE_ROW: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with [`legacy_gemv_one_row`] forced to `one_row` on this thread.
+#[cfg(test)]
+pub(crate) fn with_legacy_gemv_one_row<R>(one_row: bool, f: impl FnOnce() -> R) -> R {
+    let before = FORCE_ONE_ROW.with(|c| c.replace(Some(one_row)));
+    let r = f();
+    FORCE_ONE_ROW.with(|c| c.set(before));
+    r
+}
+
+/// GEMV (one token; AMD, [`legacy_gemv_one_row`]): one row at a time, one 256-bit accumulator (the row's eight lanes), so
 /// the weights are read as one sequential stream; activations prepared once per call. On an
 /// AMD EPYC (Zen 4) this streams a Q8_0 matrix larger than L3 at 15-18 GB/s from one core,
 /// where four rows at a time two per 512-bit register (four interleaved streams, software

@@ -4,7 +4,7 @@
 
 pub(crate) mod avx2;
 pub(crate) mod avx512;
-mod avx512q;
+pub(crate) mod avx512q;
 mod gemv_k4;
 mod iq2;
 mod iq4;
