@@ -148,7 +148,7 @@ fn lanes_gemm_past_one_band_matches_scalar() {
 
 /// The AVX-512 q8_0 / q5_0 GEMV both ways — one row at a time (AMD's) and the small-batch
 /// tiles of four rows (Intel's) — gives the scalar reference's bits: row ranges from odd rows
-/// with every remainder of the four-row tiles, one-block rows and rows longer than the tiles'
+/// with every remainder of the four-row tiles (0 to 3) and an empty one, one-block rows and rows longer than the tiles'
 /// prefetch distance.
 #[cfg(target_arch = "x86_64")]
 #[test]
@@ -167,7 +167,7 @@ fn legacy_gemv_one_row_and_four_rows_match_scalar() {
             let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
             let mut act = Activations::new();
             act.quantize_for(ty, &x, 1, cols).unwrap();
-            for rows in [0..14, 1..14, 3..10, 5..8, 2..4, 13..14] {
+            for rows in [0..14, 1..14, 3..10, 2..10, 5..8, 2..4, 13..14, 4..4] {
                 let want = run(Isa::Scalar, &m, &act, rows.clone(), Numerics::Parity);
                 for one_row in [true, false] {
                     let got = crate::x86_64::avx512q::with_legacy_gemv_one_row(one_row, || {

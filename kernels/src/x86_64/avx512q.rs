@@ -5,9 +5,9 @@
 //! Integer products use VNNI. Exact integer partial sums may be grouped any way; only the f32
 //! steps have to happen where ggml does them:
 //! - Legacy blocks (q8_0, q5_0; q4_0 runs `iq4`): per block, eight i32 lanes of four products, one
-//!   FMA per lane, the lanes reduced as `hsum_float_8` at the end. The GEMV one row at a time (one
-//!   256-bit `vpdpbusd` per block); from 2 up to `SMALL_LEGACY_MAX` tokens (batched decode): two
-//!   rows per 512-bit register, unsigned weight codes unpacked once per block for every token, the
+//!   FMA per lane, the lanes reduced as `hsum_float_8` at the end. On AMD the GEMV one row at a
+//!   time (one 256-bit `vpdpbusd` per block; `legacy_gemv_one_row`); elsewhere from 1, on AMD
+//!   from 2, up to `SMALL_LEGACY_MAX` tokens (batched decode): two rows per 512-bit register, unsigned weight codes unpacked once per block for every token, the
 //!   offset removed by starting the lanes at `-offset·Σa`. More tokens (prefill): a register holds
 //!   a (row, token pair) — weights unpacked once per row chunk and broadcast to both halves, the
 //!   two tokens' activations side by side, biased by +128 to be the unsigned operand, the bias
@@ -263,10 +263,11 @@ const SMALL_LEGACY_MAX: usize = 40;
 const WCHUNK_BYTES: usize = 768 * 1024;
 const ABLOCK_BYTES: usize = 384 * 1024;
 
-/// The multi-token path for `g.ntok` tokens, on this thread's scratch buffers.
+/// The tiled path for `g.ntok` tokens (one token too, where [`legacy_gemv_one_row`] says so),
+/// on this thread's scratch buffers.
 ///
 /// # Safety
-/// As [`run_legacy`], with `g.ntok > 1`.
+/// As [`run_legacy`], with `g.ntok >= 1`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 unsafe fn run_legacy_multi<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     let nb = g.cols / QK;
@@ -289,7 +290,8 @@ unsafe fn run_legacy_multi<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     }
 }
 
-/// Few tokens (decode of several sequences): four rows at a time two per register, with up to
+/// Few tokens (decode of several sequences; one token, the GEMV, on Intel): four rows at a time
+/// two per register, with up to
 /// eight tokens per pass over the rows' blocks, so each weight block is loaded and unpacked
 /// once for all of them and streamed from memory once per call. Per (row, token) the lanes
 /// are [`gemv_legacy`]'s, so the results equal its bit for bit.

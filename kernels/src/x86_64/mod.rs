@@ -158,7 +158,7 @@ pub(crate) fn has_vbmi_gfni() -> bool {
 }
 
 /// Bytes ahead of the read position that the GEMVs reading their weights as one sequential
-/// stream (q4_K / q5_K's `gemv_k4`, q6_K's one-row path, q8_0 / q5_0's `gemv_legacy`, the
+/// stream (q4_K / q5_K's `gemv_k4`, q6_K's one-row path, q8_0 / q5_0's `gemv_legacy` on AMD, the
 /// AVX2 q8_0 one-row `tile_legacy`) prefetch: 2048 on Intel, 4096 on AMD Zen 5 and later,
 /// none on older AMD CPUs. (The last two took it in session 31, measured on Intel only.)
 /// On an Intel Xeon (session 27, KVM) the hardware prefetchers left those GEMVs at ~8 GB/s on
