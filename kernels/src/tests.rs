@@ -126,6 +126,11 @@ fn col_shapes(ty: GgmlType) -> &'static [usize] {
     }
 }
 
+/// The bit patterns of `v`, for comparisons that must be exact (NaN and -0 included).
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
 /// Σ|w_i·a_i| from the dequantized operands: the scale of the rounding error of a dot.
 fn abs_dot(w: &[f32], a: &[f32]) -> f32 {
     w.iter().zip(a).map(|(x, y)| (x * y).abs()).sum()

@@ -4,7 +4,7 @@
 //! (the unpacked-weight buffers cover a few dozen to a few hundred rows) and their 4-row
 //! groups, starting at an odd row.
 
-use super::{abs_dot, random_weights, Rng, MATMUL_TYPES};
+use super::{abs_dot, bits, random_weights, Rng, MATMUL_TYPES};
 use crate::dispatch::Isa;
 use crate::*;
 
@@ -148,8 +148,8 @@ fn lanes_gemm_past_one_band_matches_scalar() {
 
 /// The AVX-512 q8_0 / q5_0 GEMV both ways — one row at a time (AMD's) and the small-batch
 /// tiles of four rows (Intel's) — gives the scalar reference's bits: row ranges from odd rows
-/// with every remainder of the four-row tiles (0 to 3) and an empty one, one-block rows and rows longer than the tiles'
-/// prefetch distance.
+/// with every remainder of the four-row tiles (0 to 3) and an empty one, one-block rows and
+/// rows longer than the tiles' prefetch distance.
 #[cfg(target_arch = "x86_64")]
 #[test]
 fn legacy_gemv_one_row_and_four_rows_match_scalar() {
@@ -173,11 +173,11 @@ fn legacy_gemv_one_row_and_four_rows_match_scalar() {
                     let got = crate::x86_64::avx512q::with_legacy_gemv_one_row(one_row, || {
                         run(Isa::Avx512, &m, &act, rows.clone(), Numerics::Parity)
                     });
-                    let (gb, wb): (Vec<u32>, Vec<u32>) = (
-                        got.iter().map(|v| v.to_bits()).collect(),
-                        want.iter().map(|v| v.to_bits()).collect(),
+                    assert_eq!(
+                        bits(&got),
+                        bits(&want),
+                        "{ty:?} cols={cols} rows={rows:?} one_row={one_row}"
                     );
-                    assert_eq!(gb, wb, "{ty:?} cols={cols} rows={rows:?} one_row={one_row}");
                     checked += got.len();
                 }
             }
@@ -241,8 +241,8 @@ fn quant_matmuls_at_extreme_codes_match_scalar() {
                         }
                         let got = run(isa, &m, &act, 0..rows, numerics);
                         assert_eq!(
-                            got.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
-                            want.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                            bits(&got),
+                            bits(&want),
                             "{isa:?} {ty:?} {numerics:?} n={n} first={first}"
                         );
                         checked += got.len();

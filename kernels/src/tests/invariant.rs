@@ -2,7 +2,7 @@
 //! 1-token matmul, whatever the batch size and the token's place in it, on every ISA; and the
 //! flag matters (Parity's multi-token k-quant orders really differ).
 
-use super::{abs_dot, random_weights, Rng, MATMUL_TYPES};
+use super::{abs_dot, bits, random_weights, Rng, MATMUL_TYPES};
 use crate::dispatch::Isa;
 use crate::*;
 
@@ -26,10 +26,6 @@ fn cols_for(ty: GgmlType) -> &'static [usize] {
 
 fn available() -> Vec<Isa> {
     Isa::ALL.into_iter().filter(|i| i.is_available()).collect()
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// `rows` of `m` against `x` (n tokens) on `isa`.

@@ -390,17 +390,14 @@ std::thread_local! {
 /// Runs `f` with the f16 / bf16 GEMM's activation feed forced to `a` on this thread.
 #[cfg(test)]
 pub(crate) fn with_float_act<R>(a: FloatAct, f: impl FnOnce() -> R) -> R {
-    let before = FORCE_FLOAT_ACT.with(|c| c.replace(Some(a)));
-    let r = f();
-    FORCE_FLOAT_ACT.with(|c| c.set(before));
-    r
+    super::with_forced(&FORCE_FLOAT_ACT, a, f)
 }
 
 /// f16 / bf16 GEMM (more tokens). Each row tile's weights are widened once per K chunk of
 /// [`FKC`] columns into an L1 buffer; the activations are either widened to f32 one token
 /// block of [`WIDE_BLOCK`] bytes at a time ([`FloatAct::Widen`], no conversion in the inner
-/// loop; `CONVERT` false) or converted as loaded ([`FloatAct::Convert`], `CONVERT` true); a 4 rows × 3 tokens register tile
-/// (tinyBLAS's AVX2 tile) of 12 FMAs per 7 loads — where converting both sides in the loop
+/// loop; `CONVERT` false) or converted as loaded ([`FloatAct::Convert`], `CONVERT` true); a 4
+/// rows × 3 tokens register tile (tinyBLAS's AVX2 tile) of 12 FMAs per 7 loads — where converting both sides in the loop
 /// costs tinyBLAS's 4 × 3 tile 7 conversions per 12 FMAs and [`tile_float`]'s 2 × 4 6 per 8
 /// (on Intel one port-0 µop each, beside the FMAs' ports 0 and 1). The 12 accumulators go to
 /// a per-row-tile buffer between chunks. Each (row, token) still has one 8-lane accumulator

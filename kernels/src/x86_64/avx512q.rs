@@ -7,8 +7,8 @@
 //! - Legacy blocks (q8_0, q5_0; q4_0 runs `iq4`): per block, eight i32 lanes of four products, one
 //!   FMA per lane, the lanes reduced as `hsum_float_8` at the end. On AMD the GEMV one row at a
 //!   time (one 256-bit `vpdpbusd` per block; `legacy_gemv_one_row`); elsewhere from 1, on AMD
-//!   from 2, up to `SMALL_LEGACY_MAX` tokens (batched decode): two rows per 512-bit register, unsigned weight codes unpacked once per block for every token, the
-//!   offset removed by starting the lanes at `-offset·Σa`. More tokens (prefill): a register holds
+//!   from 2, up to `SMALL_LEGACY_MAX` tokens (batched decode): two rows per 512-bit register,
+//!   unsigned weight codes unpacked once per block for every token, the offset removed by starting the lanes at `-offset·Σa`. More tokens (prefill): a register holds
 //!   a (row, token pair) — weights unpacked once per row chunk and broadcast to both halves, the
 //!   two tokens' activations side by side, biased by +128 to be the unsigned operand, the bias
 //!   removed by starting the lanes at `-128·Σw`.
@@ -103,8 +103,8 @@ pub(super) unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// ran 1.19× as fast as one row at a time on q5_0 2048 × 640 in L2 at one thread (compute-bound
 /// there: 5.4 GB/s one row at a time), 1.11× on q8_0, 1.17× (q5_0) and 1.24× (q8_0) on 32768 ×
 /// 4096 from DRAM at two threads, and even (1.02×) on Gemma's 262144 × 640 q8_0 LM head, which
-/// the memory paces; Gemma 3 270M decoded 10 % faster (q5_0 is a fifth of its time). On an AMD EPYC
-/// Zen 4 four rows at a time streamed a matrix from DRAM at half the one-row rate (see
+/// the memory paces; Gemma 3 270M decoded 10 % faster (q5_0 is a fifth of its time). On an
+/// AMD EPYC Zen 4 four rows at a time streamed a matrix from DRAM at half the one-row rate (see
 /// [`gemv_legacy`]; that was before the tiles' prefetch, and Zen 5 is not measured), so AMD
 /// keeps the one-row GEMV.
 fn legacy_gemv_one_row() -> bool {
@@ -123,14 +123,11 @@ std::thread_local! {
 /// Runs `f` with [`legacy_gemv_one_row`] forced to `one_row` on this thread.
 #[cfg(test)]
 pub(crate) fn with_legacy_gemv_one_row<R>(one_row: bool, f: impl FnOnce() -> R) -> R {
-    let before = FORCE_ONE_ROW.with(|c| c.replace(Some(one_row)));
-    let r = f();
-    FORCE_ONE_ROW.with(|c| c.set(before));
-    r
+    super::with_forced(&FORCE_ONE_ROW, one_row, f)
 }
 
-/// GEMV (one token; AMD, [`legacy_gemv_one_row`]): one row at a time, one 256-bit accumulator (the row's eight lanes), so
-/// the weights are read as one sequential stream; activations prepared once per call. On an
+/// GEMV (one token; AMD, [`legacy_gemv_one_row`]): one row at a time, one 256-bit accumulator
+/// (the row's eight lanes), so the weights are read as one sequential stream; activations prepared once per call. On an
 /// AMD EPYC (Zen 4) this streams a Q8_0 matrix larger than L3 at 15-18 GB/s from one core,
 /// where four rows at a time two per 512-bit register (four interleaved streams, software
 /// prefetch) reached 8 GB/s (Gemma's 262144 × 640 LM head: 21 ms → 11 ms). Each block is
@@ -291,8 +288,7 @@ unsafe fn run_legacy_multi<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 }
 
 /// Few tokens (decode of several sequences; one token, the GEMV, on Intel): four rows at a time
-/// two per register, with up to
-/// eight tokens per pass over the rows' blocks, so each weight block is loaded and unpacked
+/// two per register, with up to eight tokens per pass over the rows' blocks, so each weight block is loaded and unpacked
 /// once for all of them and streamed from memory once per call. Per (row, token) the lanes
 /// are [`gemv_legacy`]'s, so the results equal its bit for bit.
 ///

@@ -157,9 +157,23 @@ pub(crate) fn has_vbmi_gfni() -> bool {
     is_x86_feature_detected!("avx512vbmi") && is_x86_feature_detected!("gfni")
 }
 
+/// Tests: runs `f` with the choice held in `key` (a kernel's by-vendor default when `None`)
+/// forced to `v` on this thread, restored afterwards.
+#[cfg(test)]
+pub(crate) fn with_forced<T: Copy + 'static, R>(
+    key: &'static std::thread::LocalKey<std::cell::Cell<Option<T>>>,
+    v: T,
+    f: impl FnOnce() -> R,
+) -> R {
+    let before = key.with(|c| c.replace(Some(v)));
+    let r = f();
+    key.with(|c| c.set(before));
+    r
+}
+
 /// Bytes ahead of the read position that the GEMVs reading their weights as one sequential
-/// stream (q4_K / q5_K's `gemv_k4`, q6_K's one-row path, q8_0 / q5_0's `gemv_legacy` on AMD, the
-/// AVX2 q8_0 one-row `tile_legacy`) prefetch: 2048 on Intel, 4096 on AMD Zen 5 and later,
+/// stream (q4_K / q5_K's `gemv_k4`, q6_K's one-row path, q8_0 / q5_0's `gemv_legacy` on AMD,
+/// the AVX2 q8_0 one-row `tile_legacy`) prefetch: 2048 on Intel, 4096 on AMD Zen 5 and later,
 /// none on older AMD CPUs. (The last two took it in session 31, measured on Intel only.)
 /// On an Intel Xeon (session 27, KVM) the hardware prefetchers left those GEMVs at ~8 GB/s on
 /// the small expert matrices of MoE decode (768 × 2048, 0.9-1.3 MB each, cold): the 16-layer
