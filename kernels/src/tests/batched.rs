@@ -186,6 +186,48 @@ fn legacy_gemv_one_row_and_four_rows_match_scalar() {
     assert!(checked > 200, "only {checked} comparisons ran");
 }
 
+/// The AVX2 q8_0 / q5_0 multi-token tiles both ways — one row by up to eight tokens (small
+/// batches; every batch on AMD) and four rows by six (Intel's prefill) — give the scalar
+/// reference's bits for every small token count and past the switch at 16, on row ranges from
+/// odd rows with every remainder of the four-row tiles and an empty one.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx2_signed_one_row_and_four_rows_match_scalar() {
+    if !Isa::Avx2.is_available() {
+        eprintln!("skipped: this CPU lacks AVX2");
+        return;
+    }
+    let mut rng = Rng(0x51C7);
+    let mut checked = 0usize;
+    for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
+        for cols in [32usize, 640] {
+            let total_rows = 14;
+            let w = random_weights(ty, cols * total_rows, &mut rng);
+            let m = QMatrix::new(ty, total_rows, cols, &w).unwrap();
+            for n in NS {
+                let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
+                let mut act = Activations::new();
+                act.quantize_for(ty, &x, n, cols).unwrap();
+                for rows in [0..14, 1..14, 3..10, 2..10, 5..8, 13..14, 4..4] {
+                    let want = run(Isa::Scalar, &m, &act, rows.clone(), Numerics::Parity);
+                    for one_row in [true, false] {
+                        let got = crate::x86_64::avx2::with_signed_one_row(one_row, || {
+                            run(Isa::Avx2, &m, &act, rows.clone(), Numerics::Parity)
+                        });
+                        assert_eq!(
+                            bits(&got),
+                            bits(&want),
+                            "{ty:?} cols={cols} n={n} rows={rows:?} one_row={one_row}"
+                        );
+                        checked += got.len();
+                    }
+                }
+            }
+        }
+    }
+    assert!(checked > 50_000, "only {checked} comparisons ran");
+}
+
 /// The largest codes every k-quant (and q4_0, q5_0, q8_0: the largest and the most negative)
 /// can hold against activations at their extremes (every value of a block at the block's
 /// maximum magnitude: all -127; or q8_K a leading -127 then 127s, q8_0 a leading 127 then

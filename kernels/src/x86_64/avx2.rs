@@ -50,7 +50,7 @@ impl Avx2 {
             softmax_exp,
             quantize,
             swiglu,
-            widen_transpose_f16: crate::scalar::widen_transpose_f16,
+            widen_transpose_f16,
         }
     }
 }
@@ -274,12 +274,57 @@ unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
         // tiles). q4_0/q5_0 unpack more per byte and keep the activation reuse of 4 rows.
         drive!(g, out, tile_legacy, 1, 1, KIND);
     } else if g.ntok == 1 {
+        // q5_0 one row at a time ([`tile_signed`]'s 1 × 1) measured 0.83-0.87× this on an AMD
+        // EPYC Zen 3, in L2 and from DRAM alike: its unpacking is shared by no token.
         drive!(g, out, tile_legacy, 4, 1, KIND);
+    } else if (KIND == Q8_0 || KIND == Q5_0) && signed_one_row(g.ntok) {
+        // All the tokens, up to eight, per pass over a row (a second pass finds it in L1).
+        match g.ntok {
+            2 => drive!(g, out, tile_signed, 1, 2, KIND),
+            3 => drive!(g, out, tile_signed, 1, 3, KIND),
+            4 => drive!(g, out, tile_signed, 1, 4, KIND),
+            5 => drive!(g, out, tile_signed, 1, 5, KIND),
+            6 => drive!(g, out, tile_signed, 1, 6, KIND),
+            7 => drive!(g, out, tile_signed, 1, 7, KIND),
+            _ => drive!(g, out, tile_signed, 1, 8, KIND),
+        }
     } else if KIND == Q8_0 || KIND == Q5_0 {
         drive!(g, out, tile_signed, 4, 6, KIND);
     } else {
         drive!(g, out, tile_legacy, 2, 4, KIND);
     }
+}
+
+/// Whether a q8_0 / q5_0 call of `ntok` (> 1) tokens runs [`tile_signed`] one row at a time
+/// with up to eight tokens (each row's blocks one sequential stream, eight accumulators in
+/// registers) rather than four rows by six tokens (24 accumulators: spilled to the stack in
+/// AVX2's 16 registers, and four interleaved streams that the hardware prefetchers follow
+/// badly). One row at a time for decode batches (up to 16 tokens) everywhere, and for every
+/// batch on AMD. On an AMD EPYC Zen 3 (AVX2 only; session 34, 2 threads, timed alternately in
+/// one process) one row at a time took Gemma's 262144 × 640 q8_0 LM head at 4 tokens from
+/// 41-44 ms to 21-22 (about its 1-token 18 ms), at 8 tokens 1.58×, at 16 1.25-1.35×; q5_0
+/// 2048 × 640 1.31-1.42× at 4 tokens, 1.09-1.17× at 8, 1.11× at 16 (0.94× at 3 in L2, 1.18×
+/// from DRAM); and prefill 4096 × 14336 × 512 q8_0 1.07-1.10×, q5_0 1.02×. Two rows by four
+/// or six and three by four measured between the two. Intel keeps the four-row tile past 16
+/// tokens, where it was chosen (not re-measured).
+fn signed_one_row(ntok: usize) -> bool {
+    #[cfg(test)]
+    if let Some(f) = FORCE_SIGNED_ONE_ROW.with(|c| c.get()) {
+        return f;
+    }
+    ntok <= 16 || super::is_amd()
+}
+
+#[cfg(test)]
+std::thread_local! {
+    static FORCE_SIGNED_ONE_ROW: std::cell::Cell<Option<bool>> =
+        const { std::cell::Cell::new(None) };
+}
+
+/// Runs `f` with [`signed_one_row`] forced to `one_row` on this thread.
+#[cfg(test)]
+pub(crate) fn with_signed_one_row<R>(one_row: bool, f: impl FnOnce() -> R) -> R {
+    super::with_forced(&FORCE_SIGNED_ONE_ROW, one_row, f)
 }
 
 /// # Safety
@@ -746,7 +791,8 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
                 // Multi-row tiles prefetch rows ahead; one row (the q8_0 GEMV) is one stream,
                 // prefetched `stream_prefetch` bytes ahead (Intel: 2 KB; session 31, both
                 // kernels held to AVX2, Gemma's q8_0 LM head 18.6-19.6 -> 13.1-13.7 ms at two
-                // threads, 33-35 -> 24.5 at one; AMD before Zen 5: none, as before).
+                // threads, 33-35 -> 24.5 at one; AMD Zen 3: 2 KB too, 11.1-13.2 -> 9.1-10.6 ms at
+                // two, 20-22 -> 14.7-16.2 at one, session 34).
                 if R > 1 && b % 2 == 0 {
                     prefetch(wp.wrapping_add(PF_ROWS * R * g.w_stride));
                 } else if R == 1 && pf > 0 {
@@ -822,6 +868,8 @@ unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
     let off = _mm256_set1_epi8(legacy_offset(KIND) as i8);
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
+    // One row is one sequential stream, prefetched as the one-row GEMV's ([`tile_legacy`]).
+    let pf = if R == 1 { super::stream_prefetch() } else { 0 };
     // SAFETY (whole body): offsets within rows r0..r0+R / tokens t0..t0+T (nb blocks each)
     // and side-table indices below `g.ntok * nb`.
     unsafe {
@@ -838,6 +886,26 @@ unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
                 dh[r] = wp.cast::<i16>().read_unaligned();
             }
             let aw: [__m256i; R] = core::array::from_fn(|r| _mm256_sign_epi8(w[r], w[r]));
+            if R == 1 {
+                // One row ([`signed_one_row`]): its scale splat once per block, times each
+                // token's (the product of the same two floats as below).
+                if pf > 0 {
+                    prefetch(g.w.as_ptr().wrapping_add(r0 * g.w_stride + b * bs + pf));
+                }
+                let dw = _mm256_cvtph_ps(_mm_set1_epi16(dh[0]));
+                for t in 0..T {
+                    let i = (t0 + t) * nb + b;
+                    let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * abs + aoff);
+                    let av = _mm256_loadu_si256(ap.cast());
+                    let d = _mm256_mul_ps(dw, _mm256_set1_ps(*g.a_scales.as_ptr().add(i)));
+                    let p = _mm256_madd_epi16(
+                        _mm256_maddubs_epi16(aw[0], _mm256_sign_epi8(av, w[0])),
+                        ones,
+                    );
+                    acc[0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[0][t]);
+                }
+                continue;
+            }
             let dw = _mm_cvtph_ps(_mm_loadu_si128(dh.as_ptr().cast()));
             for t in 0..T {
                 let i = (t0 + t) * nb + b;
@@ -1216,6 +1284,78 @@ fn tail_mask(left: usize) -> __m256i {
         _mm256_set1_epi32(left.min(8) as i32),
         _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
     )
+}
+
+/// In 8 × 8 blocks transposed in registers, the ragged edges as the scalar reference. On an
+/// AMD EPYC Zen 3 the scalar one was a tenth of Gemma 3 270M's invariant one-sequence decode
+/// (every step widens its sequence's K tiles for the tiled attention).
+fn widen_transpose_f16(
+    src: &[f16],
+    src_stride: usize,
+    rows: usize,
+    cols: usize,
+    dst: &mut [f32],
+    dst_stride: usize,
+) {
+    // Checked again here (the public entry checks too): the blocks below read and write through
+    // raw pointers.
+    if !crate::widen_transpose_fits(src.len(), src_stride, rows, cols, dst.len(), dst_stride) {
+        return;
+    }
+    let (r8, c8) = (rows / 8 * 8, cols / 8 * 8);
+    // SAFETY: token-gated (see above); whole 8 × 8 blocks inside the sizes checked above.
+    unsafe {
+        for r0 in (0..r8).step_by(8) {
+            for c0 in (0..c8).step_by(8) {
+                transpose8_raw(
+                    src.as_ptr().add(r0 * src_stride + c0),
+                    src_stride,
+                    dst.as_mut_ptr().add(c0 * dst_stride + r0),
+                    dst_stride,
+                );
+            }
+        }
+    }
+    for r in 0..rows {
+        let c_from = if r < r8 { c8 } else { 0 };
+        for c in c_from..cols {
+            dst[c * dst_stride + r] = src[r * src_stride + c].to_f32();
+        }
+    }
+}
+
+/// One 8 × 8 block: 8 f16 rows widened, transposed in registers, stored as 8 f32 rows.
+///
+/// # Safety
+/// AVX2, FMA, F16C; 8 rows of 8 values readable at `src` (stride `ss`), writable at `dst`
+/// (stride `ds`).
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn transpose8_raw(src: *const f16, ss: usize, dst: *mut f32, ds: usize) {
+    // SAFETY (whole body): as the contract.
+    unsafe {
+        let r: [__m256; 8] =
+            core::array::from_fn(|i| _mm256_cvtph_ps(_mm_loadu_si128(src.add(i * ss).cast())));
+        // Pairs of rows interleaved, then quads; then 128-bit halves across quads.
+        let mut t = [_mm256_setzero_ps(); 8];
+        for i in 0..4 {
+            t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+            t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+        }
+        // u[4i + k], half H: column 4H + k of rows 4i..4i+4.
+        let mut u = [_mm256_setzero_ps(); 8];
+        for i in 0..2 {
+            u[4 * i] = _mm256_shuffle_ps::<0x44>(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 1] = _mm256_shuffle_ps::<0xEE>(t[4 * i], t[4 * i + 2]);
+            u[4 * i + 2] = _mm256_shuffle_ps::<0x44>(t[4 * i + 1], t[4 * i + 3]);
+            u[4 * i + 3] = _mm256_shuffle_ps::<0xEE>(t[4 * i + 1], t[4 * i + 3]);
+        }
+        for k in 0..4 {
+            let lo = _mm256_permute2f128_ps::<0x20>(u[k], u[4 + k]);
+            let hi = _mm256_permute2f128_ps::<0x31>(u[k], u[4 + k]);
+            _mm256_storeu_ps(dst.add(k * ds), lo);
+            _mm256_storeu_ps(dst.add((4 + k) * ds), hi);
+        }
+    }
 }
 
 fn fa_scores(q: &[f32], kt: &[f32], w: usize, out: &mut [f32]) {

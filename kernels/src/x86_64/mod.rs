@@ -101,9 +101,10 @@ macro_rules! grid_entries {
 pub(crate) use grid_entries;
 
 /// Whether this is an AMD CPU (CPUID vendor "AuthenticAMD"), for the few choices the two
-/// vendors' cores want made differently (`avx2::float_act`, the IQ grid types' GEMVs in `iq2`:
-/// [`fast_gathers`], and IQ1_S, which gathers on AMD too; [`stream_prefetch`]; and through
-/// [`is_amd_zen5_or_later`] the choices Zen 5 makes apart from Zen 4).
+/// vendors' cores want made differently (`avx2::float_act`, `avx2::signed_one_row`, the IQ
+/// grid types' GEMVs in `iq2`: [`fast_gathers`], and IQ1_S, which gathers on AMD too;
+/// [`stream_prefetch`]; and through [`is_amd_zen5_or_later`] the choices Zen 5 makes apart
+/// from Zen 4).
 pub(crate) fn is_amd() -> bool {
     static AMD: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *AMD.get_or_init(|| {
@@ -171,28 +172,30 @@ pub(crate) fn with_forced<T: Copy + 'static, R>(
     r
 }
 
-/// Bytes ahead of the read position that the GEMVs reading their weights as one sequential
-/// stream (q4_K / q5_K's `gemv_k4`, q6_K's one-row path, q8_0 / q5_0's `gemv_legacy` on AMD,
-/// the AVX2 q8_0 one-row `tile_legacy`) prefetch: 2048 on Intel, 4096 on AMD Zen 5 and later,
-/// none on older AMD CPUs. (The last two took it in session 31, measured on Intel only.)
-/// On an Intel Xeon (session 27, KVM) the hardware prefetchers left those GEMVs at ~8 GB/s on
-/// the small expert matrices of MoE decode (768 × 2048, 0.9-1.3 MB each, cold): the 16-layer
-/// Qwen3-30B-A3B-shaped model decoded at 17.9 t/s without and 22.4-24.6 with 1.5-2 KB ahead
-/// (2 threads; 16.4-16.9 against 20.4-20.9 in a slower hour of the host; 10.0-10.6 against
-/// 13.6-14.1 at one thread; 4-6 KB ahead slower than 2). On an AMD EPYC (Zen 4)
-/// prefetching 8 rows ahead (94 KB) slowed q6_K's one-row GEMV from DRAM by a third, and this
-/// distance (2-4 KB) on the same decode in session 28 came out between -2 % and +10 % over
-/// three sittings, inside that host's noise, so Zen 4 keeps the hardware's. On an AMD EPYC
-/// Zen 5 (session 30, alternated runs of the 24-layer model, 2 threads) 0 / 2048 / 4096 /
-/// 6144 / 8192 / 12288 bytes ahead decoded at medians of 34.9-35.8 / 38.8 / 39.9-41.5 / 40.1
-/// / 39.8 / 38.9 t/s; 4096 ahead also 24.4-24.8 -> 27.9-28.3 t/s at one thread and Gemma 3
-/// 270M's dense decode 141.5-147.3 -> 151.3-153.5 t/s.
+/// Bytes ahead of the read position that the GEMVs reading their weights as one sequential stream
+/// (q4_K / q5_K's `gemv_k4`, q6_K's one-row path, q8_0 / q5_0's `gemv_legacy` on AMD, the AVX2 q8_0
+/// one-row `tile_legacy` and q8_0 / q5_0 one-row `tile_signed`) prefetch: 2048 on Intel and on AMD
+/// CPUs without AVX-512 (Zen 3 and before), 4096 on AMD Zen 5 and later, none on Zen 4. (Zen 5 and
+/// Zen 4 took it in session 31, measured on Intel only; Zen 3 in session 34: Gemma's 262144 × 640
+/// q8_0 LM head, AVX2 one row at a time, 11.1-13.2 ms with none, 9.1-10.6 with 2048 ahead, 9.5-10.7
+/// with 4096, 9.9-11.9 with 6144 at two threads; 20-22 ms with none and 14.7-16.2 with 2048 or 4096
+/// at one.) On an Intel Xeon (session 27, KVM) the hardware prefetchers left those GEMVs at ~8 GB/s
+/// on the small expert matrices of MoE decode (768 × 2048, 0.9-1.3 MB each, cold): the 16-layer
+/// Qwen3-30B-A3B-shaped model decoded at 17.9 t/s without and 22.4-24.6 with 1.5-2 KB ahead (2
+/// threads; 16.4-16.9 against 20.4-20.9 in a slower hour of the host; 10.0-10.6 against 13.6-14.1
+/// at one thread; 4-6 KB ahead slower than 2). On an AMD EPYC (Zen 4) prefetching 8 rows ahead (94
+/// KB) slowed q6_K's one-row GEMV from DRAM by a third, and this distance (2-4 KB) on the same
+/// decode in session 28 came out between -2 % and +10 % over three sittings, inside that host's
+/// noise, so Zen 4 keeps the hardware's. On an AMD EPYC Zen 5 (session 30, alternated runs of the
+/// 24-layer model, 2 threads) 0 / 2048 / 4096 / 6144 / 8192 / 12288 bytes ahead decoded at medians
+/// of 34.9-35.8 / 38.8 / 39.9-41.5 / 40.1 / 39.8 / 38.9 t/s; 4096 ahead also 24.4-24.8 -> 27.9-28.3
+/// t/s at one thread and Gemma 3 270M's dense decode 141.5-147.3 -> 151.3-153.5 t/s.
 pub(crate) fn stream_prefetch() -> usize {
     static PF: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
     *PF.get_or_init(|| {
         if is_amd_zen5_or_later() {
             4096
-        } else if is_amd() {
+        } else if is_amd() && is_x86_feature_detected!("avx512f") {
             0
         } else {
             2048
