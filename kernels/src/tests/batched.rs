@@ -187,7 +187,7 @@ fn legacy_gemv_one_row_and_four_rows_match_scalar() {
 }
 
 /// The AVX2 q8_0 / q5_0 multi-token tiles both ways — one row by up to eight tokens (small
-/// batches; every batch on AMD) and four rows by six (Intel's prefill) — give the scalar
+/// batches; every batch on AMD) and four rows by six (Intel past 16 tokens) — give the scalar
 /// reference's bits for every small token count and past the switch at 16, on row ranges from
 /// odd rows with every remainder of the four-row tiles and an empty one.
 #[cfg(target_arch = "x86_64")]

@@ -295,18 +295,18 @@ unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
     }
 }
 
-/// Whether a q8_0 / q5_0 call of `ntok` (> 1) tokens runs [`tile_signed`] one row at a time
-/// with up to eight tokens (each row's blocks one sequential stream, eight accumulators in
-/// registers) rather than four rows by six tokens (24 accumulators: spilled to the stack in
-/// AVX2's 16 registers, and four interleaved streams that the hardware prefetchers follow
-/// badly). One row at a time for decode batches (up to 16 tokens) everywhere, and for every
-/// batch on AMD. On an AMD EPYC Zen 3 (AVX2 only; session 34, 2 threads, timed alternately in
-/// one process) one row at a time took Gemma's 262144 × 640 q8_0 LM head at 4 tokens from
-/// 41-44 ms to 21-22 (about its 1-token 18 ms), at 8 tokens 1.58×, at 16 1.25-1.35×; q5_0
-/// 2048 × 640 1.31-1.42× at 4 tokens, 1.09-1.17× at 8, 1.11× at 16 (0.94× at 3 in L2, 1.18×
-/// from DRAM); and prefill 4096 × 14336 × 512 q8_0 1.07-1.10×, q5_0 1.02×. Two rows by four
-/// or six and three by four measured between the two. Intel keeps the four-row tile past 16
-/// tokens, where it was chosen (not re-measured).
+/// Whether a q8_0 / q5_0 call of `ntok` (> 1) tokens runs [`tile_signed`] one row at a time with up
+/// to eight tokens (each row's blocks one sequential stream, eight accumulators in registers)
+/// rather than four rows by six tokens (24 accumulators: spilled to the stack in AVX2's 16
+/// registers, and four interleaved streams that the hardware prefetchers follow badly). One row at
+/// a time for decode batches (up to 16 tokens) everywhere, and for every batch on AMD. On an AMD
+/// EPYC Zen 3 (AVX2 only; session 34, 2 threads, timed alternately in one process) one row at a
+/// time took Gemma's 262144 × 640 q8_0 LM head at 4 tokens from 41-44 ms to 21-22 (its 1-token time
+/// 11-13), at 8 tokens 1.58×, at 16 1.25-1.35×; q5_0 2048 × 640 1.31-1.42× at 4 tokens, 1.09-1.17×
+/// at 8, 1.11× at 16 (0.94× at 3 in L2, 1.18× from DRAM); and prefill 4096 × 14336 × 512 q8_0
+/// 1.07-1.10×, q5_0 1.02×. Two rows by four or six and three by four measured between the two.
+/// Intel keeps the four-row tile past 16 tokens, where it was chosen; Intel's AVX2 path is not
+/// re-measured at any batch size.
 fn signed_one_row(ntok: usize) -> bool {
     #[cfg(test)]
     if let Some(f) = FORCE_SIGNED_ONE_ROW.with(|c| c.get()) {
@@ -791,8 +791,9 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
                 // Multi-row tiles prefetch rows ahead; one row (the q8_0 GEMV) is one stream,
                 // prefetched `stream_prefetch` bytes ahead (Intel: 2 KB; session 31, both
                 // kernels held to AVX2, Gemma's q8_0 LM head 18.6-19.6 -> 13.1-13.7 ms at two
-                // threads, 33-35 -> 24.5 at one; AMD Zen 3: 2 KB too, 11.1-13.2 -> 9.1-10.6 ms at
-                // two, 20-22 -> 14.7-16.2 at one, session 34).
+                // threads, 33-35 -> 24.5 at one; AMD without AVX-512 (Zen 3): 2 KB too,
+                // 11.1-13.2 -> 9.1-10.6 ms at two, 20-22 -> 14.7-16.2 at one, session 34; Zen 4:
+                // none; Zen 5: 4 KB).
                 if R > 1 && b % 2 == 0 {
                     prefetch(wp.wrapping_add(PF_ROWS * R * g.w_stride));
                 } else if R == 1 && pf > 0 {
@@ -847,7 +848,9 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
 /// block made one vector per token: the R rows' f16 scales converted together, times the
 /// token's, each row's lane spread by one in-lane permute (llama.cpp's AVX2 tinyBLAS `gemm4xN`
 /// does the same). Per (row, token, block): sign, `vpmaddubsw`, `vpmaddwd`, convert, FMA —
-/// one multiply fewer than [`tile_legacy`], which also multiplies the two scales there.
+/// one multiply fewer than [`tile_legacy`], which also multiplies the two scales there. One row
+/// ([`signed_one_row`]) has no lanes to spread: its scale splat times each token's, one multiply
+/// per (row, token, block) as [`tile_legacy`].
 /// Exact for activation codes in `-127..=127`, all that q8_0 quantization writes (`sign`
 /// cannot negate -128; ggml's AVX2 q5_0 / q8_0 dot products share the limit).
 ///
@@ -1303,7 +1306,8 @@ fn widen_transpose_f16(
         return;
     }
     let (r8, c8) = (rows / 8 * 8, cols / 8 * 8);
-    // SAFETY: token-gated (see above); whole 8 × 8 blocks inside the sizes checked above.
+    // SAFETY: reachable only through `Avx2::kernels`' table, built from its token (AVX2, F16C);
+    // whole 8 × 8 blocks inside the sizes checked above.
     unsafe {
         for r0 in (0..r8).step_by(8) {
             for c0 in (0..c8).step_by(8) {

@@ -1305,7 +1305,7 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
             }
         }
         // One sequential stream: prefetched `stream_prefetch` bytes ahead on Intel and AMD
-        // Zen 5; on older AMD CPUs the hardware prefetchers follow it (on Zen 4, prefetching 8
+        // Zen 5; on Zen 4 the hardware prefetchers follow it (there, prefetching 8
         // rows ahead made q6_K 8192×14336 take 8.8–10.3 ms instead of 6.2–6.8).
         let pf = super::stream_prefetch();
         let ahead = |p: *const u8| {

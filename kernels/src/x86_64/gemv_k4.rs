@@ -11,7 +11,7 @@
 //!   its 16 `vpmaddubsw` lanes through one in-lane `vpshufb` of the 8 scales.
 //! - **Reductions are shared**: rows are read one after another (one sequential stream from
 //!   memory, which software prefetch leads on Intel and AMD Zen 5 and the hardware prefetchers
-//!   follow on older AMD CPUs, `super::stream_prefetch`); one transposing reduction turns the 16
+//!   follow on Zen 4, `super::stream_prefetch`); one transposing reduction turns the 16
 //!   partial-sum lanes of four consecutive super-blocks of a row into their four exact sums,
 //!   parked in L1 (48 bytes per row and four super-blocks) until four rows are done; then the
 //!   f32 steps of those four rows run in the lanes of one register, each row's in the

@@ -175,8 +175,9 @@ pub(crate) fn with_forced<T: Copy + 'static, R>(
 /// Bytes ahead of the read position that the GEMVs reading their weights as one sequential stream
 /// (q4_K / q5_K's `gemv_k4`, q6_K's one-row path, q8_0 / q5_0's `gemv_legacy` on AMD, the AVX2 q8_0
 /// one-row `tile_legacy` and q8_0 / q5_0 one-row `tile_signed`) prefetch: 2048 on Intel and on AMD
-/// CPUs without AVX-512 (Zen 3 and before), 4096 on AMD Zen 5 and later, none on Zen 4. (Zen 5 and
-/// Zen 4 took it in session 31, measured on Intel only; Zen 3 in session 34: Gemma's 262144 × 640
+/// CPUs without AVX-512 (measured on Zen 3), 4096 on AMD Zen 5 and later, none on Zen 4.
+/// (`gemv_legacy` and the AVX2 one-row `tile_legacy` took it in session 31, measured on Intel only;
+/// AMD without AVX-512 and the one-row `tile_signed` in session 34, on Zen 3: Gemma's 262144 × 640
 /// q8_0 LM head, AVX2 one row at a time, 11.1-13.2 ms with none, 9.1-10.6 with 2048 ahead, 9.5-10.7
 /// with 4096, 9.9-11.9 with 6144 at two threads; 20-22 ms with none and 14.7-16.2 with 2048 or 4096
 /// at one.) On an Intel Xeon (session 27, KVM) the hardware prefetchers left those GEMVs at ~8 GB/s
