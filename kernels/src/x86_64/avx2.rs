@@ -1289,9 +1289,9 @@ fn tail_mask(left: usize) -> __m256i {
     )
 }
 
-/// In 8 × 8 blocks transposed in registers, the ragged edges as the scalar reference. On an
-/// AMD EPYC Zen 3 the scalar one was a tenth of Gemma 3 270M's invariant one-sequence decode
-/// (every step widens its sequence's K tiles for the tiled attention).
+/// In 8 × 8 blocks transposed in registers ([`super::widen_transpose_blocks`]). On an AMD EPYC
+/// Zen 3 the scalar copy was a tenth of Gemma 3 270M's invariant one-sequence decode (every step
+/// widens its sequence's K tiles for the tiled attention).
 fn widen_transpose_f16(
     src: &[f16],
     src_stride: usize,
@@ -1300,31 +1300,18 @@ fn widen_transpose_f16(
     dst: &mut [f32],
     dst_stride: usize,
 ) {
-    // Checked again here (the public entry checks too): the blocks below read and write through
-    // raw pointers.
-    if !crate::widen_transpose_fits(src.len(), src_stride, rows, cols, dst.len(), dst_stride) {
-        return;
-    }
-    let (r8, c8) = (rows / 8 * 8, cols / 8 * 8);
-    // SAFETY: reachable only through `Avx2::kernels`' table, built from its token (AVX2, F16C);
-    // whole 8 × 8 blocks inside the sizes checked above.
+    // SAFETY: reachable only through `Avx2::kernels`' table, built from its token (AVX2, F16C:
+    // what `transpose8_raw` needs); it reads and writes 8 × 8 blocks as the helper's contract.
     unsafe {
-        for r0 in (0..r8).step_by(8) {
-            for c0 in (0..c8).step_by(8) {
-                transpose8_raw(
-                    src.as_ptr().add(r0 * src_stride + c0),
-                    src_stride,
-                    dst.as_mut_ptr().add(c0 * dst_stride + r0),
-                    dst_stride,
-                );
-            }
-        }
-    }
-    for r in 0..rows {
-        let c_from = if r < r8 { c8 } else { 0 };
-        for c in c_from..cols {
-            dst[c * dst_stride + r] = src[r * src_stride + c].to_f32();
-        }
+        super::widen_transpose_blocks::<8>(
+            src,
+            src_stride,
+            rows,
+            cols,
+            dst,
+            dst_stride,
+            transpose8_raw,
+        )
     }
 }
 

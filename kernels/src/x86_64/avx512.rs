@@ -761,31 +761,18 @@ fn widen_transpose_f16(
     dst: &mut [f32],
     dst_stride: usize,
 ) {
-    // Checked again here (the public entry checks too): the blocks below read and write through
-    // raw pointers.
-    if !crate::widen_transpose_fits(src.len(), src_stride, rows, cols, dst.len(), dst_stride) {
-        return;
-    }
-    let (r16, c16) = (rows / 16 * 16, cols / 16 * 16);
-    // SAFETY: token-gated; whole 16 × 16 blocks inside the sizes checked above.
+    // SAFETY: token-gated (this table exists only with the module's features, which
+    // `transpose16_raw` needs); it reads and writes 16 × 16 blocks as the helper's contract.
     unsafe {
-        for r0 in (0..r16).step_by(16) {
-            for c0 in (0..c16).step_by(16) {
-                transpose16_raw(
-                    src.as_ptr().add(r0 * src_stride + c0),
-                    src_stride,
-                    dst.as_mut_ptr().add(c0 * dst_stride + r0),
-                    dst_stride,
-                );
-            }
-        }
-    }
-    // Ragged edges: the reference.
-    for r in 0..rows {
-        let c_from = if r < r16 { c16 } else { 0 };
-        for c in c_from..cols {
-            dst[c * dst_stride + r] = src[r * src_stride + c].to_f32();
-        }
+        super::widen_transpose_blocks::<16>(
+            src,
+            src_stride,
+            rows,
+            cols,
+            dst,
+            dst_stride,
+            transpose16_raw,
+        )
     }
 }
 

@@ -230,6 +230,49 @@ unsafe impl<T: Pod, const N: usize> Pod for [T; N] {}
 
 use crate::matmul::Line;
 
+/// [`crate::widen_transpose_f16`] in whole `B × B` blocks, each widened and transposed by
+/// `block` (in registers), the ragged edges as the scalar reference.
+///
+/// # Safety
+/// `block` may run on this CPU, reading `B` rows of `B` f16 at its source (the given stride)
+/// and writing `B` rows of `B` f32 at its destination, nothing else.
+pub(crate) unsafe fn widen_transpose_blocks<const B: usize>(
+    src: &[half::f16],
+    src_stride: usize,
+    rows: usize,
+    cols: usize,
+    dst: &mut [f32],
+    dst_stride: usize,
+    block: unsafe fn(*const half::f16, usize, *mut f32, usize),
+) {
+    // Checked again here (the public entry checks too): the blocks read and write through raw
+    // pointers.
+    if !crate::widen_transpose_fits(src.len(), src_stride, rows, cols, dst.len(), dst_stride) {
+        return;
+    }
+    let (rb, cb) = (rows / B * B, cols / B * B);
+    for r0 in (0..rb).step_by(B) {
+        for c0 in (0..cb).step_by(B) {
+            // SAFETY: `block` may run (the contract); a whole B × B block inside the sizes
+            // checked above, at both ends.
+            unsafe {
+                block(
+                    src.as_ptr().add(r0 * src_stride + c0),
+                    src_stride,
+                    dst.as_mut_ptr().add(c0 * dst_stride + r0),
+                    dst_stride,
+                )
+            };
+        }
+    }
+    for r in 0..rows {
+        let c_from = if r < rb { cb } else { 0 };
+        for c in c_from..cols {
+            dst[c * dst_stride + r] = src[r * src_stride + c].to_f32();
+        }
+    }
+}
+
 /// Per-thread scratch buffers kept above this size are freed after the call instead: they are
 /// prefill-sized, where one allocation is nothing next to the matmul.
 const SCRATCH_KEEP: usize = 4 << 20;
