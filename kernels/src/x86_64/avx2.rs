@@ -881,6 +881,9 @@ unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
             let mut dh = [0i16; 8];
             for r in 0..R {
                 let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * bs);
+                if R == 1 && pf > 0 {
+                    prefetch(wp.wrapping_add(pf));
+                }
                 w[r] = if KIND == Q8_0 {
                     unpack_legacy::<KIND>(wp)
                 } else {
@@ -889,35 +892,21 @@ unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
                 dh[r] = wp.cast::<i16>().read_unaligned();
             }
             let aw: [__m256i; R] = core::array::from_fn(|r| _mm256_sign_epi8(w[r], w[r]));
-            if R == 1 {
-                // One row ([`signed_one_row`]): its scale splat once per block, times each
-                // token's (the product of the same two floats as below).
-                if pf > 0 {
-                    prefetch(g.w.as_ptr().wrapping_add(r0 * g.w_stride + b * bs + pf));
-                }
-                let dw = _mm256_cvtph_ps(_mm_set1_epi16(dh[0]));
-                for t in 0..T {
-                    let i = (t0 + t) * nb + b;
-                    let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * abs + aoff);
-                    let av = _mm256_loadu_si256(ap.cast());
-                    let d = _mm256_mul_ps(dw, _mm256_set1_ps(*g.a_scales.as_ptr().add(i)));
-                    let p = _mm256_madd_epi16(
-                        _mm256_maddubs_epi16(aw[0], _mm256_sign_epi8(av, w[0])),
-                        ones,
-                    );
-                    acc[0][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), d, acc[0][t]);
-                }
-                continue;
-            }
-            let dw = _mm_cvtph_ps(_mm_loadu_si128(dh.as_ptr().cast()));
+            // R rows: their scales converted together (`dw4`), each token's product spread to
+            // the rows by permutes. One row ([`signed_one_row`]) has no lanes to spread: its
+            // scale splat (`dw1`) times each token's, the product of the same two floats.
+            let dw4 = _mm_cvtph_ps(_mm_loadu_si128(dh.as_ptr().cast()));
+            let dw1 = _mm256_cvtph_ps(_mm_set1_epi16(dh[0]));
             for t in 0..T {
                 let i = (t0 + t) * nb + b;
                 let ap = g.a.as_ptr().add((t0 + t) * g.a_stride + b * abs + aoff);
                 let av = _mm256_loadu_si256(ap.cast());
-                let d = _mm_mul_ps(dw, _mm_set1_ps(*g.a_scales.as_ptr().add(i)));
+                let da = *g.a_scales.as_ptr().add(i);
+                let d = _mm_mul_ps(dw4, _mm_set1_ps(da));
                 let d = _mm256_set_m128(d, d);
                 for r in 0..R {
                     let dr = match r {
+                        _ if R == 1 => _mm256_mul_ps(dw1, _mm256_set1_ps(da)),
                         0 => _mm256_permute_ps::<0x00>(d),
                         1 => _mm256_permute_ps::<0x55>(d),
                         2 => _mm256_permute_ps::<0xAA>(d),
