@@ -57,13 +57,30 @@ unsafe fn decode_pair<const KIND: u8>(a: *const u8, bb: *const u8, c: &mut [__m5
     }
 }
 
-/// A 256-entry byte table, aligned for 512-bit loads.
+/// A 128-entry byte table, aligned for 512-bit loads: what a 256-entry table of a byte's trits
+/// shrinks to by the base-3 bytes' symmetry (see [`Sym`]).
 #[repr(align(64))]
-struct Lut([u8; 256]);
+struct Lut([u8; 128]);
+
+/// `f` of every byte folded to 128 entries: entry `i` is `f(i)` for `i` in 1..128, and entry 0
+/// serves byte 128 (whose index `|-128|` keeps only its top bit, which `vpermi2b` ignores),
+/// stored complemented as `full - f(128)`. Byte 0 reads entry 1: bytes 0 and 1 both hold five
+/// zero trits.
+const fn fold(f: [u8; 256], full: u8) -> Lut {
+    let mut t = [0u8; 128];
+    let mut i = 1;
+    while i < 128 {
+        t[i] = f[i];
+        i += 1;
+    }
+    t[0] = full - f[128];
+    assert!(f[0] == 0 && f[1] == 0);
+    Lut(t)
+}
 
 /// Trits 0..3 of each byte packed two bits each (trit n in bits 2n..2n+2), as TQ2_0 packs
 /// codes.
-static PACK4: Lut = Lut({
+const fn pack4() -> [u8; 256] {
     let mut t = [0u8; 256];
     let mut q = 0;
     while q < 256 {
@@ -72,10 +89,10 @@ static PACK4: Lut = Lut({
         q += 1;
     }
     t
-});
+}
 
 /// Trit 4 of each byte.
-static TRIT4: Lut = Lut({
+const fn trit4() -> [u8; 256] {
     let mut t = [0u8; 256];
     let mut q = 0;
     while q < 256 {
@@ -83,9 +100,17 @@ static TRIT4: Lut = Lut({
         q += 1;
     }
     t
-});
+}
 
-/// A table as four registers (entries 0..64, ..128, ..192, ..256).
+/// All four packed trits at 2 (`0b10101010`): `PACK4[256 - q] = PACK4_FULL - PACK4[q]`.
+const PACK4_FULL: u8 = 0xAA;
+/// Trit 4 at 2: `TRIT4[256 - q] = 2 - TRIT4[q]`.
+const TRIT4_FULL: u8 = 2;
+
+static PACK4: Lut = fold(pack4(), PACK4_FULL);
+static TRIT4: Lut = fold(trit4(), TRIT4_FULL);
+
+/// A table as two registers (entries 0..64, 64..128).
 ///
 /// # Safety
 /// AVX-512F available.
@@ -93,30 +118,76 @@ static TRIT4: Lut = Lut({
     enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
 )]
 #[inline]
-fn lut_regs(t: &Lut) -> [__m512i; 4] {
-    // SAFETY: the table is 256 bytes, 64-byte aligned.
+fn lut_regs(t: &Lut) -> [__m512i; 2] {
+    // SAFETY: the table is 128 bytes, 64-byte aligned.
     unsafe { core::array::from_fn(|i| _mm512_load_si512(t.0.as_ptr().add(64 * i).cast())) }
 }
 
-/// `t[x]` per byte: entries 0..128 and 128..256 looked up by `vpermi2b` (which reads the low
-/// seven bits of the index), chosen by the byte's top bit (`hi`, from `vpmovb2m`).
+/// The bytes of a register as indices into folded 128-entry tables. Every trit of byte
+/// `256 - q` is 2 minus the same trit of `q` (for q in 1..256: `q·3^n` and `-q·3^n` are
+/// negatives mod 256, and the top-trit map `(y·3) >> 8` sends `y` and `256 - y` to `t` and
+/// `2 - t`), so a byte with its top bit set reads entry `-q` (1..128, or 0 for 128) and
+/// complements what it finds; byte 0 reads entry 1 (see [`fold`]). One `vpermi2b` and one
+/// masked subtraction per table instead of two `vpermi2b` and a blend.
+struct Sym {
+    /// `max(|q as i8|, 1)`: `q`, or `-q` where the top bit is set, and 1 for 0.
+    idx: __m512i,
+    /// Bytes with the top bit set (128..256).
+    hi: __mmask64,
+}
+
 #[target_feature(
     enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
 )]
 #[inline]
-fn lut(x: __m512i, hi: __mmask64, t: &[__m512i; 4]) -> __m512i {
-    let lo = _mm512_permutex2var_epi8(t[0], x, t[1]);
-    let up = _mm512_permutex2var_epi8(t[2], x, t[3]);
-    _mm512_mask_blend_epi8(hi, lo, up)
+fn sym(x: __m512i) -> Sym {
+    Sym {
+        idx: _mm512_max_epu8(_mm512_abs_epi8(x), _mm512_set1_epi8(1)),
+        hi: top_bits(x),
+    }
+}
+
+/// The bytes of `x` with the top bit set, by `vptestmb` against `0x80` (port 5 on Intel),
+/// written out because the compiler turns the intrinsic form into `vpmovb2m` (port 0, which
+/// the field extraction and the activation products crowd).
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
+#[inline]
+fn top_bits(x: __m512i) -> __mmask64 {
+    let k: __mmask64;
+    let m = _mm512_set1_epi8(i8::MIN);
+    // SAFETY: a register-only instruction of the enabled features.
+    unsafe {
+        core::arch::asm!(
+            "vptestmb {k}, {x}, {m}",
+            k = out(kreg) k,
+            x = in(zmm_reg) x,
+            m = in(zmm_reg) m,
+            options(pure, nomem, nostack, preserves_flags),
+        );
+    }
+    k
+}
+
+/// `f[x]` per byte from `f`'s folded table `t` (entries 0..128 in two registers).
+#[target_feature(
+    enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
+)]
+#[inline]
+fn lut(s: &Sym, t: &[__m512i; 2], full: u8) -> __m512i {
+    let v = _mm512_permutex2var_epi8(t[0], s.idx, t[1]);
+    _mm512_mask_sub_epi8(v, s.hi, _mm512_set1_epi8(full as i8), v)
 }
 
 /// What the VBMI decoder keeps in registers across a tile's blocks.
 struct Tables {
-    pack4: [__m512i; 4],
-    trit4: [__m512i; 4],
-    /// TF1: per chunk n, where bytes 26..32 of each half find trit 4 of bytes 6n..6n+6.
+    pack4: [__m512i; 2],
+    trit4: [__m512i; 2],
+    /// TF1: `[0]` gathers trit 4 of qs[j], qs[6 + j], qs[12 + j], qs[18 + j] into dword j
+    /// (j < 6) of each half, `[1]` puts byte 4j of each half at position 26 + j.
     /// TQ1_0: `[0]` spreads qs[32..48] and qh of each row into lanes (see `decode_pair_vbmi`).
-    idx: [__m512i; 4],
+    idx: [__m512i; 2],
 }
 
 /// # Safety
@@ -140,26 +211,33 @@ fn tables<const KIND: u8>() -> Tables {
 #[repr(align(64))]
 struct Idx([u8; 64]);
 
-/// TF1, per chunk n: bytes 26..32 of each half take trit 4 of qs[6n..6n + 6] of that half's row.
-static TF1_TAIL: [Idx; 4] = {
-    let mut idx = [Idx([0; 64]), Idx([0; 64]), Idx([0; 64]), Idx([0; 64])];
-    let mut n = 0;
-    while n < 4 {
+/// TF1's tails (see [`Tables::idx`]): chunk n takes trit 4 of qs[6n..6n + 6] at positions
+/// 26..32 of each half. `[0]`: byte 4j + n of a half = byte 6n + j (trit 4 of qs[6n + j]);
+/// `[1]`: position 26 + j of a half = byte 4j (the four trits packed there, chunk n in bits
+/// 2n..2n+2).
+static TF1_TAIL: [Idx; 2] = {
+    let mut idx = [Idx([0; 64]), Idx([0; 64])];
+    let mut h = 0;
+    while h < 2 {
         let mut j = 0;
         while j < 6 {
-            idx[n].0[26 + j] = (6 * n + j) as u8;
-            idx[n].0[58 + j] = (32 + 6 * n + j) as u8;
+            let mut n = 0;
+            while n < 4 {
+                idx[0].0[32 * h + 4 * j + n] = (32 * h + 6 * n + j) as u8;
+                n += 1;
+            }
+            idx[1].0[32 * h + 26 + j] = (32 * h + 4 * j) as u8;
             j += 1;
         }
-        n += 1;
+        h += 1;
     }
     idx
 };
 
 /// TQ1_0, `[0]`: lane 0 = qs[32..48] of row a (bytes 0..16 of its load), lane 1 = byte i is
-/// qh[i % 4] (bytes 16..20); lanes 2, 3 the same for row b (bytes 32..). Unused: `[1..]`.
-static TQ1_SPREAD: [Idx; 4] = {
-    let mut idx = [Idx([0; 64]), Idx([0; 64]), Idx([0; 64]), Idx([0; 64])];
+/// qh[i % 4] (bytes 16..20); lanes 2, 3 the same for row b (bytes 32..). Unused: `[1]`.
+static TQ1_SPREAD: [Idx; 2] = {
+    let mut idx = [Idx([0; 64]), Idx([0; 64])];
     let mut i = 0;
     while i < 16 {
         idx[0].0[i] = i as u8;
@@ -237,27 +315,30 @@ unsafe fn decode_pair_vbmi<const KIND: u8>(
                 // qs[0..26] of row a in bytes 0..26, of row b in bytes 32..58; bytes 26..32 of
                 // each half (the next block, or zeros) give codes that are replaced below.
                 let x = pair_load(2, 26);
-                let hi = _mm512_movepi8_mask(x);
-                unpack4(lut(x, hi, &t.pack4), c, 0);
-                let t4 = lut(x, hi, &t.trit4);
-                // Chunk n, positions 26..32 of each half: trit 4 of qs[6n..6n + 6].
+                let s = sym(x);
+                let p = lut(&s, &t.pack4, PACK4_FULL);
+                // Positions 26..32 of each half: trit 4 of qs[6n + j] in field n of byte
+                // 26 + j, so that the field extraction places every chunk's tail: the four
+                // trits gathered into a dword, packed by one `vpdpbusd` against 1, 4, 16, 64
+                // (at most 170: the low byte), and moved to their positions.
+                let t4 = _mm512_permutexvar_epi8(t.idx[0], lut(&s, &t.trit4, TRIT4_FULL));
+                let packed =
+                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), t4, _mm512_set1_epi32(0x4010_0401));
                 let tail = (0x3Fu64 << 26) | (0x3Fu64 << 58);
-                for n in 0..4 {
-                    c[n] = permb_merge(c[n], tail, t.idx[n], t4);
-                }
+                unpack4(permb_merge(p, tail, t.idx[1], packed), c, 0);
             }
             TQ1_0 => {
                 // qs[0..32]: values m + 32n are trit n of qs[m] (n = 0..4).
                 let x = pair_load(0, 32);
-                let hi = _mm512_movepi8_mask(x);
-                unpack4(lut(x, hi, &t.pack4), c, 0);
-                c[4] = lut(x, hi, &t.trit4);
+                let s = sym(x);
+                unpack4(lut(&s, &t.pack4, PACK4_FULL), c, 0);
+                c[4] = lut(&s, &t.trit4, TRIT4_FULL);
                 // qs[32..48] (values 160 + m + 16n) and qh (values 240 + j + 4n) of each row:
                 // y = [qs_a[32..48] | qh_a spread | qs_b[32..48] | qh_b spread] by lanes.
                 let z = pair_load(32, 20);
                 let y = _mm512_permutexvar_epi8(t.idx[0], z);
-                let hy = _mm512_movepi8_mask(y);
-                let py = lut(y, hy, &t.pack4);
+                let sy = sym(y);
+                let py = lut(&sy, &t.pack4, PACK4_FULL);
                 // Lanes [0, 0, 2, 2]: chunk 5 = [trit 0 | trit 1] of qs[32..48], chunk 6 =
                 // [trit 2 | trit 3] per row (a field per qword: one matrix per lane).
                 let pr = _mm512_shuffle_i64x2::<0b1010_0000>(py, py);
@@ -277,7 +358,7 @@ unsafe fn decode_pair_vbmi<const KIND: u8>(
                     ),
                     _mm512_set1_epi8(3),
                 );
-                c[7] = _mm512_mask_blend_epi64(0b1100_1100, lut(y, hy, &t.trit4), h);
+                c[7] = _mm512_mask_blend_epi64(0b1100_1100, lut(&sy, &t.trit4, TRIT4_FULL), h);
             }
             _ => decode_pair::<KIND>(a, bb, c),
         }
@@ -536,3 +617,23 @@ tern_driver!(
     tables::<KIND>(),
     |xa, xb, c, t: &Tables, last| decode_pair_vbmi::<KIND>(xa, xb, c, t, last)
 );
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The folded tables, read as [`Sym`] and [`lut`] read them (the index `max(|q as i8|, 1)`
+    /// in its low seven bits, complemented where the top bit is set), give every byte's trits:
+    /// on any CPU, beside the SIMD tests that need AVX512-VBMI.
+    #[test]
+    fn folded_tables_give_every_byte() {
+        for (want, folded, full) in [(pack4(), &PACK4, PACK4_FULL), (trit4(), &TRIT4, TRIT4_FULL)] {
+            for q in 0..=255u8 {
+                let idx = (q as i8).unsigned_abs().max(1) & 0x7F;
+                let v = folded.0[idx as usize];
+                let got = if q >= 128 { full - v } else { v };
+                assert_eq!(got, want[q as usize], "byte {q}");
+            }
+        }
+    }
+}
