@@ -305,8 +305,12 @@ unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// 11-13), at 8 tokens 1.58×, at 16 1.25-1.35×; q5_0 2048 × 640 1.31-1.42× at 4 tokens, 1.09-1.17×
 /// at 8, 1.11× at 16 (0.94× at 3 in L2, 1.18× from DRAM); and prefill 4096 × 14336 × 512 q8_0
 /// 1.07-1.10×, q5_0 1.02×. Two rows by four or six and three by four measured between the two.
-/// Intel keeps the four-row tile past 16 tokens, where it was chosen; Intel's AVX2 path is not
-/// re-measured at any batch size.
+/// Intel keeps the four-row tile past 16 tokens: measured with the AVX2 kernels forced on an
+/// Intel Xeon of the Golden Cove core (the P-core of AVX2-only Alder / Raptor Lake desktops;
+/// session 35, alternated runs), one row at a time takes the 262144 × 640 LM head at 4 tokens
+/// 1.95-2.05× faster, at 16 1.18-1.23×, at 32 1.03-1.05×, but 4096 × 14336 q8_0 only up to 16
+/// tokens (1.02-1.08×): at 32 tokens 0.92-0.94×, at 128 0.90-0.95×, at 512 0.87-0.95×; q5_0
+/// about level at 32 and 512.
 fn signed_one_row(ntok: usize) -> bool {
     #[cfg(test)]
     if let Some(f) = FORCE_SIGNED_ONE_ROW.with(|c| c.get()) {
