@@ -369,6 +369,10 @@ pub(crate) struct Gemm<'a> {
     pub a_scales: &'a [f32],
     /// Q8_1 activations: per-block f32 `s` (`ntok * cols / 32`).
     pub a_sums: &'a [f32],
+    /// Empty, or `a_scales` transposed, block-major (`[b * ntok + t]`, 8 values of padding
+    /// after the last): set by a kernel for its tiles that read a block's scales for several
+    /// tokens at once (`x86_64::avx2::tile_signed`'s one-row case).
+    pub a_scales_tr: &'a [f32],
     /// The float order of multi-token calls (`crate::scalar::token_order`).
     pub numerics: crate::Numerics,
 }
@@ -425,6 +429,7 @@ impl<'a> Gemm<'a> {
             ntok: x.n,
             a_scales: &x.scales,
             a_sums: &x.sums,
+            a_scales_tr: &[],
             numerics,
         })
     }
