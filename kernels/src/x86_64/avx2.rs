@@ -885,8 +885,10 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
 /// token's, each row's lane spread by one in-lane permute (llama.cpp's AVX2 tinyBLAS `gemm4xN`
 /// does the same). Per (row, token, block): sign, `vpmaddubsw`, `vpmaddwd`, convert, FMA —
 /// one multiply fewer than [`tile_legacy`], which also multiplies the two scales there. One row
-/// ([`signed_one_row`]) has no lanes to spread: its scale splat times each token's, one multiply
-/// per (row, token, block) as [`tile_legacy`].
+/// ([`signed_one_row`]) has no lanes to spread: with the tokens' scales block-major
+/// (`g.a_scales_tr`, from four tokens) its scale times up to eight tokens' in one multiply,
+/// each product read back by a broadcast load (five operations per (row, token, block)), else
+/// its scale splat times each token's, one multiply per (row, token, block) as [`tile_legacy`].
 /// Exact for activation codes in `-127..=127`, all that q8_0 quantization writes (`sign`
 /// cannot negate -128; ggml's AVX2 q5_0 / q8_0 dot products share the limit).
 ///
@@ -931,7 +933,8 @@ unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
             let aw: [__m256i; R] = core::array::from_fn(|r| _mm256_sign_epi8(w[r], w[r]));
             // R rows: their scales converted together (`dw4`), each token's product spread to
             // the rows by permutes. One row ([`signed_one_row`]) has no lanes to spread: its
-            // scale splat (`dw1`) times each token's, the product of the same two floats.
+            // scale splat (`dw1`) times the tokens' (eight at once from `a_scales_tr`, else one
+            // each), the product of the same two floats.
             let dw4 = _mm_cvtph_ps(_mm_loadu_si128(dh.as_ptr().cast()));
             let dw1 = _mm256_cvtph_ps(_mm_set1_epi16(dh[0]));
             // With the scales block-major (`a_scales_tr`), one row's products with its
