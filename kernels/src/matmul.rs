@@ -354,7 +354,9 @@ impl Activations {
 }
 
 /// A validated matmul problem: everything a kernel needs, with sizes already checked, so the
-/// kernels can run unchecked inner loops. Built only by [`Gemm::new`].
+/// kernels can run unchecked inner loops. Built by [`Gemm::new`]; kernels derive
+/// sub-problems from one by struct update (fewer tokens, widened activations, `a_scales_tr`),
+/// each keeping what the fields it changes promise.
 pub(crate) struct Gemm<'a> {
     pub wty: GgmlType,
     /// Rows `rows.start..rows.end` of the weight matrix, back to back.

@@ -200,7 +200,10 @@ fn avx2_signed_one_row_and_four_rows_match_scalar() {
     let mut rng = Rng(0x51C7);
     let mut checked = 0usize;
     for ty in [GgmlType::Q8_0, GgmlType::Q5_0] {
-        for cols in [32usize, 640] {
+        // 8192 columns: activation rows of 8.7 KB, so the drivers' token blocks (about 256 KiB)
+        // hold 24-32 tokens and the larger counts start tiles past token 0 of a block and of
+        // the call.
+        for cols in [32usize, 640, 8192] {
             let total_rows = 14;
             let w = random_weights(ty, cols * total_rows, &mut rng);
             let m = QMatrix::new(ty, total_rows, cols, &w).unwrap();

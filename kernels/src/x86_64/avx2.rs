@@ -284,9 +284,9 @@ unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
             return;
         }
         // From four tokens, the tokens' block scales block-major, so that the one-row tile
-        // multiplies a block's weight scale by all its tokens' at once (Golden Cove, AVX2
+        // multiplies a block's weight scale by up to eight tokens' at once (Golden Cove, AVX2
         // forced, LM head 262144 x 640 q8_0 at 2 threads: 1.04-1.06x at 4 tokens, 1.07-1.12x
-        // at 8, 1.09-1.16x at 16; 0.96-0.99x at 2 and level at 3, where the copy costs more
+        // at 8, 1.08-1.16x at 16; 0.96-0.99x at 2 and level at 3, where the copy costs more
         // than the multiplies it saves).
         let nb = g.cols / QK;
         super::with_scratch(1, nb * g.ntok + 8, |tr: &mut [f32]| {
@@ -917,7 +917,8 @@ unsafe fn tile_legacy<const R: usize, const T: usize, const KIND: u8>(
 /// cannot negate -128; ggml's AVX2 q5_0 / q8_0 dot products share the limit).
 ///
 /// # Safety
-/// As [`tile_legacy`], with `R <= 4`.
+/// As [`tile_legacy`], with `R <= 4`; `g.a_scales_tr` empty, or `g.a_scales` block-major for
+/// this `g` (`[b * g.ntok + t]`) with at least 8 values after the last.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
     g: &Gemm<'_>,
@@ -934,10 +935,12 @@ unsafe fn tile_signed<const R: usize, const T: usize, const KIND: u8>(
     let ones = _mm256_set1_epi16(1);
     let mut acc = [[_mm256_setzero_ps(); T]; R];
     let tr = T <= 8 && !g.a_scales_tr.is_empty();
+    debug_assert!(!tr || g.a_scales_tr.len() >= nb * g.ntok + 8);
     // One row is one sequential stream, prefetched as the one-row GEMV's ([`tile_legacy`]).
     let pf = if R == 1 { super::stream_prefetch() } else { 0 };
-    // SAFETY (whole body): offsets within rows r0..r0+R / tokens t0..t0+T (nb blocks each)
-    // and side-table indices below `g.ntok * nb`.
+    // SAFETY (whole body): offsets within rows r0..r0+R / tokens t0..t0+T (nb blocks each),
+    // side-table indices below `g.ntok * nb`, and `a_scales_tr` read at most to index
+    // `(nb - 1) * ntok + t0 + 7 < nb * ntok + 8` (its padding, as the contract says).
     unsafe {
         for b in 0..nb {
             let mut w = [_mm256_setzero_si256(); R];

@@ -278,7 +278,8 @@ pub(crate) unsafe fn widen_transpose_blocks<const B: usize>(
 const SCRATCH_KEEP: usize = 4 << 20;
 
 std::thread_local! {
-    /// Two buffers per thread (prepared activations, unpacked weights), reused across calls so
+    /// Two buffers per thread (prepared activations, unpacked weights, accumulators, transposed
+    /// activation scales: each use takes one slot for its call), reused across calls so
     /// a matmul allocates (and page-faults) only when it needs more room than any before it.
     static SCRATCH: [std::cell::RefCell<Vec<Line>>; 2] =
         const { [std::cell::RefCell::new(Vec::new()), std::cell::RefCell::new(Vec::new())] };

@@ -8,11 +8,11 @@
 //! turns the codes `c = q + 1` back into `q`.
 //!
 //! The base-3 kinds (TQ1_0, TF1) have a second decoder for CPUs with AVX512-VBMI (Ice Lake,
-//! Sapphire Rapids, Zen 4): each byte's trits come from 256-entry tables, two `vpermi2b` and
-//! a blend per 64 bytes, instead of ggml's byte multiplies and top-trit arithmetic per trit;
-//! one table packs trits 0..3 of a byte two bits each (as TQ2_0 packs codes), taken apart by
-//! one `vgf2p8affineqb` per field, the other holds trit 4. Same codes, so the same sums and
-//! bits.
+//! Sapphire Rapids, Zen 4): each byte's trits come from two tables folded to 128 entries (see
+//! [`Sym`]), one `vpermi2b` and a masked subtraction each per 64 bytes, instead of ggml's byte
+//! multiplies and top-trit arithmetic per trit; one table packs trits 0..3 of a byte two bits
+//! each (as TQ2_0 packs codes), taken apart by one `vgf2p8affineqb` per field, the other holds
+//! trit 4. Same codes, so the same sums and bits.
 
 // Tile loops index per-token and per-chunk register arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
