@@ -436,6 +436,13 @@ impl<'a> Gemm<'a> {
         })
     }
 
+    /// Tokens per block when every row tile streams past one block's activations kept in cache:
+    /// about `budget` bytes of them, a multiple of `multiple` (the tile width), at least one
+    /// tile.
+    pub fn token_block(&self, budget: usize, multiple: usize) -> usize {
+        (budget / self.a_stride.max(1)).max(multiple) / multiple * multiple
+    }
+
     pub fn w_row(&self, r: usize) -> &'a [u8] {
         &self.w[r * self.w_stride..(r + 1) * self.w_stride]
     }

@@ -321,7 +321,7 @@ unsafe fn run_legacy<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// As [`run_legacy`], `KIND` q8_0 or q5_0.
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn signed_one_row_tiles<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    let tb = ((256 * 1024) / g.a_stride.max(1)).max(8) / 8 * 8;
+    let tb = g.token_block(super::TOKEN_BLOCK_BYTES, 8);
     let mut t0 = 0;
     while t0 < g.ntok {
         let t1 = (t0 + tb).min(g.ntok);

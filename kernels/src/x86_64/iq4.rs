@@ -126,7 +126,7 @@ macro_rules! drive_nl {
     ($g:expr, $out:expr, $tile:ident, $R:literal, $K:ident) => {{
         let g: &Gemm<'_> = $g;
         let out: &mut [f32] = $out;
-        let tb = ((256 * 1024) / g.a_stride.max(1)).max(NL_T) / NL_T * NL_T;
+        let tb = g.token_block(super::TOKEN_BLOCK_BYTES, NL_T);
         let mut t0 = 0;
         while t0 < g.ntok {
             let t1 = (t0 + tb).min(g.ntok);

@@ -20,6 +20,10 @@ mod quant_avx2;
 mod tern_avx2;
 pub(crate) mod tern_avx512;
 
+/// The activation bytes a token block keeps in cache while the row tiles stream past it
+/// ([`Gemm::token_block`](crate::matmul::Gemm::token_block)), unless a driver says otherwise.
+pub(crate) const TOKEN_BLOCK_BYTES: usize = 256 * 1024;
+
 /// Cover `g.nrows` × `g.ntok` with tiles of R rows × T tokens: the tokens a block leaves over
 /// (fewer than T) in narrower tiles of at most 3, so each row's blocks are loaded and unpacked
 /// once per pass for all of them; the last rows in 1-row tiles. Tokens go in blocks of about
@@ -31,7 +35,7 @@ macro_rules! drive {
         let out: &mut [f32] = $out;
         // Token block: keep the activations of one block in cache while every row tile of
         // this call streams past them; rows of a tile stay in cache across the token tiles.
-        let tb = (($budget) / g.a_stride.max(1)).max($T) / $T * $T;
+        let tb = g.token_block($budget, $T);
         let mut t0 = 0;
         while t0 < g.ntok {
             let t1 = (t0 + tb).min(g.ntok);
@@ -72,7 +76,7 @@ macro_rules! drive {
         }
     }};
     ($g:expr, $out:expr, $tile:ident, $R:literal, $T:literal $(, $extra:ident)*) => {
-        drive!(@ 256 * 1024, $g, $out, $tile, $R, $T $(, $extra)*)
+        drive!(@ $crate::x86_64::TOKEN_BLOCK_BYTES, $g, $out, $tile, $R, $T $(, $extra)*)
     };
 }
 pub(crate) use drive;

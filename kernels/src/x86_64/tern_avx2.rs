@@ -223,7 +223,7 @@ pub(super) unsafe fn correction<const KIND: u8>(y: *const u8) -> __m256i {
 /// g.nrows` and `g.wty` of kind `KIND`.
 #[target_feature(enable = "avx2,fma,f16c")]
 pub(super) unsafe fn run_tern<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
-    let tb = ((256 * 1024) / g.a_stride.max(1)).max(4) / 4 * 4;
+    let tb = g.token_block(super::TOKEN_BLOCK_BYTES, 4);
     let mut t0 = 0;
     while t0 < g.ntok {
         let t1 = (t0 + tb).min(g.ntok);

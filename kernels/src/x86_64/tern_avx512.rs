@@ -58,9 +58,13 @@ unsafe fn decode_pair<const KIND: u8>(a: *const u8, bb: *const u8, c: &mut [__m5
 }
 
 /// A 128-entry byte table, aligned for 512-bit loads: what a 256-entry table of a byte's trits
-/// shrinks to by the base-3 bytes' symmetry (see [`Sym`]).
+/// shrinks to by the base-3 bytes' symmetry (see [`Sym`]), with the value its complemented
+/// entries are taken from (`full`: every trit at 2).
 #[repr(align(64))]
-struct Lut([u8; 128]);
+struct Lut {
+    t: [u8; 128],
+    full: u8,
+}
 
 /// `f` of every byte folded to 128 entries: entry `i` is `f(i)` for `i` in 1..128, and entry 0
 /// serves byte 128 (whose index `|-128|` keeps only its top bit, which `vpermi2b` ignores),
@@ -75,7 +79,7 @@ const fn fold(f: [u8; 256], full: u8) -> Lut {
     }
     t[0] = full - f[128];
     assert!(f[0] == 0 && f[1] == 0);
-    Lut(t)
+    Lut { t, full }
 }
 
 /// Trits 0..3 of each byte packed two bits each (trit n in bits 2n..2n+2), as TQ2_0 packs
@@ -102,15 +106,18 @@ const fn trit4() -> [u8; 256] {
     t
 }
 
-/// All four packed trits at 2 (`0b10101010`): `PACK4[256 - q] = PACK4_FULL - PACK4[q]`.
-const PACK4_FULL: u8 = 0xAA;
-/// Trit 4 at 2: `TRIT4[256 - q] = 2 - TRIT4[q]`.
-const TRIT4_FULL: u8 = 2;
+/// Trits 0..3 packed: `PACK4[256 - q] = 0xAA - PACK4[q]` (all four trits at 2).
+static PACK4: Lut = fold(pack4(), 0xAA);
+/// Trit 4: `TRIT4[256 - q] = 2 - TRIT4[q]`.
+static TRIT4: Lut = fold(trit4(), 2);
 
-static PACK4: Lut = fold(pack4(), PACK4_FULL);
-static TRIT4: Lut = fold(trit4(), TRIT4_FULL);
+/// A folded table in registers: entries 0..64 and 64..128, and `full` in every byte.
+struct Folded {
+    regs: [__m512i; 2],
+    full: __m512i,
+}
 
-/// A table as two registers (entries 0..64, 64..128).
+/// A table as two registers and its `full` broadcast.
 ///
 /// # Safety
 /// AVX-512F available.
@@ -118,9 +125,14 @@ static TRIT4: Lut = fold(trit4(), TRIT4_FULL);
     enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
 )]
 #[inline]
-fn lut_regs(t: &Lut) -> [__m512i; 2] {
-    // SAFETY: the table is 128 bytes, 64-byte aligned.
-    unsafe { core::array::from_fn(|i| _mm512_load_si512(t.0.as_ptr().add(64 * i).cast())) }
+fn lut_regs(t: &Lut) -> Folded {
+    Folded {
+        // SAFETY: the table is 128 bytes, 64-byte aligned.
+        regs: unsafe {
+            core::array::from_fn(|i| _mm512_load_si512(t.t.as_ptr().add(64 * i).cast()))
+        },
+        full: _mm512_set1_epi8(t.full as i8),
+    }
 }
 
 /// The bytes of a register as indices into folded 128-entry tables. Every trit of byte
@@ -170,20 +182,20 @@ fn top_bits(x: __m512i) -> __mmask64 {
     k
 }
 
-/// `f[x]` per byte from `f`'s folded table `t` (entries 0..128 in two registers).
+/// `f[x]` per byte from `f`'s folded table `t`.
 #[target_feature(
     enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c"
 )]
 #[inline]
-fn lut(s: &Sym, t: &[__m512i; 2], full: u8) -> __m512i {
-    let v = _mm512_permutex2var_epi8(t[0], s.idx, t[1]);
-    _mm512_mask_sub_epi8(v, s.hi, _mm512_set1_epi8(full as i8), v)
+fn lut(s: &Sym, t: &Folded) -> __m512i {
+    let v = _mm512_permutex2var_epi8(t.regs[0], s.idx, t.regs[1]);
+    _mm512_mask_sub_epi8(v, s.hi, t.full, v)
 }
 
 /// What the VBMI decoder keeps in registers across a tile's blocks.
 struct Tables {
-    pack4: [__m512i; 2],
-    trit4: [__m512i; 2],
+    pack4: Folded,
+    trit4: Folded,
     /// TF1: `[0]` gathers trit 4 of qs[j], qs[6 + j], qs[12 + j], qs[18 + j] into dword j
     /// (j < 6) of each half, `[1]` puts byte 4j of each half at position 26 + j.
     /// TQ1_0: `[0]` spreads qs[32..48] and qh of each row into lanes (see `decode_pair_vbmi`).
@@ -316,12 +328,12 @@ unsafe fn decode_pair_vbmi<const KIND: u8>(
                 // each half (the next block, or zeros) give codes that are replaced below.
                 let x = pair_load(2, 26);
                 let s = sym(x);
-                let p = lut(&s, &t.pack4, PACK4_FULL);
+                let p = lut(&s, &t.pack4);
                 // Positions 26..32 of each half: trit 4 of qs[6n + j] in field n of byte
                 // 26 + j, so that the field extraction places every chunk's tail: the four
                 // trits gathered into a dword, packed by one `vpdpbusd` against 1, 4, 16, 64
                 // (at most 170: the low byte), and moved to their positions.
-                let t4 = _mm512_permutexvar_epi8(t.idx[0], lut(&s, &t.trit4, TRIT4_FULL));
+                let t4 = _mm512_permutexvar_epi8(t.idx[0], lut(&s, &t.trit4));
                 let packed =
                     _mm512_dpbusd_epi32(_mm512_setzero_si512(), t4, _mm512_set1_epi32(0x4010_0401));
                 let tail = (0x3Fu64 << 26) | (0x3Fu64 << 58);
@@ -331,14 +343,14 @@ unsafe fn decode_pair_vbmi<const KIND: u8>(
                 // qs[0..32]: values m + 32n are trit n of qs[m] (n = 0..4).
                 let x = pair_load(0, 32);
                 let s = sym(x);
-                unpack4(lut(&s, &t.pack4, PACK4_FULL), c, 0);
-                c[4] = lut(&s, &t.trit4, TRIT4_FULL);
+                unpack4(lut(&s, &t.pack4), c, 0);
+                c[4] = lut(&s, &t.trit4);
                 // qs[32..48] (values 160 + m + 16n) and qh (values 240 + j + 4n) of each row:
                 // y = [qs_a[32..48] | qh_a spread | qs_b[32..48] | qh_b spread] by lanes.
                 let z = pair_load(32, 20);
                 let y = _mm512_permutexvar_epi8(t.idx[0], z);
                 let sy = sym(y);
-                let py = lut(&sy, &t.pack4, PACK4_FULL);
+                let py = lut(&sy, &t.pack4);
                 // Lanes [0, 0, 2, 2]: chunk 5 = [trit 0 | trit 1] of qs[32..48], chunk 6 =
                 // [trit 2 | trit 3] per row (a field per qword: one matrix per lane).
                 let pr = _mm512_shuffle_i64x2::<0b1010_0000>(py, py);
@@ -358,7 +370,7 @@ unsafe fn decode_pair_vbmi<const KIND: u8>(
                     ),
                     _mm512_set1_epi8(3),
                 );
-                c[7] = _mm512_mask_blend_epi64(0b1100_1100, lut(&sy, &t.trit4, TRIT4_FULL), h);
+                c[7] = _mm512_mask_blend_epi64(0b1100_1100, lut(&sy, &t.trit4), h);
             }
             _ => decode_pair::<KIND>(a, bb, c),
         }
@@ -494,7 +506,7 @@ macro_rules! tern_driver {
             // Tokens per tile: eight where decoding the weights costs more than the products
             // (TQ1_0 and TF1's base-3 digits), else four (more would spill registers).
             let wide = if KIND == TQ2_0 || KIND == TF2 { 4 } else { 8 };
-            let tb = ((256 * 1024) / g.a_stride.max(1)).max(8) / 8 * 8;
+            let tb = g.token_block(super::TOKEN_BLOCK_BYTES, 8);
             let mut t0 = 0;
             while t0 < g.ntok {
                 let t1 = (t0 + tb).min(g.ntok);
@@ -627,11 +639,11 @@ mod tests {
     /// on any CPU, beside the SIMD tests that need AVX512-VBMI.
     #[test]
     fn folded_tables_give_every_byte() {
-        for (want, folded, full) in [(pack4(), &PACK4, PACK4_FULL), (trit4(), &TRIT4, TRIT4_FULL)] {
+        for (want, folded) in [(pack4(), &PACK4), (trit4(), &TRIT4)] {
             for q in 0..=255u8 {
                 let idx = (q as i8).unsigned_abs().max(1) & 0x7F;
-                let v = folded.0[idx as usize];
-                let got = if q >= 128 { full - v } else { v };
+                let v = folded.t[idx as usize];
+                let got = if q >= 128 { folded.full - v } else { v };
                 assert_eq!(got, want[q as usize], "byte {q}");
             }
         }
