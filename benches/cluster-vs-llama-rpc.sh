@@ -218,11 +218,11 @@ def llama(label):
     r = {"pp": None, "tg": None, "agg": None, "backends": rows[0].get("backends", "?") if rows else "?"}
     for v in rows:
         if v["n_prompt"] > 0 and v["n_gen"] == 0: r["pp"] = v["avg_ts"]
-        if v["n_prompt"] == 0 and v["n_gen"] > 0: r["tg"] = v["avg_ts"]
+        if v["n_prompt"] == 0 and v["n_gen"] > 0: r["tg"], r["tg_runs"] = v["avg_ts"], v.get("samples_ts")
     return r
 def tern(label):
     v = json.load(open(f"{work}/{label}.json"))
-    r = {"pp": v["pp_tps"], "tg": v["tg_tps"], "backends": v.get("kernels", "?")}
+    r = {"pp": v["pp_tps"], "tg": v["tg_tps"], "tg_runs": v.get("tg_tps_runs"), "backends": v.get("kernels", "?")}
     for p in pars:
         r[f"agg{p}"] = json.load(open(f"{work}/{label}.agg{p}.json")).get("agg_tg_tps")
     # The coordinator's exit line: "cluster: N calls to M nodes (...), X MB sent, Y MB received, round trip mean Z ms"
@@ -256,6 +256,9 @@ for name, r in rows:
     ag = "".join(f" {f(r[f'agg{p}'])} |" for p in pars)
     print(f"| {name} | {f(r['pp'])} | {f(r['tg'])} |{ag} {q(r['pp'], l['pp']) if l else ''} | "
           f"{q(r['tg'], l['tg']) if l else ''} | {q(r['tg'], d['ternfleet, 1 process']['tg']) if name.startswith('ternfleet') else ''} |")
+# Each run's decode rate: on a shared or noisy host one slow run moves a mean of few runs.
+print(f"\ntg{tg} of each run, t/s: " + "; ".join(
+    f"{name} {' / '.join(f'{x:.1f}' for x in r['tg_runs'])}" for name, r in rows if r.get("tg_runs")))
 for name in ("ternfleet, 2 nodes", "ternfleet, 3 nodes"):
     w = d[name].get("wire")
     if w:

@@ -1,7 +1,8 @@
 //! Throughput measurement shaped like `llama-bench` (tools/llama-bench/llama-bench.cpp
 //! `test_prompt`/`test_gen`): pp = one prompt of `n_prompt` random tokens (BOS first) from an
 //! empty cache, logits for the last token only; tg = `n_gen` single-token decodes from an empty
-//! cache. One warm-up run, then the mean over `reps` runs.
+//! cache. One warm-up run, then the mean over `reps` runs (each run's rate is kept too: on a
+//! noisy host the spread says whether two means differ).
 
 use crate::model::{ForwardError, Logits, Model};
 
@@ -10,6 +11,10 @@ use crate::model::{ForwardError, Logits, Model};
 pub struct BenchResult {
     pub pp_tps: f64,
     pub tg_tps: f64,
+    /// Each timed run's prefill tokens/s (`reps` of them; empty without a prompt).
+    pub pp_tps_runs: Vec<f64>,
+    /// Each timed run's decode tokens/s (`reps` of them; empty without `n_gen`).
+    pub tg_tps_runs: Vec<f64>,
     pub n_prompt: usize,
     pub n_gen: usize,
     pub threads: usize,
@@ -64,11 +69,11 @@ pub fn bench(
         Ok(t.elapsed().as_secs_f64())
     };
     let reps = reps.max(1);
-    let (mut pp_s, mut tg_s) = (0.0, 0.0);
+    let (mut pp_runs, mut tg_runs) = (Vec::new(), Vec::new());
     if n_prompt > 0 {
         run_pp(&mut cache)?;
         for _ in 0..reps {
-            pp_s += run_pp(&mut cache)?;
+            pp_runs.push(run_pp(&mut cache)?);
         }
     }
     let mut tok = model.tokenizer.bos().unwrap_or(0);
@@ -84,13 +89,24 @@ pub fn bench(
     if n_gen > 0 {
         run_tg(&mut cache)?;
         for _ in 0..reps {
-            tg_s += run_tg(&mut cache)?;
+            tg_runs.push(run_tg(&mut cache)?);
         }
     }
-    let rate = |n: usize, s: f64| if s > 0.0 { (n * reps) as f64 / s } else { 0.0 };
+    // The mean is tokens over total time (as before), each run's rate its own tokens / time.
+    let rate = |n: usize, runs: &[f64]| {
+        let s: f64 = runs.iter().sum();
+        if s > 0.0 {
+            (n * runs.len()) as f64 / s
+        } else {
+            0.0
+        }
+    };
+    let each = |n: usize, runs: &[f64]| runs.iter().map(|&s| rate(n, &[s])).collect();
     Ok(BenchResult {
-        pp_tps: rate(n_prompt, pp_s),
-        tg_tps: rate(n_gen, tg_s),
+        pp_tps: rate(n_prompt, &pp_runs),
+        tg_tps: rate(n_gen, &tg_runs),
+        pp_tps_runs: each(n_prompt, &pp_runs),
+        tg_tps_runs: each(n_gen, &tg_runs),
         n_prompt,
         n_gen,
         threads: rayon::current_num_threads(),

@@ -904,7 +904,8 @@ pub struct BenchArgs {
     /// are on the nodes; 1 measures without the overlap.
     #[arg(long = "micro-batches", default_value_t = 2, value_parser = clap::value_parser!(u64).range(1..=2))]
     pub micro_batches: u64,
-    /// Print {"pp_tps":..,"tg_tps":..}.
+    /// Print {"pp_tps":..,"tg_tps":..,"pp_tps_runs":[..],"tg_tps_runs":[..],..} (the means and
+    /// each run's rate).
     #[arg(long)]
     pub json: bool,
 }
@@ -1892,6 +1893,19 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             "pp{}: {:.1} t/s   tg{}: {:.1} t/s   ({} threads, kernels {}, {} numerics, mean of {} runs)",
             a.prompt, r.pp_tps, a.gen, r.tg_tps, r.threads, r.kernels, r.numerics, r.reps
         );
+        if r.reps > 1 {
+            let runs = |v: &[f64]| {
+                v.iter()
+                    .map(|x| format!("{x:.1}"))
+                    .collect::<Vec<_>>()
+                    .join(" / ")
+            };
+            println!(
+                "runs: pp {}   tg {}",
+                runs(&r.pp_tps_runs),
+                runs(&r.tg_tps_runs)
+            );
+        }
         if let (Some(n), Some(agg)) = (r.parallel, r.agg_tg_tps) {
             println!("tg{} with {n} sequences: {agg:.1} t/s aggregate", a.gen);
         }

@@ -172,7 +172,7 @@ fn every_subcommand_runs_on_a_tiny_model() {
             "--gen",
             "4",
             "--reps",
-            "1",
+            "2",
             "--parallel",
             "3",
             "--json",
@@ -184,6 +184,22 @@ fn every_subcommand_runs_on_a_tiny_model() {
     .unwrap();
     for k in ["pp_tps", "tg_tps", "agg_tg_tps"] {
         assert!(v[k].as_f64().is_some_and(|x| x > 0.0), "{k}: {v}");
+    }
+    // Each timed run's rate; the mean is tokens over total time, their harmonic mean.
+    for (k, mean) in [("pp_tps_runs", "pp_tps"), ("tg_tps_runs", "tg_tps")] {
+        let runs: Vec<f64> = v[k]
+            .as_array()
+            .unwrap_or_else(|| panic!("{k}: {v}"))
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        assert_eq!(runs.len(), 2, "{k}: {v}");
+        let m = v[mean].as_f64().unwrap();
+        let harmonic = 2.0 / runs.iter().map(|r| 1.0 / r).sum::<f64>();
+        assert!(
+            (harmonic - m).abs() <= 1e-9 * m,
+            "{k} {runs:?} against {mean} {m}"
+        );
     }
     let moe = root().join("tests/data/models/tiny-qwen3moe-q8_0.gguf");
     let moe = moe.to_str().unwrap();
