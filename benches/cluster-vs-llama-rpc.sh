@@ -217,8 +217,12 @@ def llama(label):
     rows = json.load(open(f"{work}/{label}.json"))
     r = {"pp": None, "tg": None, "agg": None, "backends": rows[0].get("backends", "?") if rows else "?"}
     for v in rows:
-        if v["n_prompt"] > 0 and v["n_gen"] == 0: r["pp"] = v["avg_ts"]
-        if v["n_prompt"] == 0 and v["n_gen"] > 0: r["tg"], r["tg_runs"] = v["avg_ts"], v.get("samples_ts")
+        # ternfleet's mean is tokens over total time, the harmonic mean of its runs' rates;
+        # llama-bench's avg_ts is their arithmetic mean, so take the same mean of its samples.
+        ts = v.get("samples_ts") or []
+        mean = len(ts) / sum(1 / x for x in ts) if ts and all(x > 0 for x in ts) else v["avg_ts"]
+        if v["n_prompt"] > 0 and v["n_gen"] == 0: r["pp"] = mean
+        if v["n_prompt"] == 0 and v["n_gen"] > 0: r["tg"], r["tg_runs"] = mean, ts
     return r
 def tern(label):
     v = json.load(open(f"{work}/{label}.json"))
@@ -248,7 +252,7 @@ q = lambda a, b: "" if a is None or not b else f"{a / b:.2f}x"
 ref = {"ternfleet, 2 nodes": d["llama.cpp RPC, 2 servers"], "ternfleet, 3 nodes": d["llama.cpp RPC, 3 servers"],
        "ternfleet, 1 process": d["llama.cpp, 1 process"]}
 aggs = "".join(f" agg tg, {p} seqs |" for p in pars)
-print(f"\npp{pp} / tg{tg} tokens/s (llama-bench avg_ts; ternfleet bench); ratios against llama.cpp with the same number of processes")
+print(f"\npp{pp} / tg{tg} tokens/s (both engines: tokens over total time of their runs); ratios against llama.cpp with the same number of processes")
 print(f"| run | pp{pp} t/s | tg{tg} t/s |{aggs} pp vs llama.cpp | tg vs llama.cpp | tg vs ternfleet 1 process |")
 print("|---|---:|---:|" + "---:|" * len(pars) + "---:|---:|---:|")
 for name, r in rows:
@@ -257,8 +261,9 @@ for name, r in rows:
     print(f"| {name} | {f(r['pp'])} | {f(r['tg'])} |{ag} {q(r['pp'], l['pp']) if l else ''} | "
           f"{q(r['tg'], l['tg']) if l else ''} | {q(r['tg'], d['ternfleet, 1 process']['tg']) if name.startswith('ternfleet') else ''} |")
 # Each run's decode rate: on a shared or noisy host one slow run moves a mean of few runs.
-print(f"\ntg{tg} of each run, t/s: " + "; ".join(
-    f"{name} {' / '.join(f'{x:.1f}' for x in r['tg_runs'])}" for name, r in rows if r.get("tg_runs")))
+each = [f"{name} {' / '.join(f'{x:.1f}' for x in r['tg_runs'])}" for name, r in rows if r.get("tg_runs")]
+if each:
+    print(f"\ntg{tg} of each run, t/s: " + "; ".join(each))
 for name in ("ternfleet, 2 nodes", "ternfleet, 3 nodes"):
     w = d[name].get("wire")
     if w:

@@ -92,7 +92,8 @@ pub fn bench(
             tg_runs.push(run_tg(&mut cache)?);
         }
     }
-    // The mean is tokens over total time (as before), each run's rate its own tokens / time.
+    // The mean is tokens over total time (the harmonic mean of the runs' rates; llama-bench's
+    // avg_ts is their arithmetic mean), each run's rate its own tokens over its time.
     let rate = |n: usize, runs: &[f64]| {
         let s: f64 = runs.iter().sum();
         if s > 0.0 {

@@ -1894,17 +1894,17 @@ fn cmd_bench(a: BenchArgs) -> Result<()> {
             a.prompt, r.pp_tps, a.gen, r.tg_tps, r.threads, r.kernels, r.numerics, r.reps
         );
         if r.reps > 1 {
-            let runs = |v: &[f64]| {
-                v.iter()
-                    .map(|x| format!("{x:.1}"))
-                    .collect::<Vec<_>>()
-                    .join(" / ")
-            };
-            println!(
-                "runs: pp {}   tg {}",
-                runs(&r.pp_tps_runs),
-                runs(&r.tg_tps_runs)
-            );
+            let runs: Vec<String> = [("pp", &r.pp_tps_runs), ("tg", &r.tg_tps_runs)]
+                .into_iter()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(name, v)| {
+                    let each: Vec<String> = v.iter().map(|x| format!("{x:.1}")).collect();
+                    format!("{name} {}", each.join(" / "))
+                })
+                .collect();
+            if !runs.is_empty() {
+                println!("runs: {}", runs.join("   "));
+            }
         }
         if let (Some(n), Some(agg)) = (r.parallel, r.agg_tg_tps) {
             println!("tg{} with {n} sequences: {agg:.1} t/s aggregate", a.gen);
