@@ -297,8 +297,13 @@ def tern(name):
     return v["pp_tps"], v["tg_tps"]
 def llama(name):
     rows = json.load(open(f"{work}/{tag}-{name}.out"))
-    pp = next(r["avg_ts"] for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
-    tg = next(r["avg_ts"] for r in rows if r["n_prompt"] == 0 and r["n_gen"] > 0)
+    # ternfleet's mean is tokens over total time, the harmonic mean of its runs' rates;
+    # llama-bench's avg_ts is their arithmetic mean, so take the same mean of its samples.
+    def mean(r):
+        ts = r.get("samples_ts") or []
+        return len(ts) / sum(1 / x for x in ts) if ts and all(x > 0 for x in ts) else r["avg_ts"]
+    pp = next(mean(r) for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
+    tg = next(mean(r) for r in rows if r["n_prompt"] == 0 and r["n_gen"] > 0)
     return pp, tg
 names = {"tf3": f"ternfleet, 3 nodes ({mem} each) + coordinator ({cmem})",
          "tf1": f"ternfleet, 1 box ({mem}, expert store)",
