@@ -16,9 +16,14 @@
 //!   parked in L1 (48 bytes per row and four super-blocks) until four rows are done; then the
 //!   f32 steps of those four rows run in the lanes of one register, each row's in the
 //!   reference's order.
-//! - Weights are loaded as 256-bit halves: on an AMD EPYC (Zen 4) 512-bit loads of weights
-//!   streaming from DRAM ran this GEMV at 12 GB/s where 256-bit halves ran it at 14.6 (one
-//!   core, 768 × 2048 q4_K matrices picked at random from 265 MB).
+//! - A row's super-blocks go in groups of four of a constant size (`group`), so the group's
+//!   loop unrolls and its sums stay in registers. Until session 37 the group was a loop over a
+//!   slice: its sums went through the stack and the four `d`s, stored as words and read back as
+//!   one vector, missed store forwarding once per group; unrolled, 512 × 2048 in L2 took 21.0
+//!   µs instead of 25.2 and 151936 × 2048 from DRAM 8.4–8.8 ms instead of 9.6–10.0 (AMD Zen 4,
+//!   one thread). Weights are loaded 64 bytes at a time: the two 256-bit halves this kernel
+//!   once loaded (faster from DRAM on Zen 4 then) were merged into one 512-bit load by the
+//!   compiler anyway.
 //!
 //! Measured on that machine (one thread; `gemm_bench`; in parentheses the one-row-at-a-time
 //! `avx512q::sb256_row` path it replaces): 768 × 2048, in L2, 32 µs (46.5);
@@ -176,69 +181,114 @@ unsafe fn prepare(g: &Gemm<'_>, prep: &mut [Prep]) {
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn row<const KIND: u8>(w: *const u8, prep: &[Prep], park: &mut [Parked], i: usize) {
+    let k = Consts::new();
     let wbs = k_block_bytes(KIND);
-    let low4 = _mm512_set1_epi8(0x0F);
-    let ctrl = [0, 1, 2, 3].map(|t| {
-        // SAFETY: 64 readable bytes.
-        unsafe { _mm512_loadu_si512(SCALE_CTRL[t].as_ptr().cast()) }
-    });
-    let bits = [0, 1, 2, 3].map(|t| {
-        // SAFETY: 64 readable bytes.
-        unsafe { _mm512_loadu_si512(QH_BITS[t].as_ptr().cast()) }
-    });
-    let five = _mm512_set1_epi8(16);
-    let pf = super::stream_prefetch();
     for (gi, (g4, pk)) in prep.chunks(4).zip(park.iter_mut()).enumerate() {
-        let mut v = [_mm512_setzero_si512(); 4];
-        let mut m = [_mm_setzero_si128(); 4];
-        let mut dd = [0u32; 4];
-        for (j, a) in g4.iter().enumerate() {
-            // SAFETY (block): within the row's super-block (layouts in scalar.rs: d, dmin,
-            // 12 scale bytes, q5_K's 32 bytes of fifth bits, 128 bytes of nibbles).
-            unsafe {
-                let p = w.add((4 * gi + j) * wbs);
-                if pf > 0 {
-                    // The rows are one stream (`super::stream_prefetch`).
-                    for l in (0..wbs).step_by(64) {
-                        _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(pf + l).cast());
-                    }
-                }
-                let qs = if KIND == Q5_K { p.add(48) } else { p.add(16) };
-                // Two 256-bit loads per 64 bytes: on an AMD EPYC (Zen 4) a 512-bit load of
-                // weights streaming from DRAM ran this GEMV at 12 GB/s where two 256-bit
-                // halves ran it at 14.6 (one core, 768 × 2048 q4_K experts picked at random).
-                let half = |o: usize| _mm256_loadu_si256(qs.add(o).cast());
-                let q0 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(half(0)), half(32));
-                let q1 = _mm512_inserti64x4::<1>(_mm512_castsi256_si512(half(64)), half(96));
-                let mut u = [
-                    _mm512_and_si512(q0, low4),
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(q0), low4),
-                    _mm512_and_si512(q1, low4),
-                    _mm512_and_si512(_mm512_srli_epi16::<4>(q1), low4),
-                ];
-                if KIND == Q5_K {
-                    let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16).cast()));
-                    for t in 0..4 {
-                        let k = _mm512_test_epi8_mask(qh, bits[t]);
-                        u[t] = _mm512_mask_add_epi8(u[t], k, u[t], five);
-                    }
-                }
-                let (scales, mins) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
-                let sc = _mm512_set1_epi64(scales as i64);
-                for t in 0..4 {
-                    let prod = _mm512_maddubs_epi16(u[t], a.a[t]);
-                    v[j] = _mm512_dpwssd_epi32(v[j], prod, _mm512_shuffle_epi8(sc, ctrl[t]));
-                }
-                let m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
-                m[j] = _mm_madd_epi16(m8, a.bp);
-                dd[j] = p.cast::<u32>().read_unaligned();
+        let p = w.wrapping_add(4 * gi * wbs);
+        // A group of a constant size, so its loop unrolls and the sums stay in registers:
+        // indexed by a run-time `j`, they went through the stack, and the four `d`s, stored
+        // as words and read back as one vector, missed store forwarding once per group (a
+        // fifth of this GEMV's time on an AMD Zen 4).
+        // SAFETY (all arms): `g4` holds that many super-blocks of the row from `p`.
+        unsafe {
+            match g4.len() {
+                4 => group::<KIND, 4>(p, g4, pk, i, &k),
+                3 => group::<KIND, 3>(p, g4, pk, i, &k),
+                2 => group::<KIND, 2>(p, g4, pk, i, &k),
+                _ => group::<KIND, 1>(p, g4, pk, i, &k),
             }
         }
-        pk.s[i] = reduce4(v);
-        pk.m[i] = _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3]));
-        // SAFETY: 16 readable bytes.
-        pk.dd[i] = unsafe { _mm_loadu_si128(dd.as_ptr().cast()) };
     }
+}
+
+/// The loop-invariant vectors of [`row`].
+struct Consts {
+    low4: __m512i,
+    ctrl: [__m512i; 4],
+    bits: [__m512i; 4],
+    five: __m512i,
+    pf: usize,
+}
+
+impl Consts {
+    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+    #[inline]
+    fn new() -> Consts {
+        Consts {
+            low4: _mm512_set1_epi8(0x0F),
+            ctrl: [0, 1, 2, 3].map(|t| {
+                // SAFETY: 64 readable bytes.
+                unsafe { _mm512_loadu_si512(SCALE_CTRL[t].as_ptr().cast()) }
+            }),
+            bits: [0, 1, 2, 3].map(|t| {
+                // SAFETY: 64 readable bytes.
+                unsafe { _mm512_loadu_si512(QH_BITS[t].as_ptr().cast()) }
+            }),
+            five: _mm512_set1_epi8(16),
+            pf: super::stream_prefetch(),
+        }
+    }
+}
+
+/// `N` (1..=4) consecutive super-blocks of a row from `p`, parked as row `i` of `pk`.
+///
+/// # Safety
+/// Features as the module; `p` readable for `N` `KIND` super-blocks; `g4.len() == N`.
+#[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
+#[inline]
+unsafe fn group<const KIND: u8, const N: usize>(
+    p: *const u8,
+    g4: &[Prep],
+    pk: &mut Parked,
+    i: usize,
+    k: &Consts,
+) {
+    let wbs = k_block_bytes(KIND);
+    let mut v = [_mm512_setzero_si512(); 4];
+    let mut m = [_mm_setzero_si128(); 4];
+    let mut dd = [0i32; 4];
+    for j in 0..N {
+        let a = &g4[j];
+        // SAFETY (block): within the row's super-block (layouts in scalar.rs: d, dmin, 12
+        // scale bytes, q5_K's 32 bytes of fifth bits, 128 bytes of nibbles).
+        unsafe {
+            let p = p.add(j * wbs);
+            if k.pf > 0 {
+                // The rows are one stream (`super::stream_prefetch`).
+                for l in (0..wbs).step_by(64) {
+                    _mm_prefetch::<_MM_HINT_T0>(p.wrapping_add(k.pf + l).cast());
+                }
+            }
+            let qs = if KIND == Q5_K { p.add(48) } else { p.add(16) };
+            let q0 = _mm512_loadu_si512(qs.cast());
+            let q1 = _mm512_loadu_si512(qs.add(64).cast());
+            let mut u = [
+                _mm512_and_si512(q0, k.low4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(q0), k.low4),
+                _mm512_and_si512(q1, k.low4),
+                _mm512_and_si512(_mm512_srli_epi16::<4>(q1), k.low4),
+            ];
+            if KIND == Q5_K {
+                let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16).cast()));
+                for t in 0..4 {
+                    let hk = _mm512_test_epi8_mask(qh, k.bits[t]);
+                    u[t] = _mm512_mask_add_epi8(u[t], hk, u[t], k.five);
+                }
+            }
+            let (scales, mins) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
+            let sc = _mm512_set1_epi64(scales as i64);
+            for t in 0..4 {
+                let prod = _mm512_maddubs_epi16(u[t], a.a[t]);
+                v[j] = _mm512_dpwssd_epi32(v[j], prod, _mm512_shuffle_epi8(sc, k.ctrl[t]));
+            }
+            let m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
+            m[j] = _mm_madd_epi16(m8, a.bp);
+            dd[j] = p.cast::<i32>().read_unaligned();
+        }
+    }
+    pk.s[i] = reduce4(v);
+    pk.m[i] = _mm_hadd_epi32(_mm_hadd_epi32(m[0], m[1]), _mm_hadd_epi32(m[2], m[3]));
+    pk.dd[i] = _mm_setr_epi32(dd[0], dd[1], dd[2], dd[3]);
 }
 
 /// `[a0 b0 c0 d0]`, `[a1 b1 c1 d1]`, ... from rows `a, b, c, d`.
