@@ -1263,26 +1263,27 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                 let mut acc_min = _mm_setzero_ps();
                 for sb in 0..nsb {
                     let a = act(sb);
-                    let mut v = [_mm512_setzero_si512(); 4];
-                    let mut m = [_mm256_setzero_si256(); 4];
-                    let mut d = [0f32; 4];
-                    let mut dm = [0f32; 4];
-                    for i in 0..4 {
+                    // Row `i`'s block, called four times by name rather than in a loop over
+                    // arrays: indexed by a run-time `i`, the four `d`s were stored as words
+                    // and read back as one vector, past store forwarding (session 37, the
+                    // same as `gemv_k4`'s groups).
+                    let one = |i: usize| {
                         let p = w.add(i * g.w_stride + sb * wbs);
                         let q = p.wrapping_add(PF_GROUPS * 4 * g.w_stride);
                         for l in (0..wbs).step_by(64) {
                             _mm_prefetch::<_MM_HINT_T0>(q.wrapping_add(l).cast());
                         }
                         let kb = unpack_k::<KIND>(p);
-                        v[i] = block_dot(&kb, &a);
-                        m[i] = _mm256_madd_epi16(a.bsums, kb.bsum_w);
-                        d[i] = kb.d;
-                        dm[i] = kb.dmin;
-                    }
-                    let h = _mm256_hadd_epi32(
-                        _mm256_hadd_epi32(m[0], m[1]),
-                        _mm256_hadd_epi32(m[2], m[3]),
-                    );
+                        let m = _mm256_madd_epi16(a.bsums, kb.bsum_w);
+                        (block_dot(&kb, &a), m, kb.d, kb.dmin)
+                    };
+                    let (v0, m0, d0, dm0) = one(0);
+                    let (v1, m1, d1, dm1) = one(1);
+                    let (v2, m2, d2, dm2) = one(2);
+                    let (v3, m3, d3, dm3) = one(3);
+                    let v = [v0, v1, v2, v3];
+                    let d = _mm_setr_ps(d0, d1, d2, d3);
+                    let h = _mm256_hadd_epi32(_mm256_hadd_epi32(m0, m1), _mm256_hadd_epi32(m2, m3));
                     let imin =
                         _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256::<1>(h));
                     let da = _mm_set1_ps(a.d);
@@ -1290,13 +1291,13 @@ unsafe fn gemv_k<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
                         // Tiled: the offset 32 out of the exact sum, then
                         // fma(isum · d, da, acc).
                         let isum = _mm_sub_epi32(reduce4(v), _mm_slli_epi32::<5>(imin));
-                        let res = _mm_mul_ps(_mm_cvtepi32_ps(isum), _mm_loadu_ps(d.as_ptr()));
+                        let res = _mm_mul_ps(_mm_cvtepi32_ps(isum), d);
                         acc = _mm_fmadd_ps(res, da, acc);
                         continue;
                     }
                     let isum = _mm_cvtepi32_ps(reduce4(v));
-                    let sv = _mm_mul_ps(_mm_loadu_ps(d.as_ptr()), da);
-                    let mv = _mm_mul_ps(_mm_loadu_ps(dm.as_ptr()), da);
+                    let sv = _mm_mul_ps(d, da);
+                    let mv = _mm_mul_ps(_mm_setr_ps(dm0, dm1, dm2, dm3), da);
                     acc = _mm_fmadd_ps(isum, sv, acc);
                     acc_min = _mm_fmadd_ps(_mm_cvtepi32_ps(imin), mv, acc_min);
                 }
