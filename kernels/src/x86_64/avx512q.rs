@@ -1232,8 +1232,9 @@ pub(super) unsafe fn sb256_row<const KIND: u8>(g: &Gemm<'_>, r: usize) -> f32 {
 /// ([`KOrder::Tiled`]) take four rows at a time with software prefetch, so one transposing
 /// reduction serves their four integer sums and the f32 chains run in the lanes of one
 /// register (on an AMD EPYC Zen 4, q4_K 8192 × 14336 from DRAM, one thread, three
-/// alternations: 3.94–3.97 ms, against 4.53–4.61 ms through `gemv_k4`); shorter q6_K rows go
-/// one at a time (one sequential stream from memory, prefetched ahead on Intel and Zen 5:
+/// alternations: 3.94–3.97 ms, against 4.53–4.61 ms through `gemv_k4`, both measured before
+/// session 37 took both paths' sums off the stack: this one 3.36–3.58 ms since); shorter q6_K
+/// rows go one at a time (one sequential stream from memory, prefetched ahead on Intel and Zen 5:
 /// `super::stream_prefetch`), as does q6_K's `vec_dot` order ([`KOrder::Lanes8`], eight lanes
 /// per row).
 ///

@@ -16,19 +16,21 @@
 //!   parked in L1 (48 bytes per row and four super-blocks) until four rows are done; then the
 //!   f32 steps of those four rows run in the lanes of one register, each row's in the
 //!   reference's order.
-//! - A row's super-blocks go in groups of four of a constant size (`group`), so the group's
-//!   loop unrolls and its sums stay in registers. Until session 37 the group was a loop over a
-//!   slice: its sums went through the stack and the four `d`s, stored as words and read back as
-//!   one vector, missed store forwarding once per group; unrolled, 512 × 2048 in L2 took 21.0
-//!   µs instead of 25.2 and 151936 × 2048 from DRAM 8.4–8.8 ms instead of 9.6–10.0 (AMD Zen 4,
-//!   one thread). Weights are loaded 64 bytes at a time: the two 256-bit halves this kernel
-//!   once loaded (faster from DRAM on Zen 4 then) were merged into one 512-bit load by the
+//! - A row's super-blocks go in groups of a constant size (`group`: four, and the row's last
+//!   one to three), so the group's loop unrolls and its sums stay in registers. Until session
+//!   37 the group was a loop over a slice: its sums went through the stack, and the four words
+//!   of `d` and `dmin`, stored one by one and read back as one vector, missed store forwarding
+//!   once per group; unrolled, 512 × 2048 in L2 took 21.0 µs instead of 25.2, and 151936 ×
+//!   2048 from DRAM 8.4–8.8 ms instead of 9.6–10.0 (AMD Zen 4, one thread, the weights in a
+//!   mapped file). Weights are loaded 64 bytes at a time: the two 256-bit halves this kernel
+//!   once loaded (faster from DRAM on Zen 4 then) had been merged into one 512-bit load by the
 //!   compiler anyway.
 //!
-//! Measured on that machine (one thread; `gemm_bench`; in parentheses the one-row-at-a-time
-//! `avx512q::sb256_row` path it replaces): 768 × 2048, in L2, 32 µs (46.5);
-//! 16384 × 4096, from DRAM, 1.73–1.84 ms (1.96–2.05). Rows longer than 16 super-blocks keep
-//! `avx512q`'s four-row path with software prefetch, which streams long rows faster.
+//! Measured on that machine when it was written, before session 37's change (one thread;
+//! `gemm_bench`; in parentheses the one-row-at-a-time `avx512q::sb256_row` path it replaces):
+//! 768 × 2048, in L2, 32 µs (46.5); 16384 × 4096, from DRAM, 1.73–1.84 ms (1.96–2.05). Rows
+//! longer than 16 super-blocks keep `avx512q`'s four-row path with software prefetch, which
+//! streamed long rows faster then (not measured again since both changed).
 //!
 //! Integer sums are exact, so grouping them differently changes nothing; every f32 step is
 //! `scalar::vec_dot_qk45`'s Sb256 step for that row, so the output equals the scalar reference
@@ -185,17 +187,22 @@ unsafe fn row<const KIND: u8>(w: *const u8, prep: &[Prep], park: &mut [Parked], 
     let wbs = k_block_bytes(KIND);
     for (gi, (g4, pk)) in prep.chunks(4).zip(park.iter_mut()).enumerate() {
         let p = w.wrapping_add(4 * gi * wbs);
-        // A group of a constant size, so its loop unrolls and the sums stay in registers:
-        // indexed by a run-time `j`, they went through the stack, and the four `d`s, stored
-        // as words and read back as one vector, missed store forwarding once per group (a
-        // fifth of this GEMV's time on an AMD Zen 4).
-        // SAFETY (all arms): `g4` holds that many super-blocks of the row from `p`.
+        // A group of a constant size (four, or the row's last one to three), so its loop
+        // unrolls and the sums stay in registers: indexed by a run-time `j`, they went through
+        // the stack, and the four words of `d` and `dmin`, stored one by one and read back as
+        // one vector, missed store forwarding once per group (about a fifth of this GEMV's
+        // time on an AMD Zen 4).
+        // SAFETY (every call): `g4` holds `N` super-blocks of the token, so the row has `N`
+        // super-blocks from `p` (the caller's contract).
         unsafe {
-            match g4.len() {
-                4 => group::<KIND, 4>(p, g4, pk, i, &k),
-                3 => group::<KIND, 3>(p, g4, pk, i, &k),
-                2 => group::<KIND, 2>(p, g4, pk, i, &k),
-                _ => group::<KIND, 1>(p, g4, pk, i, &k),
+            if let Ok(g) = g4.try_into() {
+                group::<KIND, 4>(p, g, pk, i, &k);
+            } else if let Ok(g) = g4.try_into() {
+                group::<KIND, 3>(p, g, pk, i, &k);
+            } else if let Ok(g) = g4.try_into() {
+                group::<KIND, 2>(p, g, pk, i, &k);
+            } else if let Ok(g) = g4.try_into() {
+                group::<KIND, 1>(p, g, pk, i, &k);
             }
         }
     }
@@ -230,15 +237,16 @@ impl Consts {
     }
 }
 
-/// `N` (1..=4) consecutive super-blocks of a row from `p`, parked as row `i` of `pk`.
+/// `N` (1..=4) consecutive super-blocks of a row from `p` against the token's `g4`, parked as
+/// row `i` of `pk`.
 ///
 /// # Safety
-/// Features as the module; `p` readable for `N` `KIND` super-blocks; `g4.len() == N`.
+/// Features as the module; `p` readable for `N` `KIND` super-blocks.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c")]
 #[inline]
 unsafe fn group<const KIND: u8, const N: usize>(
     p: *const u8,
-    g4: &[Prep],
+    g4: &[Prep; N],
     pk: &mut Parked,
     i: usize,
     k: &Consts,
@@ -270,16 +278,16 @@ unsafe fn group<const KIND: u8, const N: usize>(
             ];
             if KIND == Q5_K {
                 let qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(p.add(16).cast()));
-                for t in 0..4 {
-                    let hk = _mm512_test_epi8_mask(qh, k.bits[t]);
-                    u[t] = _mm512_mask_add_epi8(u[t], hk, u[t], k.five);
+                for (ut, bits) in u.iter_mut().zip(k.bits) {
+                    let hk = _mm512_test_epi8_mask(qh, bits);
+                    *ut = _mm512_mask_add_epi8(*ut, hk, *ut, k.five);
                 }
             }
             let (scales, mins) = k4_scales_mins(&*p.add(4).cast::<[u8; 12]>());
             let sc = _mm512_set1_epi64(scales as i64);
-            for t in 0..4 {
-                let prod = _mm512_maddubs_epi16(u[t], a.a[t]);
-                v[j] = _mm512_dpwssd_epi32(v[j], prod, _mm512_shuffle_epi8(sc, k.ctrl[t]));
+            for ((ut, at), ctrl) in u.iter().zip(&a.a).zip(k.ctrl) {
+                let prod = _mm512_maddubs_epi16(*ut, *at);
+                v[j] = _mm512_dpwssd_epi32(v[j], prod, _mm512_shuffle_epi8(sc, ctrl));
             }
             let m8 = _mm_cvtepu8_epi16(_mm_cvtsi64_si128(mins as i64));
             m[j] = _mm_madd_epi16(m8, a.bp);
