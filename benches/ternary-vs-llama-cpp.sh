@@ -49,7 +49,7 @@ for r in $(seq 1 "$rounds"); do
       for ty in tq2_0 tq1_0; do
         "$ref" "$ty" "$rows" "$cols" "$t" "$runs" >>"$log"
       done
-      TERN_RUNS="$runs" TERN_SHAPES="$shape" TERN_THREADS="$t" TERN_TYPES=tq2_0,tq1_0,tf2,tf1 \
+      TERN_RUNS="$runs" TERN_SHAPES="$shape" TERN_THREADS="$t" TERN_TYPES=tq2_0,tq1_0,tf2,tf1,tf1l \
         "$ours" | grep '^ours' >>"$log"
     done
   done
@@ -74,7 +74,7 @@ print(f"{'shape':<11} {'thr':>3} {'type':<6} {'ours us':>9} {'llama us':>9} {'vs
 for shape in ("4096x14336", "2048x5632", "5632x2048"):
     for t in (1, 2):
         l2 = med.get((shape, t, "ref", "tq2_0"))
-        for ty in ("tq2_0", "tq1_0", "tf2", "tf1"):
+        for ty in ("tq2_0", "tq1_0", "tf2", "tf1", "tf1l"):
             o = med.get((shape, t, "ours", ty))
             if o is None:
                 continue

@@ -9,7 +9,11 @@
 //! is a persistent worker that spins on an epoch counter (as ggml's OpenMP threads do), so no
 //! thread is spawned inside the timed region.
 //!
-//! Environment: TERN_RUNS (default 50), TERN_TYPES (e.g. "tq2_0,tf2"), TERN_SHAPES
+//! `tf1l` is TF1 through the table GEMV prototype (`ternfleet_kernels::tf1_lut`, not yet used
+//! by the engine); its GB/s are of the TF1 bytes, not of the repacked copy (31/28 as large).
+//!
+//! Environment: TERN_TOKENS (default 1: more times the multi-token matmul, `tf1l` through
+//! `Tf1Lut::gemm`), TERN_RUNS (default 50), TERN_TYPES (e.g. "tq2_0,tf2"), TERN_SHAPES
 //! (e.g. "4096x14336,2048x5632"), TERN_THREADS (e.g. "1,2").
 //! `cargo bench -- --test` (CI) runs one tiny case so the bench cannot rot.
 
@@ -17,6 +21,7 @@ use std::hint::spin_loop;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::RwLock;
 use std::time::Instant;
+use ternfleet_kernels::tf1_lut::{Tf1Lut, Tf1Tables};
 use ternfleet_kernels::{matmul, quantize_row, Activations, GgmlType, Numerics, QMatrix};
 
 /// splitmix64 → roughly normal f32 (sum of three uniforms).
@@ -50,19 +55,76 @@ fn weights(ty: GgmlType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
 }
 
 /// Microseconds per run (quantize the activation row + GEMV), `runs` runs after 5 warm-ups.
+/// With `x` of several rows (`TERN_TOKENS`), the multi-token matmul.
 fn time_gemv(m: &QMatrix<'_>, x: &[f32], threads: usize, runs: usize) -> Vec<f64> {
     let rows = m.rows();
+    let ntok = x.len() / m.cols();
     // Even split so the AVX-512 kernels keep their row pairs.
     let split = if threads == 2 { (rows / 2) & !1 } else { rows };
+    let mut outs = [vec![0f32; split * ntok], vec![0f32; (rows - split) * ntok]];
+    time_runs(
+        Activations::new(),
+        |act| {
+            act.quantize_for(m.ty(), x, ntok, m.cols())
+                .expect("valid bench problem")
+        },
+        |act, half, out| {
+            let range = if half == 0 { 0..split } else { split..rows };
+            matmul(m, act, range, out, Numerics::Parity).expect("valid bench problem");
+        },
+        threads,
+        runs,
+        &mut outs,
+    )
+}
+
+/// The same for the TF1 table GEMV (prototype): each run quantizes the row on the first
+/// thread; then each thread builds the tables of half the blocks, waits for the other's, and
+/// computes its half of the row groups.
+fn time_lut(lut: &Tf1Lut, cols: usize, x: &[f32], threads: usize, runs: usize) -> Vec<f64> {
+    let (g, nb) = (lut.groups(), lut.blocks());
+    let (split_g, split_b) = if threads == 2 {
+        (g / 2, nb / 2)
+    } else {
+        (g, nb)
+    };
+    let rows = lut.rows();
     let act = RwLock::new(Activations::new());
-    let epoch = AtomicUsize::new(0);
-    let done = AtomicUsize::new(0);
+    let parts = [
+        RwLock::new(Tf1Tables::default()),
+        RwLock::new(Tf1Tables::default()),
+    ];
+    let (epoch, built, done) = (
+        AtomicUsize::new(0),
+        AtomicUsize::new(0),
+        AtomicUsize::new(0),
+    );
     let stop = AtomicBool::new(false);
+    let lock = "no panics while holding the lock";
+    let build = |part: usize, blocks: std::ops::Range<usize>| {
+        lut.tables(
+            &act.read().expect(lock),
+            blocks,
+            &mut parts[part].write().expect(lock),
+        )
+        .expect("valid bench problem");
+        built.fetch_add(1, Ordering::AcqRel) + 1
+    };
+    let wait = |n: usize| {
+        while built.load(Ordering::Acquire) < n {
+            spin_loop();
+        }
+    };
+    let gemv = |range: std::ops::Range<usize>, out: &mut [f32]| {
+        let (p0, p1) = (parts[0].read().expect(lock), parts[1].read().expect(lock));
+        let all: &[&Tf1Tables] = if threads == 2 { &[&p0, &p1] } else { &[&p0] };
+        lut.gemv(all, range, out).expect("valid bench problem");
+    };
     let mut us = Vec::with_capacity(runs);
     std::thread::scope(|s| {
         if threads == 2 {
             s.spawn(|| {
-                let mut out = vec![0f32; rows - split];
+                let mut out = vec![0f32; rows.saturating_sub(split_g * 64)];
                 let mut seen = 0;
                 loop {
                     while epoch.load(Ordering::Acquire) == seen {
@@ -72,27 +134,111 @@ fn time_gemv(m: &QMatrix<'_>, x: &[f32], threads: usize, runs: usize) -> Vec<f64
                     if stop.load(Ordering::Acquire) {
                         return;
                     }
-                    {
-                        let a = act.read().expect("no panics while holding the lock");
-                        matmul(m, &a, split..rows, &mut out, Numerics::Parity)
-                            .expect("valid bench problem");
-                    }
+                    build(1, split_b..nb);
+                    wait(2 * seen);
+                    gemv(split_g..g, &mut out);
                     done.fetch_add(1, Ordering::Release);
                 }
             });
         }
-        let mut out = vec![0f32; split];
+        let mut out = vec![0f32; split_g * 64];
         for i in 0..runs + 5 {
             let t0 = Instant::now();
             act.write()
-                .expect("no panics while holding the lock")
-                .quantize_for(m.ty(), x, 1, m.cols())
+                .expect(lock)
+                .quantize_for(GgmlType::TF1, x, 1, cols)
                 .expect("valid bench problem");
             epoch.fetch_add(1, Ordering::Release);
-            {
-                let a = act.read().expect("no panics while holding the lock");
-                matmul(m, &a, 0..split, &mut out, Numerics::Parity).expect("valid bench problem");
+            build(0, 0..split_b);
+            wait(threads * (i + 1));
+            gemv(0..split_g, &mut out);
+            if threads == 2 {
+                while done.load(Ordering::Acquire) != i + 1 {
+                    spin_loop();
+                }
             }
+            let dt = t0.elapsed().as_secs_f64() * 1e6;
+            if i >= 5 {
+                us.push(dt);
+            }
+        }
+        stop.store(true, Ordering::Release);
+        epoch.fetch_add(1, Ordering::Release);
+    });
+    us.sort_by(f64::total_cmp);
+    us
+}
+
+/// The repacked TF1 matmul of several tokens (`Tf1Lut::gemm`), row groups split in halves.
+fn time_lut_gemm(lut: &Tf1Lut, cols: usize, x: &[f32], threads: usize, runs: usize) -> Vec<f64> {
+    let (g, rows, ntok) = (lut.groups(), lut.rows(), x.len() / cols);
+    let split = if threads == 2 { g / 2 } else { g };
+    let mut outs = [
+        vec![0f32; split * 64 * ntok],
+        vec![0f32; rows.saturating_sub(split * 64) * ntok],
+    ];
+    time_runs(
+        Activations::new(),
+        |act| {
+            act.quantize_for(GgmlType::TF1, x, ntok, cols)
+                .expect("valid bench problem")
+        },
+        |act, half, out| {
+            let range = if half == 0 { 0..split } else { split..g };
+            lut.gemm(act, range, out).expect("valid bench problem");
+        },
+        threads,
+        runs,
+        &mut outs,
+    )
+}
+
+/// Times `prepare` (on this thread) and then `work(state, half, out)` for half 0 here and, with
+/// two threads, half 1 on a persistent spinning worker.
+fn time_runs<S: Send + Sync>(
+    state: S,
+    mut prepare: impl FnMut(&mut S),
+    work: impl Fn(&S, usize, &mut [f32]) + Sync,
+    threads: usize,
+    runs: usize,
+    outs: &mut [Vec<f32>; 2],
+) -> Vec<f64> {
+    let state = RwLock::new(state);
+    let epoch = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let stop = AtomicBool::new(false);
+    let mut us = Vec::with_capacity(runs);
+    let [out0, out1] = outs;
+    std::thread::scope(|s| {
+        if threads == 2 {
+            s.spawn(|| {
+                let mut seen = 0;
+                loop {
+                    while epoch.load(Ordering::Acquire) == seen {
+                        spin_loop();
+                    }
+                    seen = epoch.load(Ordering::Acquire);
+                    if stop.load(Ordering::Acquire) {
+                        return;
+                    }
+                    work(
+                        &state.read().expect("no panics while holding the lock"),
+                        1,
+                        out1,
+                    );
+                    done.fetch_add(1, Ordering::Release);
+                }
+            });
+        }
+        for i in 0..runs + 5 {
+            let t0 = Instant::now();
+            prepare(&mut state.write().expect("no panics while holding the lock"));
+            epoch.fetch_add(1, Ordering::Release);
+            work(
+                &state.read().expect("no panics while holding the lock"),
+                0,
+                out0,
+            );
             if threads == 2 {
                 while done.load(Ordering::Acquire) != i + 1 {
                     spin_loop();
@@ -131,7 +277,7 @@ fn main() {
     };
     let (types, shapes, threads) = if test_mode {
         (
-            vec!["tf2".to_string()],
+            vec!["tf2".to_string(), "tf1l".to_string()],
             vec!["8x256".to_string()],
             vec!["2".to_string()],
         )
@@ -142,6 +288,11 @@ fn main() {
             env_list("TERN_THREADS", "1,2"),
         )
     };
+    let ntok: usize = std::env::var("TERN_TOKENS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(1);
     println!("kernels: {}", ternfleet_kernels::isa_name());
     let mut rng = Rng(42);
     for shape in &shapes {
@@ -152,9 +303,15 @@ fn main() {
             eprintln!("skipping shape {shape:?}: expected ROWSxCOLS");
             continue;
         };
-        let x: Vec<f32> = (0..cols).map(|_| rng.normalish()).collect();
+        let x: Vec<f32> = (0..cols * ntok).map(|_| rng.normalish()).collect();
         for tname in &types {
-            let Some(ty) = GgmlType::ALL.into_iter().find(|t| t.name() == tname) else {
+            let lut = tname == "tf1l";
+            if lut && !Tf1Lut::supported() {
+                eprintln!("skipping tf1l: needs AVX-512 VBMI");
+                continue;
+            }
+            let want = if lut { "tf1" } else { tname.as_str() };
+            let Some(ty) = GgmlType::ALL.into_iter().find(|t| t.name() == want) else {
                 eprintln!("skipping type {tname:?}");
                 continue;
             };
@@ -164,15 +321,32 @@ fn main() {
             }
             let w = weights(ty, rows, cols, &mut rng);
             let m = QMatrix::new(ty, rows, cols, &w).expect("sizes match");
+            let t0 = Instant::now();
+            let packed = lut.then(|| Tf1Lut::pack(&m).expect("a TF1 matrix"));
+            if lut {
+                eprintln!(
+                    "tf1l {shape}: packed in {:.1} ms",
+                    t0.elapsed().as_secs_f64() * 1e3
+                );
+            }
             for t in &threads {
                 let Ok(nt @ (1 | 2)) = t.parse::<usize>() else {
                     eprintln!("skipping threads {t:?}: 1 or 2");
                     continue;
                 };
-                let us = time_gemv(&m, &x, nt, runs);
+                let us = match &packed {
+                    Some(p) if ntok > 1 => time_lut_gemm(p, cols, &x, nt, runs),
+                    Some(p) => time_lut(p, cols, &x, nt, runs),
+                    None => time_gemv(&m, &x, nt, runs),
+                };
                 let med = us[us.len() / 2];
+                let toks = if ntok > 1 {
+                    format!(" tokens={ntok}")
+                } else {
+                    String::new()
+                };
                 println!(
-                    "ours {tname} {rows}x{cols} t={nt} median_us={med:.1} min_us={:.1} gbs={:.1}",
+                    "ours {tname} {rows}x{cols} t={nt} median_us={med:.1} min_us={:.1} gbs={:.1}{toks}",
                     us[0],
                     w.len() as f64 / med / 1e3
                 );

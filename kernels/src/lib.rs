@@ -27,6 +27,7 @@ mod matmul;
 pub mod quant;
 mod scalar;
 mod ternary;
+pub mod tf1_lut;
 #[cfg(target_arch = "x86_64")]
 mod x86_64;
 

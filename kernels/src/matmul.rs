@@ -117,20 +117,20 @@ pub(crate) struct Line(pub(crate) [u8; 64]);
 /// bytes (f16/bf16/f32 rows of 32·k values) then all start on one, so a kernel's 64-byte
 /// loads never straddle two lines (a `Vec<u8>` from malloc starts 16 bytes into a line).
 #[derive(Clone, Debug, Default)]
-struct AlignedBytes {
+pub(crate) struct AlignedBytes {
     lines: Vec<Line>,
     len: usize,
 }
 
 impl AlignedBytes {
     /// `len` bytes; bytes kept from before stay as they were, new lines are zero.
-    fn resize(&mut self, len: usize) {
+    pub(crate) fn resize(&mut self, len: usize) {
         self.lines.resize(len.div_ceil(64), Line([0; 64]));
         self.len = len;
     }
 
     /// A copy of `v`.
-    fn from_slice(v: &[u8]) -> Self {
+    pub(crate) fn from_slice(v: &[u8]) -> Self {
         let mut b = Self::default();
         b.resize(v.len());
         b.copy_from_slice(v);

@@ -263,3 +263,134 @@ fn avx512_plain_and_table_decoders_match_scalar() {
         }
     }
 }
+
+#[test]
+fn tf1_table_gemv_equals_the_scalar_matmul() {
+    // The table kernel against the scalar reference, bit for bit: a padded last group, rows of
+    // every code pattern (random, all −1, all +1, alternating), activations at ±127 (the
+    // largest group sums) and random ones, and every group range.
+    if !tf1_lut::Tf1Lut::supported() {
+        eprintln!("skipped: no AVX-512 VBMI");
+        return;
+    }
+    let mut rng = Rng(7);
+    for (rows, cols) in [(64, 128), (150, 384), (129, 1024)] {
+        let mut w = Vec::new();
+        for r in 0..rows {
+            let x: Vec<f32> = (0..cols)
+                .map(|i| match r % 5 {
+                    0 => -1.0 - (i % 3) as f32,
+                    1 => 1.0 + (i % 2) as f32,
+                    2 => [1.0, -1.0, 0.0][i % 3],
+                    _ => rng.normalish(),
+                })
+                .collect();
+            w.extend(quantized(GgmlType::TF1, &x));
+        }
+        let m = QMatrix::new(GgmlType::TF1, rows, cols, &w).unwrap();
+        let lut = tf1_lut::Tf1Lut::pack(&m).unwrap();
+        let mut t = tf1_lut::Tf1Tables::default();
+        let (mut t0, mut t1) = Default::default();
+        for case in 0..4 {
+            let a: Vec<f32> = (0..cols)
+                .map(|i| match case {
+                    0 => 1.0,
+                    1 => [1.0, -1.0][i % 2],
+                    2 => [1.0, -1.0][(i / 5) % 2] * (1.0 + (i % 7) as f32),
+                    _ => rng.normalish(),
+                })
+                .collect();
+            let mut act = Activations::new();
+            act.quantize_for(GgmlType::TF1, &a, 1, cols).unwrap();
+            let mut want = vec![0f32; rows];
+            matmul_with(Isa::Scalar, &m, &act, 0..rows, &mut want, Numerics::Parity).unwrap();
+            let nb = lut.blocks();
+            lut.tables(&act, 0..nb, &mut t).unwrap();
+            let mut got = vec![f32::NAN; rows];
+            lut.gemv(&[&t], 0..lut.groups(), &mut got).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{rows}x{cols} case {case}");
+            // The tables in two parts (as two threads build them), the first possibly empty.
+            lut.tables(&act, 0..nb / 2, &mut t0).unwrap();
+            lut.tables(&act, nb / 2..nb, &mut t1).unwrap();
+            let mut got = vec![f32::NAN; rows];
+            lut.gemv(&[&t0, &t1], 0..lut.groups(), &mut got).unwrap();
+            assert_eq!(
+                bits(&got),
+                bits(&want),
+                "{rows}x{cols} case {case}, two parts"
+            );
+            assert!(
+                lut.gemv(&[&t1, &t0], 0..1, &mut got).is_err(),
+                "parts out of order"
+            );
+            assert!(
+                lut.gemv(&[&t1], 0..1, &mut got).is_err() || nb / 2 == 0,
+                "a part missing"
+            );
+            if lut.groups() > 1 {
+                let mut part = vec![f32::NAN; 64];
+                lut.gemv(&[&t], 1..2, &mut part).unwrap();
+                let n = (rows - 64).min(64);
+                assert_eq!(bits(&part[..n]), bits(&want[64..64 + n]), "group 1");
+            }
+        }
+    }
+}
+
+#[test]
+fn tf1_repacked_gemm_equals_the_scalar_matmul() {
+    // The multi-token matmul from the repacked layout against the scalar reference, bit for
+    // bit: token counts across the pass size (1, 3, 16, 17, 35), a padded last group, rows of
+    // every code pattern and activations at ±127.
+    if !tf1_lut::Tf1Lut::supported() {
+        eprintln!("skipped: no AVX-512 VBMI/VNNI");
+        return;
+    }
+    let mut rng = Rng(11);
+    for (rows, cols) in [(64, 128), (150, 384), (129, 640)] {
+        let mut w = Vec::new();
+        for r in 0..rows {
+            let x: Vec<f32> = (0..cols)
+                .map(|i| match r % 4 {
+                    0 => -1.0 - (i % 3) as f32,
+                    1 => [1.0, -1.0, 0.0][(i * 7 + r) % 3],
+                    _ => rng.normalish(),
+                })
+                .collect();
+            w.extend(quantized(GgmlType::TF1, &x));
+        }
+        let m = QMatrix::new(GgmlType::TF1, rows, cols, &w).unwrap();
+        let lut = tf1_lut::Tf1Lut::pack(&m).unwrap();
+        for ntok in [1, 3, 16, 17, 35] {
+            let a: Vec<f32> = (0..ntok * cols)
+                .map(|i| match i % 11 {
+                    0 => 1e3,
+                    1 => -1e3,
+                    _ => rng.normalish(),
+                })
+                .collect();
+            let mut act = Activations::new();
+            act.quantize_for(GgmlType::TF1, &a, ntok, cols).unwrap();
+            let mut want = vec![0f32; rows * ntok];
+            matmul_with(Isa::Scalar, &m, &act, 0..rows, &mut want, Numerics::Parity).unwrap();
+            let mut got = vec![f32::NAN; rows * ntok];
+            lut.gemm(&act, 0..lut.groups(), &mut got).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&got), bits(&want), "{rows}x{cols}, {ntok} tokens");
+            if lut.groups() > 1 {
+                let n = (rows - 64).min(64);
+                let mut part = vec![f32::NAN; n * ntok];
+                lut.gemm(&act, 1..2, &mut part).unwrap();
+                for t in 0..ntok {
+                    let w = &want[t * rows + 64..t * rows + 64 + n];
+                    assert_eq!(
+                        bits(&part[t * n..(t + 1) * n]),
+                        bits(w),
+                        "group 1, token {t}"
+                    );
+                }
+            }
+        }
+    }
+}

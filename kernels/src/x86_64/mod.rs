@@ -19,6 +19,7 @@ mod q3k;
 mod quant_avx2;
 mod tern_avx2;
 pub(crate) mod tern_avx512;
+pub(crate) mod tf1_lut;
 
 /// The activation bytes a token block keeps in cache while the row tiles stream past it
 /// ([`Gemm::token_block`](crate::matmul::Gemm::token_block)), unless a driver says otherwise.
