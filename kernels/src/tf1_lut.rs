@@ -1,18 +1,41 @@
-//! TF1 one-token GEMV by activation tables (prototype, not yet used by the engine): a
-//! repacked copy of a TF1 matrix ([`Tf1Lut::pack`]) and, per token, tables of its activations'
-//! partial sums ([`Tf1Lut::tables`], built in parts by block so threads can share the work);
-//! [`Tf1Lut::gemv`] then equals the TF1 matmul bit for bit.
-//! The kernel and its layout: `x86_64/tf1_lut.rs`. Needs AVX-512 VBMI ([`Tf1Lut::supported`]).
+//! TF1 repacked: a copy of a TF1 matrix in interleaved groups of 64 rows ([`Tf1Lut::pack`],
+//! as many bytes as TF1), its one-token GEMV by tables of each token's activation sums
+//! ([`Tf1Lut::tables`], built in parts by block so threads can share the work;
+//! [`Tf1Lut::gemv`]) and its multi-token GEMM ([`Tf1Lut::gemm`]), both equal to the TF1 matmul
+//! bit for bit. The kernels and the layout: `x86_64/tf1_lut.rs`. They need AVX-512 VBMI and
+//! VNNI ([`Tf1Lut::supported`]). `compute::Linear` in the shared crate runs TF1 matrices this
+//! way where they are.
 
 use crate::matmul::AlignedBytes;
 use crate::{Activations, GgmlType, KernelError, QMatrix};
 
+/// Memory a repacked matrix can live in: zeroed bytes whose start is 64-byte aligned (e.g. a
+/// caller's huge-page arena; [`Tf1Lut::pack`] uses the heap).
+pub trait PackedBytes: Send + Sync {
+    fn bytes(&self) -> &[u8];
+    fn bytes_mut(&mut self) -> &mut [u8];
+}
+
+impl PackedBytes for AlignedBytes {
+    fn bytes(&self) -> &[u8] {
+        self
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        self
+    }
+}
+
 /// A TF1 matrix repacked into interleaved groups of 64 rows.
-#[derive(Debug, Clone)]
 pub struct Tf1Lut {
     rows: usize,
     cols: usize,
-    data: AlignedBytes,
+    data: Box<dyn PackedBytes>,
+}
+
+impl std::fmt::Debug for Tf1Lut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Tf1Lut({}x{})", self.rows, self.cols)
+    }
 }
 
 /// A part of one token's tables (the blocks `blocks` of a [`Tf1Lut`] of its width), reused
@@ -34,25 +57,56 @@ impl Tf1Lut {
         token().is_ok()
     }
 
-    /// Repacks a TF1 matrix.
+    /// Bytes of the repacked copy of a `rows` × `cols` TF1 matrix.
+    pub fn packed_len(rows: usize, cols: usize) -> usize {
+        rows.div_ceil(Self::GROUP) * (cols / 128) * GROUP_BLOCK
+    }
+
+    /// Repacks a TF1 matrix into heap memory.
     pub fn pack(w: &QMatrix<'_>) -> Result<Self, KernelError> {
+        Self::pack_in(w, |len| {
+            let mut b = AlignedBytes::default();
+            b.resize(len);
+            Some(b)
+        })
+    }
+
+    /// Repacks a TF1 matrix into the buffer `alloc(len)` returns (`len` zeroed bytes, 64-byte
+    /// aligned); `None` from it, or a buffer of another size or alignment, is an error.
+    pub fn pack_in<B: PackedBytes + 'static>(
+        w: &QMatrix<'_>,
+        alloc: impl FnOnce(usize) -> Option<B>,
+    ) -> Result<Self, KernelError> {
         if w.ty() != GgmlType::TF1 {
             return Err(KernelError::Unsupported {
                 ty: w.ty(),
-                op: "the TF1 table GEMV",
+                op: "the repacked TF1 kernels",
+            });
+        }
+        token()?;
+        let len = Self::packed_len(w.rows(), w.cols());
+        let unusable = KernelError::InputLen {
+            what: "repacked TF1 buffer bytes (zeroed, 64-byte aligned)",
+            want: len,
+            got: 0,
+        };
+        let mut data = alloc(len).ok_or(unusable)?;
+        let out = data.bytes_mut();
+        if out.len() != len || out.as_ptr().align_offset(64) != 0 {
+            return Err(KernelError::InputLen {
+                what: "repacked TF1 buffer bytes (zeroed, 64-byte aligned)",
+                want: len,
+                got: out.len(),
             });
         }
         #[cfg(target_arch = "x86_64")]
-        let bytes = crate::x86_64::tf1_lut::pack(w.rows(), w.cols() / 128, |r| w.row_bytes(r));
+        crate::x86_64::tf1_lut::pack(w.rows(), w.cols() / 128, |r| w.row_bytes(r), out);
         #[cfg(not(target_arch = "x86_64"))]
-        let bytes: Vec<u8> = {
-            token()?;
-            Vec::new()
-        };
+        let _ = out;
         Ok(Self {
             rows: w.rows(),
             cols: w.cols(),
-            data: AlignedBytes::from_slice(&bytes),
+            data: Box::new(data),
         })
     }
 
@@ -68,7 +122,7 @@ impl Tf1Lut {
 
     /// Bytes of the repacked matrix.
     pub fn bytes(&self) -> usize {
-        self.data.len()
+        self.data.bytes().len()
     }
 
     /// 128-element blocks of a row.
@@ -157,7 +211,12 @@ impl Tf1Lut {
             .collect();
         for g in groups {
             let mut y = [0f32; 64];
-            tok.gemv_group(&self.data[g * gb..(g + 1) * gb], &tp, parts[0].ad, &mut y);
+            tok.gemv_group(
+                &self.data.bytes()[g * gb..(g + 1) * gb],
+                &tp,
+                parts[0].ad,
+                &mut y,
+            );
             let r0 = g * Self::GROUP;
             let n = (self.rows - r0).min(Self::GROUP);
             out[r0 - first..r0 - first + n].copy_from_slice(&y[..n]);
@@ -202,7 +261,7 @@ impl Tf1Lut {
             let nt = (ntok - t0).min(GEMM_TOKENS);
             for g in groups.clone() {
                 tok.gemm_group(
-                    &self.data[g * gb..(g + 1) * gb],
+                    &self.data.bytes()[g * gb..(g + 1) * gb],
                     nb,
                     &all[t0 * rb..(t0 + nt) * rb],
                     nt,

@@ -8,7 +8,7 @@
 use half::f16;
 use rayon::prelude::*;
 use ternfleet_kernels::{Activations, GgmlType, Numerics};
-use ternfleet_shared::compute::{quantize_par, ComputeError, Linear};
+use ternfleet_shared::compute::{forward_pair, quantize_par, ComputeError, Linear};
 use ternfleet_shared::expert::{ExpertBackend, ExpertBatch, ExpertError, InFlight, Ready, Route};
 
 /// The FFN activation between gate and up.
@@ -123,12 +123,16 @@ fn project(
     numerics: Numerics,
     out: &mut [f32],
 ) -> Result<(), ComputeError> {
-    let numerics = if routed && numerics == Numerics::Parity {
+    w.forward(x, out, expert_numerics(routed, numerics))
+}
+
+/// The float order of a routed expert's matmuls in `numerics` (see [`project`]).
+fn expert_numerics(routed: bool, numerics: Numerics) -> Numerics {
+    if routed && numerics == Numerics::Parity {
         Numerics::Routed
     } else {
         numerics
-    };
-    w.forward(x, out, numerics)
+    }
 }
 
 /// Runs one FFN over the rows of `x` (quantized for the gate and up matrices, or f32),
@@ -150,20 +154,27 @@ pub fn run_ffn(
     let mut scratch = Activations::new();
     let mut g = vec![0f32; n * ff];
     let mut u = vec![0f32; n * ff];
-    project(
-        &w.gate,
-        input_for(&w.gate, x, &mut scratch)?,
-        w.routed,
-        numerics,
-        &mut g,
-    )?;
-    project(
-        &w.up,
-        input_for(&w.up, x, &mut scratch)?,
-        w.routed,
-        numerics,
-        &mut u,
-    )?;
+    if w.gate.ty() == w.up.ty() {
+        // One input for both (repacked TF1 builds its activation tables once for the pair).
+        let xi = input_for(&w.gate, x, &mut scratch)?;
+        let numerics = expert_numerics(w.routed, numerics);
+        forward_pair(&w.gate, &w.up, xi, &mut g, &mut u, numerics)?;
+    } else {
+        project(
+            &w.gate,
+            input_for(&w.gate, x, &mut scratch)?,
+            w.routed,
+            numerics,
+            &mut g,
+        )?;
+        project(
+            &w.up,
+            input_for(&w.up, x, &mut scratch)?,
+            w.routed,
+            numerics,
+            &mut u,
+        )?;
+    }
     dump("ffn_gate", &g, ff);
     dump("ffn_up", &u, ff);
     // Row by row, as ggml applies its fused activations (`ggml_vec_swiglu_f32` per row): the

@@ -82,6 +82,11 @@ impl AlignedBuf {
         Ok(AlignedBuf { ptr, len })
     }
 
+    /// The start of the mapping, without borrowing it (for disjoint parts handed out apart).
+    fn base_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `ptr` is valid for `len` bytes and uniquely borrowed.
         unsafe { std::slice::from_raw_parts_mut(self.ptr.as_ptr(), self.len) }
@@ -320,9 +325,64 @@ impl Linear {
             return None;
         }
         self.tf1
-            .get_or_init(|| Tf1Lut::pack(&self.matrix()).ok())
+            .get_or_init(|| Tf1Lut::pack_in(&self.matrix(), arena_alloc).ok())
             .as_ref()
     }
+}
+
+/// Repacked copies live in chunks of memory backed by 2 MiB pages where the kernel gives them
+/// (`MADV_HUGEPAGE`): a mapped model file is read through 2 MiB pages, and an expert's copy on
+/// 4 KiB pages of its own (a few hundred KiB) would cost a TLB miss every 4 KiB of its stream.
+/// A chunk is unmapped when the last copy in it is dropped.
+struct ArenaSlice {
+    chunk: Arc<AlignedBuf>,
+    at: usize,
+    len: usize,
+}
+
+impl ternfleet_kernels::tf1_lut::PackedBytes for ArenaSlice {
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: `at..at + len` lies inside the chunk's mapping (`arena_alloc`), which the
+        // `Arc` keeps alive; no reference to the whole mapping is ever made while it is shared.
+        unsafe { std::slice::from_raw_parts(self.chunk.base_ptr().add(self.at), self.len) }
+    }
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `bytes`, and `arena_alloc` hands each range to one slice only, so this
+        // borrow of `&mut self` is the only access to these bytes.
+        unsafe { std::slice::from_raw_parts_mut(self.chunk.base_ptr().add(self.at), self.len) }
+    }
+}
+
+/// Bytes per arena chunk (a request larger than this gets a chunk of its own).
+const ARENA_CHUNK: usize = 64 << 20;
+
+/// The chunk being filled and the bytes of it already handed out.
+static ARENA: Mutex<Option<(Arc<AlignedBuf>, usize)>> = Mutex::new(None);
+
+/// `len` zeroed bytes, 64-byte aligned, from the arena.
+fn arena_alloc(len: usize) -> Option<ArenaSlice> {
+    let mut cur = ARENA.lock().ok()?;
+    let fits = cur
+        .as_ref()
+        .is_some_and(|(c, used)| used.next_multiple_of(64) + len <= c.len());
+    if !fits {
+        let size = len.max(ARENA_CHUNK).next_multiple_of(2 << 20);
+        let chunk = AlignedBuf::zeroed(size)?;
+        // SAFETY: advice on a mapping this process just made and owns; it changes only how
+        // the kernel backs the pages (huge pages where it can), never their contents.
+        unsafe {
+            libc::madvise(chunk.base_ptr().cast(), size, libc::MADV_HUGEPAGE);
+        }
+        *cur = Some((Arc::new(chunk), 0));
+    }
+    let (chunk, used) = cur.as_mut()?;
+    let at = used.next_multiple_of(64);
+    *used = at + len;
+    Some(ArenaSlice {
+        chunk: chunk.clone(),
+        at,
+        len,
+    })
 }
 
 /// Whether TF1 matrices run repacked: the CPU has the kernels, the AVX-512 table is the one in
@@ -339,10 +399,13 @@ fn tf1_repack_on() -> bool {
 /// Table buffers of earlier one-token calls, reused (a wide matrix's take most of a MiB).
 static TF1_TABLES: Mutex<Vec<Vec<Tf1Tables>>> = Mutex::new(Vec::new());
 
-/// [`matmul_par`] for a repacked TF1 matrix: one token builds its activation tables in parts
-/// on the pool, then the row groups split across it; several run the repacked GEMM per task.
+/// [`matmul_par`] for a repacked TF1 matrix: one token builds its activation tables (in parts
+/// on the pool for a large matrix), then the row groups split across the pool; several tokens
+/// run the repacked GEMM per task. A matrix whose groups × blocks × tokens stay under
+/// [`TF1_SPLIT`] runs on the calling thread: an expert's matmul takes tens of microseconds,
+/// and the experts of a layer already run in parallel.
 fn tf1_par(lut: &Tf1Lut, x: &Activations, out: &mut [f32]) -> Result<(), ComputeError> {
-    let (rows, n) = (lut.rows(), x.n());
+    let (rows, n, nb) = (lut.rows(), x.n(), lut.blocks());
     if out.len() != rows * n {
         return Err(ComputeError::Shape(format!(
             "matmul output has {} floats, need {rows} rows x {n} tokens",
@@ -350,28 +413,22 @@ fn tf1_par(lut: &Tf1Lut, x: &Activations, out: &mut [f32]) -> Result<(), Compute
         )));
     }
     let threads = rayon::current_num_threads();
-    let per = rows_per_task(rows, threads).div_ceil(Tf1Lut::GROUP);
+    let split = lut.groups() * nb * n >= TF1_SPLIT && threads > 1;
+    let per = if split {
+        rows_per_task(rows, threads).div_ceil(Tf1Lut::GROUP)
+    } else {
+        lut.groups().max(1)
+    };
     if n == 1 {
-        let mut parts = TF1_TABLES
-            .lock()
-            .ok()
-            .and_then(|mut p| p.pop())
-            .unwrap_or_default();
-        let nb = lut.blocks();
-        parts.resize_with(threads.clamp(1, nb.max(1)), Tf1Tables::default);
-        let per_b = nb.div_ceil(parts.len());
-        parts.par_iter_mut().enumerate().try_for_each(|(i, t)| {
-            lut.tables(x, (i * per_b).min(nb)..((i + 1) * per_b).min(nb), t)
-        })?;
-        let refs: Vec<&Tf1Tables> = parts.iter().collect();
-        out.par_chunks_mut(per * Tf1Lut::GROUP)
-            .enumerate()
-            .try_for_each(|(i, o)| {
-                lut.gemv(&refs, i * per..i * per + o.len().div_ceil(Tf1Lut::GROUP), o)
-            })?;
+        let parts = tf1_tables(lut, x, split)?;
+        let r = tf1_gemv(lut, &parts, out, split);
         if let Ok(mut p) = TF1_TABLES.lock() {
             p.push(parts);
         }
+        return r;
+    }
+    if !split {
+        lut.gemm(x, 0..lut.groups(), out)?;
         return Ok(());
     }
     let tiles: Vec<(usize, Vec<f32>)> = (0..lut.groups().div_ceil(per))
@@ -387,6 +444,93 @@ fn tf1_par(lut: &Tf1Lut, x: &Activations, out: &mut [f32]) -> Result<(), Compute
     scatter_tiles(tiles, rows, n, out);
     Ok(())
 }
+
+/// One token's tables for `lut` (in parts on the pool when `split`), from the reused buffers.
+fn tf1_tables(lut: &Tf1Lut, x: &Activations, split: bool) -> Result<Vec<Tf1Tables>, ComputeError> {
+    let nb = lut.blocks();
+    let mut parts = TF1_TABLES
+        .lock()
+        .ok()
+        .and_then(|mut p| p.pop())
+        .unwrap_or_default();
+    let threads = rayon::current_num_threads();
+    parts.resize_with(
+        if split { threads.min(nb).max(1) } else { 1 },
+        Tf1Tables::default,
+    );
+    let per_b = nb.div_ceil(parts.len());
+    let part = |(i, t): (usize, &mut Tf1Tables)| {
+        lut.tables(x, (i * per_b).min(nb)..((i + 1) * per_b).min(nb), t)
+    };
+    if split {
+        parts.par_iter_mut().enumerate().try_for_each(part)?;
+    } else {
+        parts.iter_mut().enumerate().try_for_each(part)?;
+    }
+    Ok(parts)
+}
+
+/// The one-token GEMV of `lut` from `parts`, its row groups split across the pool when `split`.
+fn tf1_gemv(
+    lut: &Tf1Lut,
+    parts: &[Tf1Tables],
+    out: &mut [f32],
+    split: bool,
+) -> Result<(), ComputeError> {
+    let refs: Vec<&Tf1Tables> = parts.iter().collect();
+    let per = if split {
+        rows_per_task(lut.rows(), rayon::current_num_threads()).div_ceil(Tf1Lut::GROUP)
+    } else {
+        lut.groups().max(1)
+    };
+    let run = |(i, o): (usize, &mut [f32])| {
+        lut.gemv(&refs, i * per..i * per + o.len().div_ceil(Tf1Lut::GROUP), o)
+    };
+    if split {
+        out.par_chunks_mut(per * Tf1Lut::GROUP)
+            .enumerate()
+            .try_for_each(run)?;
+    } else {
+        run((0, out))?;
+    }
+    Ok(())
+}
+
+/// `a.forward(x, out_a)` and `b.forward(x, out_b)` (an FFN's gate and up matrices): where both
+/// run repacked TF1 for one token of the same width, the activation tables are built once.
+pub fn forward_pair(
+    a: &Linear,
+    b: &Linear,
+    x: &Activations,
+    out_a: &mut [f32],
+    out_b: &mut [f32],
+    numerics: Numerics,
+) -> Result<(), ComputeError> {
+    if let (Some(la), Some(lb)) = (a.tf1_repacked(), b.tf1_repacked()) {
+        let rows = la.rows() + lb.rows();
+        let split = rows.div_ceil(Tf1Lut::GROUP) * la.blocks() >= TF1_SPLIT
+            && rayon::current_num_threads() > 1;
+        if x.n() == 1
+            && a.cols() == b.cols()
+            && out_a.len() == la.rows()
+            && out_b.len() == lb.rows()
+        {
+            let parts = tf1_tables(la, x, split)?;
+            let r =
+                tf1_gemv(la, &parts, out_a, split).and_then(|_| tf1_gemv(lb, &parts, out_b, split));
+            if let Ok(mut p) = TF1_TABLES.lock() {
+                p.push(parts);
+            }
+            return r;
+        }
+    }
+    a.forward(x, out_a, numerics)?;
+    b.forward(x, out_b, numerics)
+}
+
+/// Groups × blocks × tokens from which [`tf1_par`] splits a matmul across the pool (about
+/// 100 µs of work on one core).
+const TF1_SPLIT: usize = 1024;
 
 /// Token-major tiles of rows `r0..` into `out[t * rows + r]`.
 fn scatter_tiles(tiles: Vec<(usize, Vec<f32>)>, rows: usize, n: usize, out: &mut [f32]) {

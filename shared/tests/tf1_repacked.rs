@@ -1,12 +1,13 @@
 //! TF1 matrices mapped from a model file run from their repacked copy
 //! (`ternfleet_kernels::tf1_lut`) where the CPU has the kernels: `Linear::forward` must equal
 //! the plain TF1 matmul bit for bit, for one token and several, on pools of 1–3 threads (their
-//! row and table splits differ), for a 2-D tensor and a matrix of a stacked (expert) tensor.
+//! row and table splits differ), for a 2-D tensor and a matrix of a stacked (expert) tensor, and
+//! for a gate/up pair that shares one token's tables (`forward_pair`).
 
 use std::sync::Arc;
 use ternfleet_kernels::tf1_lut::Tf1Lut;
 use ternfleet_kernels::{quantize_row, Activations, GgmlType, Numerics};
-use ternfleet_shared::compute::{matmul_par, Linear};
+use ternfleet_shared::compute::{forward_pair, matmul_par, Linear};
 use ternfleet_shared::gguf::{GgufFile, GgufWriter, Value, EXTENDED_TYPES_KEY};
 
 /// splitmix64 → roughly normal f32.
@@ -80,6 +81,15 @@ fn repacked_tf1_forward_equals_the_plain_matmul() {
                     bits(&want),
                     "{lin:?}, {threads} threads, {n} tokens"
                 );
+                // A gate/up pair sharing one token's tables (or, for several, each on its own).
+                let (mut a, mut b) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows * n]);
+                let mut want_b = vec![0f32; rows * n];
+                pool.install(|| {
+                    forward_pair(lin, &dense, &act, &mut a, &mut b, Numerics::Parity).unwrap();
+                    matmul_par(&dense.matrix(), &act, &mut want_b, Numerics::Parity).unwrap();
+                });
+                assert_eq!(bits(&a), bits(&want), "pair, first, {n} tokens");
+                assert_eq!(bits(&b), bits(&want_b), "pair, second, {n} tokens");
             }
         }
     }

@@ -1,38 +1,44 @@
-//! TF1 one-token GEMV by activation tables (T-MAC style), AVX-512 VBMI, bit-identical to
-//! `crate::ternary::vec_dot_tf`.
+//! TF1 repacked: a one-token GEMV by activation tables (T-MAC style) and a multi-token GEMM,
+//! AVX-512 VBMI/VNNI, bit-identical to `crate::ternary::vec_dot_tf`.
 //!
 //! TF1's float order needs, per row and 128-block, eight exact lane sums
-//! `lane_k = Σ q_e·a_e` over the 16 values `e = 32v + 4k + j` (v, j in 0..4). This kernel reads
-//! a repacked copy of the weights ([`pack`]) whose bytes are *lane-pure*: each lane's 16 trits
-//! are three groups of five plus one leftover, and each group is one byte holding its base-3
-//! number `n = Σ c_i·3^i` folded by the trits' symmetry (`n` and `242 − n` are each other's
-//! negation): a 7-bit index `min(n, 242 − n)` and a sign, in bit 7 (which `vpermi2b` ignores)
-//! and again as a mask in the order the GEMV's words need. Per token and
-//! (block, lane, group) a table holds the 122 signed 16-bit sums `Σ (c_i − 1)·a_i` of that
-//! group's five activations ([`build_tables`]), as a low-byte and a high-byte plane of 128
-//! entries each. 64 rows are interleaved, so one `vpermi2b` per plane looks up the same group
-//! of 64 rows at once; the planes are joined into words, negated under the sign mask and added
-//! up per lane; the leftover trit adds or subtracts its activation under two masks. The lane
-//! sums are the same integers as the scalar reference's, then converted and fused with the
+//! `lane_k = Σ q_e·a_e` over the 16 values `e = 32v + 4k + j` (v, j in 0..4). These kernels read
+//! a repacked copy of the weights ([`pack`], as many bytes as TF1) whose bytes are *lane-pure*:
+//! each lane's 16 trits are three groups of five plus one leftover, and each group is one byte
+//! holding its base-3 number `n = Σ c_i·3^i` folded by the trits' symmetry (`n` and `242 − n`
+//! are each other's negation): a 7-bit index `min(n, 242 − n)` and the sign in bit 7 (which
+//! `vpermi2b` ignores). 64 rows are interleaved.
+//!
+//! GEMV: per token and (block, lane, group) a table holds `4·T` for the 122 signed sums
+//! `T = Σ (c_i − 1)·a_i` of that group's five activations ([`build_tables`]), as a low-byte and
+//! a high-byte plane of 128 entries; one `vpermi2b` per plane looks up a position of 64 rows.
+//! A negated row's two bytes are complemented (`−4·T − 1`), the planes joined into words and
+//! the three positions added to 3, so an arithmetic shift by two floors to the exact sum; the
+//! leftover trit adds or subtracts its activation under two masks.
+//!
+//! GEMM: the codes come back from the indices through two 128-entry tables (trits 0..3 packed
+//! two bits each, trit 4), complemented for negated rows, are 4 × 4-byte transposed so each
+//! dword holds four values of one row, and `vpdpbusd` takes each token's four activations
+//! broadcast; the Q8_TF lane sums turn the codes `c` into `q = c − 1`.
+//!
+//! Either way the lane sums are the scalar reference's integers, converted and fused with the
 //! row scales in the same order, so every output bit is the same.
 //!
-//! Group layout: one record of 1,984 bytes per block (31 a row, TF1 itself 28), read in order:
+//! Group layout: one record of 1,792 bytes per block (28 a row, as TF1), read in order:
 //! - `idx[k][g][64]`: the folded indices (bit 7 the sign), byte position [`slot`]`(r).0` for
 //!   row `r`;
-//! - `masks[k][5]` u64: the sign of groups 0..3, the leftover's `+1` and `−1`, bit
-//!   [`slot`]`(r).1` for row `r`;
+//! - `masks[k][2]` u64: the leftover's `+1` and `−1`, bit [`slot`]`(r).1` for row `r`;
 //! - `d[64]` f16: the rows' block scales in row order.
 //!
 //! The rows sit in the byte positions that make `vpunpck{l,h}bw` of the two planes give rows
 //! 0..32 and 32..64 as words, `word 2l` / `word 2l + 1` of the first being rows `l` and `16 + l`
-//! (the even and odd words widen to i32 by shifts, rows 0..16 and 16..32), so the f32
-//! accumulators come out in row order.
+//! (the even and odd words widen to i32 apart, rows 0..16 and 16..32), so the GEMV's f32
+//! accumulators come out in row order; the GEMM's in the order [`gemm_rows`] gives.
 
 // Register arrays of the same lanes are indexed by one counter.
 #![allow(clippy::needless_range_loop)]
 
-use crate::ternary::tf_codes;
-use crate::GgmlType;
+use crate::ternary::trit;
 use core::arch::x86_64::*;
 
 /// Rows per interleaved group.
@@ -41,7 +47,7 @@ pub(crate) const GROUP: usize = 64;
 /// activation broadcast to 32 words.
 pub(crate) const LANE_TABLES: usize = 3 * 256 + 64;
 /// Group bytes per block.
-pub(crate) const GROUP_BLOCK: usize = 8 * (3 * GROUP + 5 * 8) + 2 * GROUP;
+pub(crate) const GROUP_BLOCK: usize = 8 * (3 * GROUP + 2 * 8) + 2 * GROUP;
 
 /// The block element of lane `k`'s value `i` (0..16).
 #[inline(always)]
@@ -59,47 +65,103 @@ pub(crate) fn slot(r: usize) -> (usize, usize) {
 
 /// Offset of the masks and of the scales in a block record.
 const MASKS_AT: usize = 8 * 3 * GROUP;
-const D_AT: usize = MASKS_AT + 8 * 5 * 8;
+const D_AT: usize = MASKS_AT + 8 * 2 * 8;
 
-/// Repacks `rows` TF1 rows of `nb` blocks (`row(r)` gives row `r`'s bytes) into groups of 64,
-/// the last padded with zero rows (`d = 0`).
-pub(crate) fn pack<'a>(rows: usize, nb: usize, row: impl Fn(usize) -> &'a [u8]) -> Vec<u8> {
+/// Where the five trits of each repacked byte `(k, g)` (digit `i` = lane value `5g + i`) and
+/// each lane's leftover (value 15) sit in a TF1 block's 26 base-3 bytes: `(byte, trit)`.
+/// `(byte, trit)` of each repacked byte's five digits, and of each lane's leftover.
+type Sources = ([[(u8, u8); 5]; 24], [(u8, u8); 8]);
+
+const fn sources() -> Sources {
+    // `ternary::tf1_slot` of block element `e`.
+    const fn slot_of(e: usize) -> (u8, u8) {
+        let (n, m) = (e / 32, e % 32);
+        if m < 26 {
+            (m as u8, n as u8)
+        } else {
+            ((6 * n + m - 26) as u8, 4)
+        }
+    }
+    let mut src = [[(0u8, 0u8); 5]; 24];
+    let mut left = [(0u8, 0u8); 8];
+    let mut k = 0;
+    while k < 8 {
+        let mut p = 0;
+        while p < 15 {
+            let e = 32 * (p / 4) + 4 * k + p % 4;
+            src[k * 3 + p / 5][p % 5] = slot_of(e);
+            p += 1;
+        }
+        left[k] = slot_of(32 * 3 + 4 * k + 3);
+        k += 1;
+    }
+    (src, left)
+}
+
+static SOURCES: Sources = sources();
+
+/// A byte's base-3 number folded: `n` up to 121, else `242 − n` with bit 7 set.
+static FOLD: [u8; 243] = {
+    let mut t = [0u8; 243];
+    let mut n = 0;
+    while n < 243 {
+        t[n] = if n <= 121 {
+            n as u8
+        } else {
+            (242 - n) as u8 | 0x80
+        };
+        n += 1;
+    }
+    t
+};
+
+/// Repacks `rows` TF1 rows of `nb` blocks (`row(r)` gives row `r`'s bytes) into groups of 64 in
+/// `out` (zeroed, `rows.div_ceil(64) * nb * GROUP_BLOCK` bytes), the last group padded with zero
+/// rows (codes 1, `d = 0`).
+pub(crate) fn pack<'a>(rows: usize, nb: usize, row: impl Fn(usize) -> &'a [u8], out: &mut [u8]) {
     let groups = rows.div_ceil(GROUP);
-    let mut out = vec![0u8; groups * nb * GROUP_BLOCK];
+    assert_eq!(out.len(), groups * nb * GROUP_BLOCK, "repacked TF1 size");
+    let (src, left) = &SOURCES;
+    let mut masks = vec![[0u64; 16]; nb];
     for (gi, g) in out.chunks_exact_mut(nb * GROUP_BLOCK).enumerate() {
-        for (b, rec) in g.chunks_exact_mut(GROUP_BLOCK).enumerate() {
-            let mut m = [0u64; 8 * 5];
-            for r in 0..GROUP {
-                let (byte, bit) = slot(r);
-                let blk = (gi * GROUP + r < rows).then(|| &row(gi * GROUP + r)[b * 28..][..28]);
-                let c = blk.map_or([1u8; 128], |x| tf_codes(GgmlType::TF1, x));
-                if let Some(x) = blk {
-                    rec[D_AT + 2 * r..][..2].copy_from_slice(&x[0..2]);
-                }
-                for k in 0..8 {
-                    for gg in 0..3 {
-                        let n: u32 = (0..5)
-                            .rev()
-                            .fold(0, |n, i| n * 3 + c[elem(k, 5 * gg + i)] as u32);
-                        let (f, neg) = if n <= 121 {
-                            (n, false)
-                        } else {
-                            (242 - n, true)
-                        };
-                        rec[(k * 3 + gg) * GROUP + byte] = f as u8 | (neg as u8) << 7;
-                        m[k * 5 + gg] |= (neg as u64) << bit;
+        masks.iter_mut().for_each(|m| *m = [0; 16]);
+        for r in 0..GROUP {
+            let (byte, bit) = slot(r);
+            let Some(x) = (gi * GROUP + r < rows).then(|| row(gi * GROUP + r)) else {
+                for rec in g.chunks_exact_mut(GROUP_BLOCK) {
+                    for p in 0..24 {
+                        rec[p * GROUP + byte] = FOLD[121];
                     }
-                    let last = c[elem(k, 15)];
-                    m[k * 5 + 3] |= ((last == 2) as u64) << bit;
-                    m[k * 5 + 4] |= ((last == 0) as u64) << bit;
+                    rec[D_AT + 2 * r..][..2].fill(0);
                 }
+                continue;
+            };
+            for ((rec, x), m) in g
+                .chunks_exact_mut(GROUP_BLOCK)
+                .zip(x.chunks_exact(28))
+                .zip(masks.iter_mut())
+            {
+                let qs = &x[2..28];
+                let tr = |&(b, t): &(u8, u8)| trit(qs[b as usize], t as usize) as usize;
+                for (p, s) in src.iter().enumerate() {
+                    let n =
+                        tr(&s[0]) + 3 * tr(&s[1]) + 9 * tr(&s[2]) + 27 * tr(&s[3]) + 81 * tr(&s[4]);
+                    rec[p * GROUP + byte] = FOLD[n];
+                }
+                for (k, l) in left.iter().enumerate() {
+                    let c = tr(l);
+                    m[2 * k] |= ((c == 2) as u64) << bit;
+                    m[2 * k + 1] |= ((c == 0) as u64) << bit;
+                }
+                rec[D_AT + 2 * r..][..2].copy_from_slice(&x[0..2]);
             }
-            for (o, v) in rec[MASKS_AT..D_AT].chunks_exact_mut(8).zip(&m) {
+        }
+        for (rec, m) in g.chunks_exact_mut(GROUP_BLOCK).zip(&masks) {
+            for (o, v) in rec[MASKS_AT..D_AT].chunks_exact_mut(8).zip(m) {
                 o.copy_from_slice(&v.to_le_bytes());
             }
         }
     }
-    out
 }
 
 /// Digit `i` of `n` in base 3.
@@ -189,7 +251,8 @@ unsafe fn build_tables(act: &[u8], blocks: core::ops::Range<usize>, out: &mut [u
                         let p0 = _mm512_maddubs_epi16(c[0][z], ap[0]);
                         let p1 = _mm512_maddubs_epi16(c[1][z], ap[1]);
                         let p2 = _mm512_maddubs_epi16(c[2][z], ap[2]);
-                        _mm512_sub_epi16(_mm512_add_epi16(_mm512_add_epi16(p0, p1), p2), s)
+                        let t = _mm512_sub_epi16(_mm512_add_epi16(_mm512_add_epi16(p0, p1), p2), s);
+                        _mm512_slli_epi16::<2>(t)
                     });
                     let o = base.add(g * 256);
                     _mm512_store_si512(o.cast(), _mm512_permutex2var_epi8(t[0], even, t[1]));
@@ -232,7 +295,7 @@ unsafe fn gemv_group(
     // layout sizes checked above.
     unsafe {
         let mut lacc = [[_mm512_setzero_ps(); 4]; 8];
-        let zero = _mm512_setzero_si512();
+        let (three, ones) = (_mm512_set1_epi16(3), _mm512_set1_epi8(-1));
         let even = _mm512_set1_epi32(1);
         for (b, tb) in parts.iter().flat_map(|(t, r)| {
             r.clone()
@@ -246,11 +309,14 @@ unsafe fn gemv_group(
             for (k, acc) in lacc.iter_mut().enumerate() {
                 let t = tb.add(k * LANE_TABLES);
                 let ix = rec.add(k * 3 * GROUP);
-                let m = m.add(k * 10);
-                let mut lo = zero;
-                let mut hi = zero;
+                let m = m.add(k * 4);
+                // Three positions of 4·T (negated ones complemented: −4·T − 1) and 3, so that
+                // the shift by two below floors to the exact sum.
+                let mut lo = three;
+                let mut hi = three;
                 for g in 0..3 {
                     let i = _mm512_load_si512(ix.add(g * GROUP).cast());
+                    let neg = _mm512_movepi8_mask(i);
                     let tg = t.add(g * 256);
                     let l = _mm512_permutex2var_epi8(
                         _mm512_load_si512(tg.cast()),
@@ -262,18 +328,18 @@ unsafe fn gemv_group(
                         i,
                         _mm512_load_si512(tg.add(192).cast()),
                     );
-                    let wl = _mm512_unpacklo_epi8(l, h);
-                    let wh = _mm512_unpackhi_epi8(l, h);
-                    let sl = m.add(2 * g).read_unaligned();
-                    let sh = m.add(2 * g + 1).read_unaligned();
-                    lo = _mm512_add_epi16(lo, _mm512_mask_sub_epi16(wl, sl, zero, wl));
-                    hi = _mm512_add_epi16(hi, _mm512_mask_sub_epi16(wh, sh, zero, wh));
+                    let l = _mm512_mask_sub_epi8(l, neg, ones, l);
+                    let h = _mm512_mask_sub_epi8(h, neg, ones, h);
+                    lo = _mm512_add_epi16(lo, _mm512_unpacklo_epi8(l, h));
+                    hi = _mm512_add_epi16(hi, _mm512_unpackhi_epi8(l, h));
                 }
+                lo = _mm512_srai_epi16::<2>(lo);
+                hi = _mm512_srai_epi16::<2>(hi);
                 let a15 = _mm512_load_si512(t.add(768).cast());
-                lo = _mm512_mask_add_epi16(lo, m.add(6).read_unaligned(), lo, a15);
-                hi = _mm512_mask_add_epi16(hi, m.add(7).read_unaligned(), hi, a15);
-                lo = _mm512_mask_sub_epi16(lo, m.add(8).read_unaligned(), lo, a15);
-                hi = _mm512_mask_sub_epi16(hi, m.add(9).read_unaligned(), hi, a15);
+                lo = _mm512_mask_add_epi16(lo, m.add(0).read_unaligned(), lo, a15);
+                hi = _mm512_mask_add_epi16(hi, m.add(1).read_unaligned(), hi, a15);
+                lo = _mm512_mask_sub_epi16(lo, m.add(2).read_unaligned(), lo, a15);
+                hi = _mm512_mask_sub_epi16(hi, m.add(3).read_unaligned(), hi, a15);
                 // Even words sign-extended by a multiply-add with (1, 0), odd ones by a shift.
                 let lanes = [
                     _mm512_madd_epi16(lo, even),
@@ -413,14 +479,14 @@ unsafe fn gemm_group(grp: &[u8], nb: usize, act: &[u8], ntok: usize, y: &mut [f3
                     e[5 * g + 3] = _mm512_and_si512(_mm512_srli_epi16::<6>(p), three);
                     e[5 * g + 4] = _mm512_mask_sub_epi8(c4, neg, two, c4);
                 }
-                let mk = m.add(k * 10);
+                let mk = m.add(k * 4);
                 let lw = _mm512_sub_epi16(
-                    _mm512_movm_epi16(mk.add(8).read_unaligned()),
-                    _mm512_movm_epi16(mk.add(6).read_unaligned()),
+                    _mm512_movm_epi16(mk.add(2).read_unaligned()),
+                    _mm512_movm_epi16(mk.add(0).read_unaligned()),
                 );
                 let hw = _mm512_sub_epi16(
-                    _mm512_movm_epi16(mk.add(9).read_unaligned()),
-                    _mm512_movm_epi16(mk.add(7).read_unaligned()),
+                    _mm512_movm_epi16(mk.add(3).read_unaligned()),
+                    _mm512_movm_epi16(mk.add(1).read_unaligned()),
                 );
                 e[15] = _mm512_add_epi8(_mm512_packs_epi16(lw, hw), one);
                 let mut u = [[_mm512_setzero_si512(); 4]; 4];
