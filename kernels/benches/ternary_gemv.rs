@@ -78,9 +78,9 @@ fn time_gemv(m: &QMatrix<'_>, x: &[f32], threads: usize, runs: usize) -> Vec<f64
     )
 }
 
-/// The same for the TF1 table GEMV (prototype): each run quantizes the row on the first
-/// thread; then each thread builds the tables of half the blocks, waits for the other's, and
-/// computes its half of the row groups.
+/// The same for the repacked TF1 GEMV: each run quantizes the row on the first thread; then
+/// each thread builds the tables of half the blocks, waits for the other's, and computes its
+/// half of the row groups.
 fn time_lut(lut: &Tf1Lut, cols: usize, x: &[f32], threads: usize, runs: usize) -> Vec<f64> {
     let (g, nb) = (lut.groups(), lut.blocks());
     let (split_g, split_b) = if threads == 2 {
@@ -88,85 +88,40 @@ fn time_lut(lut: &Tf1Lut, cols: usize, x: &[f32], threads: usize, runs: usize) -
     } else {
         (g, nb)
     };
-    let rows = lut.rows();
-    let act = RwLock::new(Activations::new());
     let parts = [
         RwLock::new(Tf1Tables::default()),
         RwLock::new(Tf1Tables::default()),
     ];
-    let (epoch, built, done) = (
-        AtomicUsize::new(0),
-        AtomicUsize::new(0),
-        AtomicUsize::new(0),
-    );
-    let stop = AtomicBool::new(false);
+    let built = AtomicUsize::new(0);
     let lock = "no panics while holding the lock";
-    let build = |part: usize, blocks: std::ops::Range<usize>| {
-        lut.tables(
-            &act.read().expect(lock),
-            blocks,
-            &mut parts[part].write().expect(lock),
-        )
-        .expect("valid bench problem");
-        built.fetch_add(1, Ordering::AcqRel) + 1
-    };
-    let wait = |n: usize| {
-        while built.load(Ordering::Acquire) < n {
-            spin_loop();
-        }
-    };
-    let gemv = |range: std::ops::Range<usize>, out: &mut [f32]| {
-        let (p0, p1) = (parts[0].read().expect(lock), parts[1].read().expect(lock));
-        let all: &[&Tf1Tables] = if threads == 2 { &[&p0, &p1] } else { &[&p0] };
-        lut.gemv(all, range, out).expect("valid bench problem");
-    };
-    let mut us = Vec::with_capacity(runs);
-    std::thread::scope(|s| {
-        if threads == 2 {
-            s.spawn(|| {
-                let mut out = vec![0f32; rows.saturating_sub(split_g * 64)];
-                let mut seen = 0;
-                loop {
-                    while epoch.load(Ordering::Acquire) == seen {
-                        spin_loop();
-                    }
-                    seen = epoch.load(Ordering::Acquire);
-                    if stop.load(Ordering::Acquire) {
-                        return;
-                    }
-                    build(1, split_b..nb);
-                    wait(2 * seen);
-                    gemv(split_g..g, &mut out);
-                    done.fetch_add(1, Ordering::Release);
-                }
-            });
-        }
-        let mut out = vec![0f32; split_g * 64];
-        for i in 0..runs + 5 {
-            let t0 = Instant::now();
-            act.write()
-                .expect(lock)
-                .quantize_for(GgmlType::TF1, x, 1, cols)
+    let mut outs = [
+        vec![0f32; split_g * 64],
+        vec![0f32; lut.rows().saturating_sub(split_g * 64)],
+    ];
+    time_runs(
+        Activations::new(),
+        |act| {
+            act.quantize_for(GgmlType::TF1, x, 1, cols)
+                .expect("valid bench problem")
+        },
+        |act, half, out| {
+            let blocks = if half == 0 { 0..split_b } else { split_b..nb };
+            lut.tables(act, blocks, &mut parts[half].write().expect(lock))
                 .expect("valid bench problem");
-            epoch.fetch_add(1, Ordering::Release);
-            build(0, 0..split_b);
-            wait(threads * (i + 1));
-            gemv(0..split_g, &mut out);
-            if threads == 2 {
-                while done.load(Ordering::Acquire) != i + 1 {
-                    spin_loop();
-                }
+            // Both halves' tables before either computes: every thread counts once a run.
+            let n = built.fetch_add(1, Ordering::AcqRel) + 1;
+            while built.load(Ordering::Acquire) < n.div_ceil(threads) * threads {
+                spin_loop();
             }
-            let dt = t0.elapsed().as_secs_f64() * 1e6;
-            if i >= 5 {
-                us.push(dt);
-            }
-        }
-        stop.store(true, Ordering::Release);
-        epoch.fetch_add(1, Ordering::Release);
-    });
-    us.sort_by(f64::total_cmp);
-    us
+            let (p0, p1) = (parts[0].read().expect(lock), parts[1].read().expect(lock));
+            let all: &[&Tf1Tables] = if threads == 2 { &[&p0, &p1] } else { &[&p0] };
+            let range = if half == 0 { 0..split_g } else { split_g..g };
+            lut.gemv(all, range, out).expect("valid bench problem");
+        },
+        threads,
+        runs,
+        &mut outs,
+    )
 }
 
 /// The repacked TF1 matmul of several tokens (`Tf1Lut::gemm`), row groups split in halves.
