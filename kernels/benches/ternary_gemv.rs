@@ -9,8 +9,8 @@
 //! is a persistent worker that spins on an epoch counter (as ggml's OpenMP threads do), so no
 //! thread is spawned inside the timed region.
 //!
-//! `tf1l` is TF1 through the table GEMV prototype (`ternfleet_kernels::tf1_lut`, not yet used
-//! by the engine); its GB/s are of the TF1 bytes, not of the repacked copy (31/28 as large).
+//! `tf1l` is TF1 repacked (`ternfleet_kernels::tf1_lut`, as the engine runs TF1 matrices mapped
+//! from a file on AVX-512 VBMI/VNNI CPUs; the copy has as many bytes as TF1).
 //!
 //! Environment: TERN_TOKENS (default 1: more times the multi-token matmul, `tf1l` through
 //! `Tf1Lut::gemm`), TERN_RUNS (default 50), TERN_TYPES (e.g. "tq2_0,tf2"), TERN_SHAPES

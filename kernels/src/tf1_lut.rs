@@ -84,6 +84,13 @@ impl Tf1Lut {
             });
         }
         token()?;
+        if w.rows() == 0 || w.cols() == 0 {
+            return Err(KernelError::InputLen {
+                what: "TF1 matrix rows and columns to repack (none may be 0)",
+                want: 1,
+                got: 0,
+            });
+        }
         let len = Self::packed_len(w.rows(), w.cols());
         let unusable = KernelError::InputLen {
             what: "repacked TF1 buffer bytes (zeroed, 64-byte aligned)",
@@ -138,6 +145,13 @@ impl Tf1Lut {
         out: &mut Tf1Tables,
     ) -> Result<(), KernelError> {
         let tok = self.check(act)?;
+        if act.n() == 0 {
+            return Err(KernelError::InputLen {
+                what: "tokens to build tables for",
+                want: 1,
+                got: 0,
+            });
+        }
         if blocks.start > blocks.end || blocks.end > self.blocks() {
             return Err(KernelError::InputLen {
                 what: "table blocks",

@@ -31,7 +31,8 @@ pub struct AlignedBuf {
 
 // SAFETY: an owned private mapping with no interior mutability once shared.
 unsafe impl Send for AlignedBuf {}
-// SAFETY: as above; `&AlignedBuf` only hands out `&[u8]`.
+// SAFETY: as above; `&AlignedBuf` hands out `&[u8]`, and `base_ptr` only to the arena, whose
+// slices write disjoint ranges through it (`ArenaSlice`).
 unsafe impl Sync for AlignedBuf {}
 
 impl AlignedBuf {
@@ -315,11 +316,12 @@ impl Linear {
         }
     }
 
-    /// The repacked copy of a TF1 matrix (`ternfleet_kernels::tf1_lut`: the table GEMV and its
-    /// GEMM, 1.4–1.8x the plain TF1 kernels on AVX-512 VBMI), made on the first call: only for
-    /// matrices mapped from a file (whose pages the kernel may then drop), not for buffers the
-    /// expert store holds within its budget, and only where the AVX-512 kernels run and
-    /// `TERNFLEET_TF1_REPACK` is not `0`. The copy is 31/28 of the TF1 bytes.
+    /// The repacked copy of a TF1 matrix (`ternfleet_kernels::tf1_lut`: the table GEMV, 1.3–1.6x
+    /// the plain TF1 GEMV in cache, and a GEMM 1.7–1.8x the plain one from 16 tokens; AVX-512
+    /// VBMI and VNNI), made on the first call: only for matrices mapped from a file (whose pages
+    /// the kernel may then drop), not for buffers the expert store holds within its budget, and
+    /// only where the AVX-512 kernels run and `TERNFLEET_TF1_REPACK` is not `0`. The copy has
+    /// as many bytes as the TF1 matrix.
     pub fn tf1_repacked(&self) -> Option<&Tf1Lut> {
         if self.ty != GgmlType::TF1 || !matches!(self.file, Backing::File(_)) || !tf1_repack_on() {
             return None;
@@ -356,15 +358,16 @@ impl ternfleet_kernels::tf1_lut::PackedBytes for ArenaSlice {
 /// Bytes per arena chunk (a request larger than this gets a chunk of its own).
 const ARENA_CHUNK: usize = 64 << 20;
 
-/// The chunk being filled and the bytes of it already handed out.
-static ARENA: Mutex<Option<(Arc<AlignedBuf>, usize)>> = Mutex::new(None);
+/// The chunk being filled, its size and the bytes of it already handed out. (The size is kept
+/// here: `len()` through `Deref` would borrow the whole mapping while slices write parts of it.)
+static ARENA: Mutex<Option<(Arc<AlignedBuf>, usize, usize)>> = Mutex::new(None);
 
 /// `len` zeroed bytes, 64-byte aligned, from the arena.
 fn arena_alloc(len: usize) -> Option<ArenaSlice> {
     let mut cur = ARENA.lock().ok()?;
     let fits = cur
         .as_ref()
-        .is_some_and(|(c, used)| used.next_multiple_of(64) + len <= c.len());
+        .is_some_and(|&(_, size, used)| used.next_multiple_of(64) + len <= size);
     if !fits {
         let size = len.max(ARENA_CHUNK).next_multiple_of(2 << 20);
         let chunk = AlignedBuf::zeroed(size)?;
@@ -373,9 +376,9 @@ fn arena_alloc(len: usize) -> Option<ArenaSlice> {
         unsafe {
             libc::madvise(chunk.base_ptr().cast(), size, libc::MADV_HUGEPAGE);
         }
-        *cur = Some((Arc::new(chunk), 0));
+        *cur = Some((Arc::new(chunk), size, 0));
     }
-    let (chunk, used) = cur.as_mut()?;
+    let (chunk, _, used) = cur.as_mut()?;
     let at = used.next_multiple_of(64);
     *used = at + len;
     Some(ArenaSlice {

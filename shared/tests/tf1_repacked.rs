@@ -1,8 +1,9 @@
 //! TF1 matrices mapped from a model file run from their repacked copy
 //! (`ternfleet_kernels::tf1_lut`) where the CPU has the kernels: `Linear::forward` must equal
-//! the plain TF1 matmul bit for bit, for one token and several, on pools of 1–3 threads (their
-//! row and table splits differ), for a 2-D tensor and a matrix of a stacked (expert) tensor, and
-//! for a gate/up pair that shares one token's tables (`forward_pair`).
+//! the plain TF1 matmul bit for bit, for one token and several, for a 2-D tensor and a matrix of
+//! a stacked (expert) tensor, and for a gate/up pair that shares one token's tables
+//! (`forward_pair`): small matrices on the calling thread, wide ones split across pools of 2
+//! and 3 threads. Without the kernels both sides run the plain matmul.
 
 use std::sync::Arc;
 use ternfleet_kernels::tf1_lut::Tf1Lut;
@@ -91,6 +92,54 @@ fn repacked_tf1_forward_equals_the_plain_matmul() {
                 assert_eq!(bits(&a), bits(&want), "pair, first, {n} tokens");
                 assert_eq!(bits(&b), bits(&want_b), "pair, second, {n} tokens");
             }
+        }
+    }
+}
+
+#[test]
+fn repacked_tf1_splits_across_the_pool() {
+    // Wide enough (32 groups x 32 blocks, at least 1024 per token: `compute::TF1_SPLIT`) that
+    // pools of 2 and 3 threads build the tables in parts and split the row groups (and the
+    // GEMM's tiles), for one matrix and for a gate/up pair.
+    let (rows, cols) = (2048, 4096);
+    let mut seed = 9;
+    let mut g = GgufWriter::new();
+    g.add_kv(EXTENDED_TYPES_KEY, Value::Bool(true)).unwrap();
+    for name in ["gate.weight", "up.weight"] {
+        g.add_tensor(
+            name,
+            &[cols as u64, rows as u64],
+            GgmlType::TF1,
+            tf1_rows(rows, cols, &mut seed),
+        )
+        .unwrap();
+    }
+    let f = Arc::new(GgufFile::from_bytes(g.to_bytes()).unwrap());
+    let gate = Linear::new(&f, f.tensor("gate.weight").unwrap()).unwrap();
+    let up = Linear::new(&f, f.tensor("up.weight").unwrap()).unwrap();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for threads in [2, 3] {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap();
+        for n in [1, 3] {
+            let x: Vec<f32> = (0..n * cols).map(|_| normalish(&mut seed)).collect();
+            let mut act = Activations::new();
+            act.quantize_for(GgmlType::TF1, &x, n, cols).unwrap();
+            let mut want = [vec![0f32; rows * n], vec![0f32; rows * n]];
+            let (mut a, mut b) = (vec![f32::NAN; rows * n], vec![f32::NAN; rows * n]);
+            let mut one = vec![f32::NAN; rows * n];
+            pool.install(|| {
+                for (w, lin) in want.iter_mut().zip([&gate, &up]) {
+                    matmul_par(&lin.matrix(), &act, w, Numerics::Parity).unwrap();
+                }
+                gate.forward(&act, &mut one, Numerics::Parity).unwrap();
+                forward_pair(&gate, &up, &act, &mut a, &mut b, Numerics::Parity).unwrap();
+            });
+            assert_eq!(bits(&one), bits(&want[0]), "{threads} threads, {n} tokens");
+            assert_eq!(bits(&a), bits(&want[0]), "pair gate, {threads} threads, {n} tokens");
+            assert_eq!(bits(&b), bits(&want[1]), "pair up, {threads} threads, {n} tokens");
         }
     }
 }

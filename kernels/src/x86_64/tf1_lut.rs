@@ -596,7 +596,7 @@ impl Token {
 
     /// [`gemm_group`]; panics when `grp`, `act` or `y` is too short or `ntok` too large.
     pub(crate) fn gemm_group(self, grp: &[u8], nb: usize, act: &[u8], ntok: usize, y: &mut [f32]) {
-        assert!(ntok <= GEMM_TOKENS && y.len() >= ntok * GROUP);
+        assert!(nb > 0 && ntok <= GEMM_TOKENS && y.len() >= ntok * GROUP);
         assert!(grp.len() >= nb * GROUP_BLOCK && act.len() >= ntok * nb * 164);
         assert!(
             grp.as_ptr().align_offset(64) == 0,
