@@ -138,8 +138,16 @@ fn repacked_tf1_splits_across_the_pool() {
                 forward_pair(&gate, &up, &act, &mut a, &mut b, Numerics::Parity).unwrap();
             });
             assert_eq!(bits(&one), bits(&want[0]), "{threads} threads, {n} tokens");
-            assert_eq!(bits(&a), bits(&want[0]), "pair gate, {threads} threads, {n} tokens");
-            assert_eq!(bits(&b), bits(&want[1]), "pair up, {threads} threads, {n} tokens");
+            assert_eq!(
+                bits(&a),
+                bits(&want[0]),
+                "pair gate, {threads} threads, {n} tokens"
+            );
+            assert_eq!(
+                bits(&b),
+                bits(&want[1]),
+                "pair up, {threads} threads, {n} tokens"
+            );
         }
     }
 }
