@@ -140,7 +140,7 @@ pub(crate) fn vec_dot_tq(ty: GgmlType, n: usize, w: &[u8], a: &[u8]) -> f32 {
 
 /// Where weight `e` of a TF1 block lives: (byte, trit).
 #[inline(always)]
-pub(crate) fn tf1_slot(e: usize) -> (usize, usize) {
+pub(crate) const fn tf1_slot(e: usize) -> (usize, usize) {
     let (n, m) = (e / 32, e % 32);
     if m < 26 {
         (m, n)

@@ -162,7 +162,7 @@ impl Tf1Lut {
         out.cols = self.cols;
         out.bytes.resize(blocks.len() * 8 * LANE_TABLES);
         let row = act.row(0);
-        out.ad = f32::from_le_bytes([row[0], row[1], row[2], row[3]]);
+        out.ad = crate::scalar::f32_at(row, 0);
         out.blocks = blocks.clone();
         tok.build_tables(row, blocks, &mut out.bytes);
         Ok(())

@@ -409,31 +409,16 @@ static TF1_TABLES: Mutex<Vec<Vec<Tf1Tables>>> = Mutex::new(Vec::new());
 /// and the experts of a layer already run in parallel.
 fn tf1_par(lut: &Tf1Lut, x: &Activations, out: &mut [f32]) -> Result<(), ComputeError> {
     let (rows, n, nb) = (lut.rows(), x.n(), lut.blocks());
-    if out.len() != rows * n {
-        return Err(ComputeError::Shape(format!(
-            "matmul output has {} floats, need {rows} rows x {n} tokens",
-            out.len()
-        )));
-    }
-    let threads = rayon::current_num_threads();
-    let split = lut.groups() * nb * n >= TF1_SPLIT && threads > 1;
-    let per = if split {
-        rows_per_task(rows, threads).div_ceil(Tf1Lut::GROUP)
-    } else {
-        lut.groups().max(1)
-    };
+    check_out(rows, n, out)?;
+    let split = tf1_split(lut.groups() * nb * n);
     if n == 1 {
-        let parts = tf1_tables(lut, x, split)?;
-        let r = tf1_gemv(lut, &parts, out, split);
-        if let Ok(mut p) = TF1_TABLES.lock() {
-            p.push(parts);
-        }
-        return r;
+        return with_tf1_tables(lut, x, split, |parts| tf1_gemv(lut, parts, out, split));
     }
     if !split {
         lut.gemm(x, 0..lut.groups(), out)?;
         return Ok(());
     }
+    let per = tf1_per(lut, split);
     let tiles: Vec<(usize, Vec<f32>)> = (0..lut.groups().div_ceil(per))
         .into_par_iter()
         .map(|i| {
@@ -448,8 +433,28 @@ fn tf1_par(lut: &Tf1Lut, x: &Activations, out: &mut [f32]) -> Result<(), Compute
     Ok(())
 }
 
-/// One token's tables for `lut` (in parts on the pool when `split`), from the reused buffers.
-fn tf1_tables(lut: &Tf1Lut, x: &Activations, split: bool) -> Result<Vec<Tf1Tables>, ComputeError> {
+/// Whether a repacked matmul of `work` groups × blocks × tokens splits across the pool.
+fn tf1_split(work: usize) -> bool {
+    work >= TF1_SPLIT && rayon::current_num_threads() > 1
+}
+
+/// Row groups per task of a repacked matmul: [`rows_per_task`]'s rows when it splits, else all.
+fn tf1_per(lut: &Tf1Lut, split: bool) -> usize {
+    if split {
+        rows_per_task(lut.rows(), rayon::current_num_threads()).div_ceil(Tf1Lut::GROUP)
+    } else {
+        lut.groups().max(1)
+    }
+}
+
+/// Runs `f` on one token's tables for `lut` (built in parts on the pool when `split`), in
+/// buffers reused between calls.
+fn with_tf1_tables<R>(
+    lut: &Tf1Lut,
+    x: &Activations,
+    split: bool,
+    f: impl FnOnce(&[Tf1Tables]) -> Result<R, ComputeError>,
+) -> Result<R, ComputeError> {
     let nb = lut.blocks();
     let mut parts = TF1_TABLES
         .lock()
@@ -470,7 +475,11 @@ fn tf1_tables(lut: &Tf1Lut, x: &Activations, split: bool) -> Result<Vec<Tf1Table
     } else {
         parts.iter_mut().enumerate().try_for_each(part)?;
     }
-    Ok(parts)
+    let r = f(&parts);
+    if let Ok(mut p) = TF1_TABLES.lock() {
+        p.push(parts);
+    }
+    r
 }
 
 /// The one-token GEMV of `lut` from `parts`, its row groups split across the pool when `split`.
@@ -481,11 +490,7 @@ fn tf1_gemv(
     split: bool,
 ) -> Result<(), ComputeError> {
     let refs: Vec<&Tf1Tables> = parts.iter().collect();
-    let per = if split {
-        rows_per_task(lut.rows(), rayon::current_num_threads()).div_ceil(Tf1Lut::GROUP)
-    } else {
-        lut.groups().max(1)
-    };
+    let per = tf1_per(lut, split);
     let run = |(i, o): (usize, &mut [f32])| {
         lut.gemv(&refs, i * per..i * per + o.len().div_ceil(Tf1Lut::GROUP), o)
     };
@@ -510,21 +515,16 @@ pub fn forward_pair(
     numerics: Numerics,
 ) -> Result<(), ComputeError> {
     if let (Some(la), Some(lb)) = (a.tf1_repacked(), b.tf1_repacked()) {
-        let rows = la.rows() + lb.rows();
-        let split = rows.div_ceil(Tf1Lut::GROUP) * la.blocks() >= TF1_SPLIT
-            && rayon::current_num_threads() > 1;
+        let split = tf1_split((la.rows() + lb.rows()).div_ceil(Tf1Lut::GROUP) * la.blocks());
         if x.n() == 1
             && a.cols() == b.cols()
             && out_a.len() == la.rows()
             && out_b.len() == lb.rows()
         {
-            let parts = tf1_tables(la, x, split)?;
-            let r =
-                tf1_gemv(la, &parts, out_a, split).and_then(|_| tf1_gemv(lb, &parts, out_b, split));
-            if let Ok(mut p) = TF1_TABLES.lock() {
-                p.push(parts);
-            }
-            return r;
+            return with_tf1_tables(la, x, split, |parts| {
+                tf1_gemv(la, parts, out_a, split)?;
+                tf1_gemv(lb, parts, out_b, split)
+            });
         }
     }
     a.forward(x, out_a, numerics)?;
@@ -534,6 +534,17 @@ pub fn forward_pair(
 /// Groups × blocks × tokens from which [`tf1_par`] splits a matmul across the pool (about
 /// 100 µs of work on one core).
 const TF1_SPLIT: usize = 1024;
+
+/// A matmul's output holds `rows` × `n` floats.
+fn check_out(rows: usize, n: usize, out: &[f32]) -> Result<(), ComputeError> {
+    if out.len() != rows * n {
+        return Err(ComputeError::Shape(format!(
+            "matmul output has {} floats, need {rows} rows x {n} tokens",
+            out.len()
+        )));
+    }
+    Ok(())
+}
 
 /// Token-major tiles of rows `r0..` into `out[t * rows + r]`.
 fn scatter_tiles(tiles: Vec<(usize, Vec<f32>)>, rows: usize, n: usize, out: &mut [f32]) {
@@ -575,12 +586,7 @@ pub fn matmul_par(
 ) -> Result<(), ComputeError> {
     let rows = w.rows();
     let n = x.n();
-    if out.len() != rows * n {
-        return Err(ComputeError::Shape(format!(
-            "matmul output has {} floats, need {rows} rows x {n} tokens",
-            out.len()
-        )));
-    }
+    check_out(rows, n, out)?;
     let chunk = rows_per_task(rows, rayon::current_num_threads());
     if n == 1 {
         out.par_chunks_mut(chunk)

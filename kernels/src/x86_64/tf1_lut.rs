@@ -38,7 +38,7 @@
 // Register arrays of the same lanes are indexed by one counter.
 #![allow(clippy::needless_range_loop)]
 
-use crate::ternary::trit;
+use crate::ternary::{tf1_slot, trit};
 use core::arch::x86_64::*;
 
 /// Rows per interleaved group.
@@ -51,7 +51,7 @@ pub(crate) const GROUP_BLOCK: usize = 8 * (3 * GROUP + 2 * 8) + 2 * GROUP;
 
 /// The block element of lane `k`'s value `i` (0..16).
 #[inline(always)]
-fn elem(k: usize, i: usize) -> usize {
+const fn elem(k: usize, i: usize) -> usize {
     32 * (i / 4) + 4 * k + i % 4
 }
 
@@ -67,20 +67,15 @@ pub(crate) fn slot(r: usize) -> (usize, usize) {
 const MASKS_AT: usize = 8 * 3 * GROUP;
 const D_AT: usize = MASKS_AT + 8 * 2 * 8;
 
-/// Where the five trits of each repacked byte `(k, g)` (digit `i` = lane value `5g + i`) and
-/// each lane's leftover (value 15) sit in a TF1 block's 26 base-3 bytes: `(byte, trit)`.
 /// `(byte, trit)` of each repacked byte's five digits, and of each lane's leftover.
 type Sources = ([[(u8, u8); 5]; 24], [(u8, u8); 8]);
 
+/// Where the five trits of each repacked byte `(k, g)` (digit `i` = lane value `5g + i`) and
+/// each lane's leftover (value 15) sit in a TF1 block's 26 base-3 bytes: `(byte, trit)`.
 const fn sources() -> Sources {
-    // `ternary::tf1_slot` of block element `e`.
-    const fn slot_of(e: usize) -> (u8, u8) {
-        let (n, m) = (e / 32, e % 32);
-        if m < 26 {
-            (m as u8, n as u8)
-        } else {
-            ((6 * n + m - 26) as u8, 4)
-        }
+    const fn slot_of(k: usize, i: usize) -> (u8, u8) {
+        let (b, t) = tf1_slot(elem(k, i));
+        (b as u8, t as u8)
     }
     let mut src = [[(0u8, 0u8); 5]; 24];
     let mut left = [(0u8, 0u8); 8];
@@ -88,11 +83,10 @@ const fn sources() -> Sources {
     while k < 8 {
         let mut p = 0;
         while p < 15 {
-            let e = 32 * (p / 4) + 4 * k + p % 4;
-            src[k * 3 + p / 5][p % 5] = slot_of(e);
+            src[k * 3 + p / 5][p % 5] = slot_of(k, p);
             p += 1;
         }
-        left[k] = slot_of(32 * 3 + 4 * k + 3);
+        left[k] = slot_of(k, 15);
         k += 1;
     }
     (src, left)
@@ -275,6 +269,22 @@ unsafe fn build_tables(act: &[u8], blocks: core::ops::Range<usize>, out: &mut [u
     }
 }
 
+/// Register `v`'s 16 outputs from the eight lane accumulators: `hsum8` of the lanes in
+/// `scalar::hsum8`'s order, times the token's activation scale `ad`.
+///
+/// # Safety
+/// AVX-512 F.
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn rows_out(lacc: &[[__m512; 4]; 8], v: usize, ad: f32) -> __m512 {
+    let s0 = _mm512_add_ps(lacc[0][v], lacc[4][v]);
+    let s1 = _mm512_add_ps(lacc[1][v], lacc[5][v]);
+    let s2 = _mm512_add_ps(lacc[2][v], lacc[6][v]);
+    let s3 = _mm512_add_ps(lacc[3][v], lacc[7][v]);
+    let r = _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3));
+    _mm512_mul_ps(r, _mm512_set1_ps(ad))
+}
+
 /// One group's 64 outputs (row order): `y[r] = hsum8(acc[r]) · ad`.
 ///
 /// # Safety
@@ -352,14 +362,8 @@ unsafe fn gemv_group(
                 }
             }
         }
-        let adv = _mm512_set1_ps(ad);
         for v in 0..4 {
-            let s0 = _mm512_add_ps(lacc[0][v], lacc[4][v]);
-            let s1 = _mm512_add_ps(lacc[1][v], lacc[5][v]);
-            let s2 = _mm512_add_ps(lacc[2][v], lacc[6][v]);
-            let s3 = _mm512_add_ps(lacc[3][v], lacc[7][v]);
-            let r = _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3));
-            _mm512_storeu_ps(y.as_mut_ptr().add(16 * v), _mm512_mul_ps(r, adv));
+            _mm512_storeu_ps(y.as_mut_ptr().add(16 * v), rows_out(&lacc, v, ad));
         }
     }
 }
@@ -523,15 +527,9 @@ unsafe fn gemm_group(grp: &[u8], nb: usize, act: &[u8], ntok: usize, y: &mut [f3
         let rows = GEMM_ROWS.0;
         for (t, lt) in lacc.iter().enumerate().take(ntok) {
             let ad = act.as_ptr().add(t * arow).cast::<f32>().read_unaligned();
-            let adv = _mm512_set1_ps(ad);
             for v in 0..4 {
-                let s0 = _mm512_add_ps(lt[0][v], lt[4][v]);
-                let s1 = _mm512_add_ps(lt[1][v], lt[5][v]);
-                let s2 = _mm512_add_ps(lt[2][v], lt[6][v]);
-                let s3 = _mm512_add_ps(lt[3][v], lt[7][v]);
-                let r = _mm512_add_ps(_mm512_add_ps(s0, s2), _mm512_add_ps(s1, s3));
                 let mut o = [0f32; 16];
-                _mm512_storeu_ps(o.as_mut_ptr(), _mm512_mul_ps(r, adv));
+                _mm512_storeu_ps(o.as_mut_ptr(), rows_out(lt, v, ad));
                 for (l, &x) in o.iter().enumerate() {
                     y[t * GROUP + rows[16 * v + l] as usize] = x;
                 }
