@@ -14,7 +14,8 @@
 //!
 //! Environment: TERN_TOKENS (default 1: more times the multi-token matmul, `tf1l` through
 //! `Tf1Lut::gemm`), TERN_RUNS (default 50), TERN_TYPES (e.g. "tq2_0,tf2"), TERN_SHAPES
-//! (e.g. "4096x14336,2048x5632"), TERN_THREADS (e.g. "1,2").
+//! (e.g. "4096x14336,2048x5632"), TERN_THREADS (e.g. "1,2"), TERN_TF1_SHARED (1: `tf1l` at two
+//! threads with tables built in halves and shared, see `time_lut`).
 //! `cargo bench -- --test` (CI) runs one tiny case so the bench cannot rot.
 
 use std::hint::spin_loop;
@@ -78,15 +79,18 @@ fn time_gemv(m: &QMatrix<'_>, x: &[f32], threads: usize, runs: usize) -> Vec<f64
     )
 }
 
-/// The same for the repacked TF1 GEMV: each run quantizes the row on the first thread; then
-/// each thread builds the tables of half the blocks, waits for the other's, and computes its
-/// half of the row groups.
+/// The same for the repacked TF1 GEMV as the engine runs it (`compute::tf1_par`): each run
+/// quantizes the row on the first thread; then each thread builds the token's tables and
+/// computes its half of the row groups. With `TERN_TF1_SHARED=1`, the way session 38 ran it
+/// instead, for comparison: each thread builds the tables of half the blocks, waits for the
+/// other's, and computes its half from both.
 fn time_lut(lut: &Tf1Lut, cols: usize, x: &[f32], threads: usize, runs: usize) -> Vec<f64> {
     let (g, nb) = (lut.groups(), lut.blocks());
-    let (split_g, split_b) = if threads == 2 {
-        (g / 2, nb / 2)
-    } else {
-        (g, nb)
+    let shared = std::env::var("TERN_TF1_SHARED").is_ok_and(|v| v == "1");
+    let (split_g, split_b) = match (threads, shared) {
+        (2, true) => (g / 2, nb / 2),
+        (2, false) => (g / 2, nb),
+        _ => (g, nb),
     };
     let parts = [
         RwLock::new(Tf1Tables::default()),
@@ -105,18 +109,26 @@ fn time_lut(lut: &Tf1Lut, cols: usize, x: &[f32], threads: usize, runs: usize) -
                 .expect("valid bench problem")
         },
         |act, half, out| {
-            let blocks = if half == 0 { 0..split_b } else { split_b..nb };
+            let blocks = match (half, shared) {
+                (1, true) => split_b..nb,
+                _ => 0..split_b,
+            };
             lut.tables(act, blocks, &mut parts[half].write().expect(lock))
                 .expect("valid bench problem");
+            let range = if half == 0 { 0..split_g } else { split_g..g };
+            if !shared || threads == 1 {
+                let own = parts[half].read().expect(lock);
+                lut.gemv(&[&own], range, out).expect("valid bench problem");
+                return;
+            }
             // Both halves' tables before either computes: every thread counts once a run.
             let n = built.fetch_add(1, Ordering::AcqRel) + 1;
             while built.load(Ordering::Acquire) < n.div_ceil(threads) * threads {
                 spin_loop();
             }
             let (p0, p1) = (parts[0].read().expect(lock), parts[1].read().expect(lock));
-            let all: &[&Tf1Tables] = if threads == 2 { &[&p0, &p1] } else { &[&p0] };
-            let range = if half == 0 { 0..split_g } else { split_g..g };
-            lut.gemv(all, range, out).expect("valid bench problem");
+            lut.gemv(&[&p0, &p1], range, out)
+                .expect("valid bench problem");
         },
         threads,
         runs,

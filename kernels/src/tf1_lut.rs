@@ -218,23 +218,22 @@ impl Tf1Lut {
                 got: out.len(),
             });
         }
-        let gb = self.blocks() * GROUP_BLOCK;
         let tp: Vec<(&[u8], std::ops::Range<usize>)> = parts
             .iter()
             .map(|t| (&t.bytes[..], t.blocks.clone()))
             .collect();
-        for g in groups {
-            let mut y = [0f32; 64];
-            tok.gemv_group(
-                &self.data.bytes()[g * gb..(g + 1) * gb],
-                &tp,
-                parts[0].ad,
-                &mut y,
-            );
-            let r0 = g * Self::GROUP;
-            let n = (self.rows - r0).min(Self::GROUP);
-            out[r0 - first..r0 - first + n].copy_from_slice(&y[..n]);
-        }
+        tok.gemv_groups(
+            self.data.bytes(),
+            self.blocks(),
+            &tp,
+            parts[0].ad,
+            groups,
+            |g, y| {
+                let r0 = g * Self::GROUP;
+                let n = (self.rows - r0).min(Self::GROUP);
+                out[r0 - first..r0 - first + n].copy_from_slice(&y[..n]);
+            },
+        );
         Ok(())
     }
 
@@ -331,12 +330,14 @@ mod portable {
     pub(super) struct Token;
     impl Token {
         pub(super) fn build_tables(self, _: &[u8], _: std::ops::Range<usize>, _: &mut [u8]) {}
-        pub(super) fn gemv_group(
+        pub(super) fn gemv_groups(
             self,
             _: &[u8],
+            _: usize,
             _: &[(&[u8], std::ops::Range<usize>)],
             _: f32,
-            _: &mut [f32; 64],
+            _: std::ops::Range<usize>,
+            _: impl FnMut(usize, &[f32; 64]),
         ) {
         }
         pub(super) fn gemm_group(self, _: &[u8], _: usize, _: &[u8], _: usize, _: &mut [f32]) {}

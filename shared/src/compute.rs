@@ -1,7 +1,9 @@
 //! Threaded matrix products over weights that live in a memory-mapped model file: the matmul
 //! helpers the coordinator (attention, LM head) and the nodes (expert FFNs) both use.
 
+use std::cell::RefCell;
 use std::ops::Range;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use crate::gguf::{GgufFile, TensorInfo};
@@ -399,20 +401,27 @@ fn tf1_repack_on() -> bool {
     })
 }
 
-/// Table buffers of earlier one-token calls, reused (a wide matrix's take most of a MiB).
-static TF1_TABLES: Mutex<Vec<Vec<Tf1Tables>>> = Mutex::new(Vec::new());
+/// Numbers one-token repacked calls, so a thread's tables ([`TF1_OWN`]) know which call's
+/// token they hold.
+static TF1_CALL: AtomicU64 = AtomicU64::new(0);
 
-/// [`matmul_par`] for a repacked TF1 matrix: one token builds its activation tables (in parts
-/// on the pool for a large matrix), then the row groups split across the pool; several tokens
-/// run the repacked GEMM per task. A matrix whose groups × blocks × tokens stay under
-/// [`TF1_SPLIT`] runs on the calling thread: an expert's matmul takes tens of microseconds,
-/// and the experts of a layer already run in parallel.
+thread_local! {
+    /// This thread's activation tables of a repacked one-token call, and that call's number
+    /// (a wide matrix's tables take most of a MiB, so the buffer is kept between calls).
+    static TF1_OWN: RefCell<(u64, Tf1Tables)> = RefCell::new((u64::MAX, Tf1Tables::default()));
+}
+
+/// [`matmul_par`] for a repacked TF1 matrix: one token's row groups split across the pool, each
+/// thread building the token's activation tables itself; several tokens run the repacked GEMM
+/// per task. A matrix whose groups × blocks × tokens stay under [`TF1_SPLIT`] runs on the
+/// calling thread: an expert's matmul takes tens of microseconds, and the experts of a layer
+/// already run in parallel.
 fn tf1_par(lut: &Tf1Lut, x: &Activations, out: &mut [f32]) -> Result<(), ComputeError> {
     let (rows, n, nb) = (lut.rows(), x.n(), lut.blocks());
     check_out(rows, n, out)?;
     let split = tf1_split(lut.groups() * nb * n);
     if n == 1 {
-        return with_tf1_tables(lut, x, split, |parts| tf1_gemv(lut, parts, out, split));
+        return tf1_gemv(lut, x, TF1_CALL.fetch_add(1, Ordering::Relaxed), out, split);
     }
     if !split {
         lut.gemm(x, 0..lut.groups(), out)?;
@@ -447,52 +456,31 @@ fn tf1_per(lut: &Tf1Lut, split: bool) -> usize {
     }
 }
 
-/// Runs `f` on one token's tables for `lut` (built in parts on the pool when `split`), in
-/// buffers reused between calls.
-fn with_tf1_tables<R>(
-    lut: &Tf1Lut,
-    x: &Activations,
-    split: bool,
-    f: impl FnOnce(&[Tf1Tables]) -> Result<R, ComputeError>,
-) -> Result<R, ComputeError> {
-    let nb = lut.blocks();
-    let mut parts = TF1_TABLES
-        .lock()
-        .ok()
-        .and_then(|mut p| p.pop())
-        .unwrap_or_default();
-    let threads = rayon::current_num_threads();
-    parts.resize_with(
-        if split { threads.min(nb).max(1) } else { 1 },
-        Tf1Tables::default,
-    );
-    let per_b = nb.div_ceil(parts.len());
-    let part = |(i, t): (usize, &mut Tf1Tables)| {
-        lut.tables(x, (i * per_b).min(nb)..((i + 1) * per_b).min(nb), t)
-    };
-    if split {
-        parts.par_iter_mut().enumerate().try_for_each(part)?;
-    } else {
-        parts.iter_mut().enumerate().try_for_each(part)?;
-    }
-    let r = f(&parts);
-    if let Ok(mut p) = TF1_TABLES.lock() {
-        p.push(parts);
-    }
-    r
-}
-
-/// The one-token GEMV of `lut` from `parts`, its row groups split across the pool when `split`.
+/// The one-token GEMV of `lut` for token `x` of call number `call`, its row groups split
+/// across the pool when `split`. Each thread that runs a part builds the whole token's tables
+/// once per call ([`TF1_OWN`]) rather than a share of them: on AMD Zen 4 (session 39) the
+/// shared tables cost more in the barrier after building them and in reading the other core's
+/// half than building all of them does (2048 × 5632, 2 threads: 82 against 71 µs).
 fn tf1_gemv(
     lut: &Tf1Lut,
-    parts: &[Tf1Tables],
+    x: &Activations,
+    call: u64,
     out: &mut [f32],
     split: bool,
 ) -> Result<(), ComputeError> {
-    let refs: Vec<&Tf1Tables> = parts.iter().collect();
     let per = tf1_per(lut, split);
     let run = |(i, o): (usize, &mut [f32])| {
-        lut.gemv(&refs, i * per..i * per + o.len().div_ceil(Tf1Lut::GROUP), o)
+        let groups = i * per..i * per + o.len().div_ceil(Tf1Lut::GROUP);
+        TF1_OWN.with(|own| {
+            let mut own = own.borrow_mut();
+            let (built, tables) = &mut *own;
+            if *built != call {
+                *built = u64::MAX;
+                lut.tables(x, 0..lut.blocks(), tables)?;
+                *built = call;
+            }
+            lut.gemv(&[tables], groups, o)
+        })
     };
     if split {
         out.par_chunks_mut(per * Tf1Lut::GROUP)
@@ -505,7 +493,8 @@ fn tf1_gemv(
 }
 
 /// `a.forward(x, out_a)` and `b.forward(x, out_b)` (an FFN's gate and up matrices): where both
-/// run repacked TF1 for one token of the same width, the activation tables are built once.
+/// run repacked TF1 for one token of the same width, each thread builds the activation tables
+/// once for both.
 pub fn forward_pair(
     a: &Linear,
     b: &Linear,
@@ -521,10 +510,9 @@ pub fn forward_pair(
             && out_a.len() == la.rows()
             && out_b.len() == lb.rows()
         {
-            return with_tf1_tables(la, x, split, |parts| {
-                tf1_gemv(la, parts, out_a, split)?;
-                tf1_gemv(lb, parts, out_b, split)
-            });
+            let call = TF1_CALL.fetch_add(1, Ordering::Relaxed);
+            tf1_gemv(la, x, call, out_a, split)?;
+            return tf1_gemv(lb, x, call, out_b, split);
         }
     }
     a.forward(x, out_a, numerics)?;

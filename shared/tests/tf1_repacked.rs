@@ -99,8 +99,9 @@ fn repacked_tf1_forward_equals_the_plain_matmul() {
 #[test]
 fn repacked_tf1_splits_across_the_pool() {
     // Wide enough (32 groups x 32 blocks, at least 1024 per token: `compute::TF1_SPLIT`) that
-    // pools of 2 and 3 threads build the tables in parts and split the row groups (and the
-    // GEMM's tiles), for one matrix and for a gate/up pair.
+    // pools of 2 and 3 threads split the row groups (and the GEMM's tiles), each thread with
+    // its own tables, for one matrix and for a gate/up pair; two one-token calls in a row, each
+    // of a new token, on the same pool (tables kept from the first must not serve the second).
     let (rows, cols) = (2048, 4096);
     let mut seed = 9;
     let mut g = GgufWriter::new();
@@ -123,7 +124,7 @@ fn repacked_tf1_splits_across_the_pool() {
             .num_threads(threads)
             .build()
             .unwrap();
-        for n in [1, 3] {
+        for n in [1, 1, 3] {
             let x: Vec<f32> = (0..n * cols).map(|_| normalish(&mut seed)).collect();
             let mut act = Activations::new();
             act.quantize_for(GgmlType::TF1, &x, n, cols).unwrap();

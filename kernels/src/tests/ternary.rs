@@ -268,13 +268,15 @@ fn avx512_plain_and_table_decoders_match_scalar() {
 fn tf1_table_gemv_equals_the_scalar_matmul() {
     // The table kernel against the scalar reference, bit for bit: a padded last group, rows of
     // every code pattern (random, all −1, all +1, alternating), activations at ±127 (the
-    // largest group sums) and random ones, all groups and group 1 alone, tables in two parts.
+    // largest group sums) and random ones, all groups and group 1 alone, tables in two parts;
+    // and a matrix wide and tall enough (66 blocks, 17 groups) that the GEMV runs its blocks in
+    // passes (the second pass straddling the two parts) and its groups in two batches.
     if !tf1_lut::Tf1Lut::supported() {
         eprintln!("skipped: no AVX-512 VBMI");
         return;
     }
     let mut rng = Rng(7);
-    for (rows, cols) in [(64, 128), (150, 384), (129, 1024)] {
+    for (rows, cols) in [(64, 128), (150, 384), (129, 1024), (1030, 66 * 128)] {
         let mut w = Vec::new();
         for r in 0..rows {
             let x: Vec<f32> = (0..cols)
