@@ -1,6 +1,6 @@
 //! TF1 repacked: a copy of a TF1 matrix in interleaved groups of 64 rows ([`Tf1Lut::pack`],
 //! as many bytes as TF1), its one-token GEMV by tables of each token's activation sums
-//! ([`Tf1Lut::tables`], built in parts by block so threads can share the work;
+//! ([`Tf1Lut::tables`], whole or in parts by block that threads build and share;
 //! [`Tf1Lut::gemv`]) and its multi-token GEMM ([`Tf1Lut::gemm`]), both equal to the TF1 matmul
 //! bit for bit. The kernels and the layout: `x86_64/tf1_lut.rs`. They need AVX-512 VBMI and
 //! VNNI ([`Tf1Lut::supported`]). `compute::Linear` in the shared crate runs TF1 matrices this

@@ -411,9 +411,9 @@ thread_local! {
     static TF1_OWN: RefCell<(u64, Tf1Tables)> = RefCell::new((u64::MAX, Tf1Tables::default()));
 }
 
-/// [`matmul_par`] for a repacked TF1 matrix: one token's row groups split across the pool, each
-/// thread building the token's activation tables itself; several tokens run the repacked GEMM
-/// per task. A matrix whose groups × blocks × tokens stay under [`TF1_SPLIT`] runs on the
+/// [`matmul_par`] for a repacked TF1 matrix: one token builds its activation tables
+/// ([`tf1_one_token`]) and its row groups split across the pool; several tokens run the
+/// repacked GEMM per task. A matrix whose groups × blocks × tokens stay under [`TF1_SPLIT`] runs on the
 /// calling thread: an expert's matmul takes tens of microseconds, and the experts of a layer
 /// already run in parallel.
 fn tf1_par(lut: &Tf1Lut, x: &Activations, out: &mut [f32]) -> Result<(), ComputeError> {
@@ -421,7 +421,7 @@ fn tf1_par(lut: &Tf1Lut, x: &Activations, out: &mut [f32]) -> Result<(), Compute
     check_out(rows, n, out)?;
     let split = tf1_split(lut.groups() * nb * n);
     if n == 1 {
-        return tf1_gemv(lut, x, TF1_CALL.fetch_add(1, Ordering::Relaxed), out, split);
+        return tf1_one_token(x, split, &mut [(lut, out)]);
     }
     if !split {
         lut.gemm(x, 0..lut.groups(), out)?;
@@ -456,31 +456,90 @@ fn tf1_per(lut: &Tf1Lut, split: bool) -> usize {
     }
 }
 
-/// The one-token GEMV of `lut` for token `x` of call number `call`, its row groups split
-/// across the pool when `split`. Each thread that runs a part builds the whole token's tables
-/// once per call ([`TF1_OWN`]) rather than a share of them: on AMD Zen 4 (session 39) the
-/// shared tables cost more in the barrier after building them and in reading the other core's
-/// half than building all of them does (2048 × 5632, 2 threads: 82 against 71 µs).
+/// Pools of up to this many threads build a token's tables on each thread that runs part of a
+/// one-token matmul ([`TF1_OWN`]); larger pools build them in parts and share them. Measured
+/// on AMD Zen 4 at two threads (session 39): the shared tables cost more in the barrier after
+/// building them and in reading the other core's half than building all of them does (2048 ×
+/// 5632: 82 against 71 µs). With many threads each thread's share of the rows shrinks while
+/// the whole tables stay as costly (about two groups' GEMV), so there they are shared.
+const TF1_OWN_TABLES_MAX_THREADS: usize = 2;
+
+/// Table buffers of earlier one-token calls that shared their tables, reused (a wide matrix's
+/// take most of a MiB).
+static TF1_TABLES: Mutex<Vec<Vec<Tf1Tables>>> = Mutex::new(Vec::new());
+
+/// Where the threads of a one-token repacked matmul find the token's tables.
+#[derive(Clone, Copy)]
+enum TablesOf<'a> {
+    /// Each thread builds them in [`TF1_OWN`] for this token and call number.
+    Own(&'a Activations, u64),
+    /// Built in parts beforehand, shared.
+    Shared(&'a [&'a Tf1Tables]),
+}
+
+/// The one-token GEMVs of `mats` (matrices of one width, each with its output) for token `x`,
+/// row groups split across the pool when `split`; the token's tables built once for all of
+/// them (per thread or in shared parts: [`TF1_OWN_TABLES_MAX_THREADS`]).
+fn tf1_one_token(
+    x: &Activations,
+    split: bool,
+    mats: &mut [(&Tf1Lut, &mut [f32])],
+) -> Result<(), ComputeError> {
+    let Some(&(first, _)) = mats.first() else {
+        return Ok(());
+    };
+    let threads = rayon::current_num_threads();
+    if split && threads > TF1_OWN_TABLES_MAX_THREADS {
+        let nb = first.blocks();
+        let mut parts = TF1_TABLES
+            .lock()
+            .ok()
+            .and_then(|mut p| p.pop())
+            .unwrap_or_default();
+        parts.resize_with(threads.min(nb).max(1), Tf1Tables::default);
+        let per_b = nb.div_ceil(parts.len());
+        parts.par_iter_mut().enumerate().try_for_each(|(i, t)| {
+            first.tables(x, (i * per_b).min(nb)..((i + 1) * per_b).min(nb), t)
+        })?;
+        let refs: Vec<&Tf1Tables> = parts.iter().collect();
+        let r = mats
+            .iter_mut()
+            .try_for_each(|(lut, out)| tf1_gemv(lut, TablesOf::Shared(&refs), out, split));
+        drop(refs);
+        if let Ok(mut p) = TF1_TABLES.lock() {
+            p.push(parts);
+        }
+        return r;
+    }
+    let own = TablesOf::Own(x, TF1_CALL.fetch_add(1, Ordering::Relaxed));
+    mats.iter_mut()
+        .try_for_each(|(lut, out)| tf1_gemv(lut, own, out, split))
+}
+
+/// The one-token GEMV of `lut` from `tables`, its row groups split across the pool when
+/// `split`.
 fn tf1_gemv(
     lut: &Tf1Lut,
-    x: &Activations,
-    call: u64,
+    tables: TablesOf<'_>,
     out: &mut [f32],
     split: bool,
 ) -> Result<(), ComputeError> {
     let per = tf1_per(lut, split);
     let run = |(i, o): (usize, &mut [f32])| {
         let groups = i * per..i * per + o.len().div_ceil(Tf1Lut::GROUP);
-        TF1_OWN.with(|own| {
-            let mut own = own.borrow_mut();
-            let (built, tables) = &mut *own;
-            if *built != call {
-                *built = u64::MAX;
-                lut.tables(x, 0..lut.blocks(), tables)?;
-                *built = call;
-            }
-            lut.gemv(&[tables], groups, o)
-        })
+        match tables {
+            TablesOf::Shared(parts) => lut.gemv(parts, groups, o),
+            TablesOf::Own(x, call) => TF1_OWN.with(|own| {
+                let mut own = own.borrow_mut();
+                let (built, t) = &mut *own;
+                if *built != call {
+                    *built = u64::MAX;
+                    lut.tables(x, 0..lut.blocks(), t)?;
+                    *built = call;
+                }
+                lut.gemv(&[t], groups, o)
+            }),
+        }
     };
     if split {
         out.par_chunks_mut(per * Tf1Lut::GROUP)
@@ -493,8 +552,8 @@ fn tf1_gemv(
 }
 
 /// `a.forward(x, out_a)` and `b.forward(x, out_b)` (an FFN's gate and up matrices): where both
-/// run repacked TF1 for one token of the same width, each thread builds the activation tables
-/// once for both.
+/// run repacked TF1 for one token of the same width, the activation tables are built once for
+/// both.
 pub fn forward_pair(
     a: &Linear,
     b: &Linear,
@@ -510,9 +569,7 @@ pub fn forward_pair(
             && out_a.len() == la.rows()
             && out_b.len() == lb.rows()
         {
-            let call = TF1_CALL.fetch_add(1, Ordering::Relaxed);
-            tf1_gemv(la, x, call, out_a, split)?;
-            return tf1_gemv(lb, x, call, out_b, split);
+            return tf1_one_token(x, split, &mut [(la, out_a), (lb, out_b)]);
         }
     }
     a.forward(x, out_a, numerics)?;

@@ -269,14 +269,21 @@ fn tf1_table_gemv_equals_the_scalar_matmul() {
     // The table kernel against the scalar reference, bit for bit: a padded last group, rows of
     // every code pattern (random, all −1, all +1, alternating), activations at ±127 (the
     // largest group sums) and random ones, all groups and group 1 alone, tables in two parts;
-    // and a matrix wide and tall enough (66 blocks, 17 groups) that the GEMV runs its blocks in
-    // passes (the second pass straddling the two parts) and its groups in two batches.
+    // and a matrix wide and tall enough (66 blocks, 17 groups with today's constants) that the
+    // GEMV runs its blocks in passes (the second straddling the two parts) and its groups in
+    // two batches.
     if !tf1_lut::Tf1Lut::supported() {
         eprintln!("skipped: no AVX-512 VBMI");
         return;
     }
     let mut rng = Rng(7);
-    for (rows, cols) in [(64, 128), (150, 384), (129, 1024), (1030, 66 * 128)] {
+    use crate::x86_64::tf1_lut::{GEMV_BATCH, GEMV_CHUNK};
+    for (rows, cols) in [
+        (64, 128),
+        (150, 384),
+        (129, 1024),
+        (GEMV_BATCH * 64 + 6, (2 * GEMV_CHUNK + 2) * 128),
+    ] {
         let mut w = Vec::new();
         for r in 0..rows {
             let x: Vec<f32> = (0..cols)
@@ -312,7 +319,8 @@ fn tf1_table_gemv_equals_the_scalar_matmul() {
             lut.gemv(&[&t], 0..lut.groups(), &mut got).unwrap();
             let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&got), bits(&want), "{rows}x{cols} case {case}");
-            // The tables in two parts (as two threads build them), the first possibly empty.
+            // The tables in two parts (as threads of a larger pool build them), the first possibly
+            // empty.
             lut.tables(&act, 0..nb / 2, &mut t0).unwrap();
             lut.tables(&act, nb / 2..nb, &mut t1).unwrap();
             let mut got = vec![f32::NAN; rows];
@@ -335,6 +343,10 @@ fn tf1_table_gemv_equals_the_scalar_matmul() {
                 lut.gemv(&[&t], 1..2, &mut part).unwrap();
                 let n = (rows - 64).min(64);
                 assert_eq!(bits(&part[..n]), bits(&want[64..64 + n]), "group 1");
+                // Groups 1.. to the end (a batch starting mid-matrix).
+                let mut rest = vec![f32::NAN; rows - 64];
+                lut.gemv(&[&t], 1..lut.groups(), &mut rest).unwrap();
+                assert_eq!(bits(&rest), bits(&want[64..]), "groups 1..");
             }
         }
     }

@@ -293,11 +293,11 @@ type Acc = [[__m512; 4]; 8];
 /// AMD Zen 4 (1 MiB L2, session 39): 14336 columns (112 blocks, 728 KiB of tables) 6-7 %
 /// faster in passes of 32 or 16 blocks than in one; 5632 columns (44 blocks) 2-3 % slower in
 /// passes than in one.
-const GEMV_CHUNK: usize = 32;
+pub(crate) const GEMV_CHUNK: usize = 32;
 
 /// Groups that share each pass of [`gemv_groups`] over a chunk of blocks (their accumulators,
 /// 2 KiB each, on the stack).
-const GEMV_BATCH: usize = 16;
+pub(crate) const GEMV_BATCH: usize = 16;
 
 /// Groups `g0..g0 + ys.len()` of `data` (groups of `nb` blocks): `ys[i][r] = hsum8(acc[r]) ·
 /// ad` in row order. Blocks run in chunks of `chunk`, every group of the batch over one
@@ -630,14 +630,20 @@ impl Token {
     ) {
         let mut next = 0;
         for (t, r) in parts {
-            assert!(r.start == next && t.len() >= r.len() * 8 * LANE_TABLES);
+            assert!(r.start == next && r.start <= r.end && t.len() >= r.len() * 8 * LANE_TABLES);
             assert!(
                 t.as_ptr().align_offset(64) == 0,
                 "tables must start on a cache line"
             );
             next = r.end;
         }
-        assert!(next == nb && data.len() >= groups.end * nb * GROUP_BLOCK);
+        assert!(
+            next == nb
+                && groups
+                    .end
+                    .checked_mul(nb * GROUP_BLOCK)
+                    .is_some_and(|n| data.len() >= n)
+        );
         assert!(
             data.as_ptr().align_offset(64) == 0,
             "groups must start on a cache line"
