@@ -237,15 +237,26 @@ fn avx512_plain_and_table_decoders_match_scalar() {
     if !crate::x86_64::tern_avx512::has_table_decoder() {
         eprintln!("only the plain decoder checked: this CPU lacks AVX512-VBMI or GFNI");
     }
+    // Seven rows: one token takes a tile of two pairs, a pair and the odd row. The widest rows
+    // (activation rows over 16 KiB) make token blocks of 8, so 9 tokens end in a block of one
+    // whose four-row tiles start at token 8. TQ2_0 and TF2 have one decoder; they run here
+    // for the row and token shapes.
     let mut rng = Rng(0x7E57);
-    for ty in [GgmlType::TQ1_0, GgmlType::TF1] {
+    for ty in [
+        GgmlType::TQ1_0,
+        GgmlType::TF1,
+        GgmlType::TQ2_0,
+        GgmlType::TF2,
+    ] {
         let bv = ty.block_size();
-        for blocks in [1usize, 2, 5] {
+        let wide = if bv == 256 { 57 } else { 100 };
+        for blocks in [1usize, 2, 5, wide] {
             let cols = bv * blocks;
             let rows = 7;
             let w = super::random_weights(ty, cols * rows, &mut rng);
             let m = QMatrix::new(ty, rows, cols, &w).unwrap();
-            for n in [1usize, 3, 9] {
+            let tokens: &[usize] = if blocks == wide { &[9] } else { &[1, 3, 9] };
+            for &n in tokens {
                 let x: Vec<f32> = (0..n * cols).map(|_| rng.normalish()).collect();
                 let mut act = Activations::new();
                 act.quantize_for(ty, &x, n, cols).unwrap();

@@ -514,7 +514,7 @@ macro_rules! tern_driver {
                 while r < g.nrows {
                     // One token: two row pairs per tile, the token's activations, correction
                     // and scale read once for four rows (AMD Zen 4, 2048 x 5632, one thread:
-                    // TQ2_0 and TF2 12 % faster, TF1 11 %, TQ1_0 2.5 %).
+                    // TQ2_0, TF2 and TF1 (not repacked) 11 % less time, TQ1_0 2.5 %).
                     if t1 - t0 == 1 && g.nrows - r >= 4 {
                         // SAFETY: r + 3 < nrows, t0 < ntok; the caller has the features.
                         unsafe { $quad::<KIND>(g, r, t0, out) };
@@ -621,8 +621,9 @@ macro_rules! tern_driver {
             }
         }
 
-        /// Rows `r..r + 4` (two pairs) against token `t0`: [`$tile`]'s sums for each pair,
-        /// the token's activations, correction and scale read once for both.
+        /// Rows `r..r + 4` (two pairs) against token `t0`: the pair tile's sums (`tile_plain`,
+        /// `tile_vbmi` with one token) for each pair, the token's activations, correction and
+        /// scale read once for both.
         ///
         /// # Safety
         /// As the driver, with `r + 3 < g.nrows` and `t0 < g.ntok`.
@@ -651,17 +652,21 @@ macro_rules! tern_driver {
                         _mm512_setzero_si512(),
                         _mm512_broadcast_i64x4(correction::<KIND>(y)),
                     );
+                    let mut a = [_mm512_setzero_si512(); 8];
+                    for (v, a) in a.iter_mut().enumerate().take(nch) {
+                        *a = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(4 + 32 * v).cast()));
+                    }
+                    let ys = _mm512_set1_ps(y.cast::<f32>().read_unaligned());
                     for p in 0..2 {
                         let (xa, xb) = (w[2 * p].add(b * wb), w[2 * p + 1].add(b * wb));
                         $decode(xa, xb, &mut c[p], &tables, b + 1 == nb);
                         let dw = pair_scales::<KIND>(xa.add(dpos), xb.add(dpos));
                         let mut s = neg;
                         for v in 0..nch {
-                            let a = _mm256_loadu_si256(y.add(4 + 32 * v).cast());
-                            s = _mm512_dpbusd_epi32(s, c[p][v], _mm512_broadcast_i64x4(a));
+                            s = _mm512_dpbusd_epi32(s, c[p][v], a[v]);
                         }
                         let d = if is_tq(KIND) {
-                            _mm512_mul_ps(dw, _mm512_set1_ps(y.cast::<f32>().read_unaligned()))
+                            _mm512_mul_ps(dw, ys)
                         } else {
                             dw
                         };
