@@ -413,9 +413,9 @@ thread_local! {
 
 /// [`matmul_par`] for a repacked TF1 matrix: one token builds its activation tables
 /// ([`tf1_one_token`]) and its row groups split across the pool; several tokens run the
-/// repacked GEMM per task. A matrix whose groups × blocks × tokens stay under [`TF1_SPLIT`] runs on the
-/// calling thread: an expert's matmul takes tens of microseconds, and the experts of a layer
-/// already run in parallel.
+/// repacked GEMM per task. A matrix whose groups × blocks × tokens stay under [`TF1_SPLIT`]
+/// runs on the calling thread: an expert's matmul takes tens of microseconds, and the experts
+/// of a layer already run in parallel.
 fn tf1_par(lut: &Tf1Lut, x: &Activations, out: &mut [f32]) -> Result<(), ComputeError> {
     let (rows, n, nb) = (lut.rows(), x.n(), lut.blocks());
     check_out(rows, n, out)?;
