@@ -496,7 +496,7 @@ pub(super) unsafe fn run_tern<const KIND: u8>(g: &Gemm<'_>, out: &mut [f32]) {
 /// Defines a driver and its tile over one pair decoder: the same loops for both decoders, each
 /// compiled with its decoder's features so the decoder inlines.
 macro_rules! tern_driver {
-    ($run:ident, $tile:ident, $quad:ident, $features:literal, $tables:expr, $decode:expr) => {
+    ($run:ident, $tile:ident, $features:literal, $tables:expr, $decode:expr) => {
         /// The driver of [`run_tern`] for one decoder.
         ///
         /// # Safety
@@ -517,7 +517,7 @@ macro_rules! tern_driver {
                     // TQ2_0, TF2 and TF1 (not repacked) 11 % less time, TQ1_0 2.5 %).
                     if t1 - t0 == 1 && g.nrows - r >= 4 {
                         // SAFETY: r + 3 < nrows, t0 < ntok; the caller has the features.
-                        unsafe { $quad::<KIND>(g, r, t0, out) };
+                        unsafe { $tile::<KIND, 1, 2>(g, r, true, t0, out) };
                         r += 4;
                         continue;
                     }
@@ -528,9 +528,9 @@ macro_rules! tern_driver {
                         // has the features.
                         unsafe {
                             if wide == 8 {
-                                $tile::<KIND, 8>(g, r, pair, t, out)
+                                $tile::<KIND, 8, 1>(g, r, pair, t, out)
                             } else {
-                                $tile::<KIND, 4>(g, r, pair, t, out)
+                                $tile::<KIND, 4, 1>(g, r, pair, t, out)
                             }
                         };
                         t += wide;
@@ -539,13 +539,13 @@ macro_rules! tern_driver {
                     unsafe {
                         match t1 - t {
                             0 => {}
-                            1 => $tile::<KIND, 1>(g, r, pair, t, out),
-                            2 => $tile::<KIND, 2>(g, r, pair, t, out),
-                            3 => $tile::<KIND, 3>(g, r, pair, t, out),
-                            4 => $tile::<KIND, 4>(g, r, pair, t, out),
-                            5 => $tile::<KIND, 5>(g, r, pair, t, out),
-                            6 => $tile::<KIND, 6>(g, r, pair, t, out),
-                            _ => $tile::<KIND, 7>(g, r, pair, t, out),
+                            1 => $tile::<KIND, 1, 1>(g, r, pair, t, out),
+                            2 => $tile::<KIND, 2, 1>(g, r, pair, t, out),
+                            3 => $tile::<KIND, 3, 1>(g, r, pair, t, out),
+                            4 => $tile::<KIND, 4, 1>(g, r, pair, t, out),
+                            5 => $tile::<KIND, 5, 1>(g, r, pair, t, out),
+                            6 => $tile::<KIND, 6, 1>(g, r, pair, t, out),
+                            _ => $tile::<KIND, 7, 1>(g, r, pair, t, out),
                         }
                     }
                     r += if pair { 2 } else { 1 };
@@ -554,13 +554,15 @@ macro_rules! tern_driver {
             }
         }
 
-        /// Rows `r` and `r + 1` (or row `r` twice when `!pair`, the high half then discarded)
-        /// against tokens `t0..t0+T`.
+        /// `P` row pairs from row `r` (rows `r + 2p` and `r + 2p + 1`; the last pair's second
+        /// row is its first again when `!pair`, the high half then discarded) against tokens
+        /// `t0..t0+T`. Each token's activations, correction and scale are read once for every
+        /// pair; each row's sums are the same whatever `P` and `T`.
         ///
         /// # Safety
-        /// As the driver, with `r + pair < g.nrows` and `t0 + T <= g.ntok`.
+        /// As the driver, with `r + 2P - 2 + pair < g.nrows` and `t0 + T <= g.ntok`.
         #[target_feature(enable = $features)]
-        unsafe fn $tile<const KIND: u8, const T: usize>(
+        unsafe fn $tile<const KIND: u8, const T: usize, const P: usize>(
             g: &Gemm<'_>,
             r: usize,
             pair: bool,
@@ -570,37 +572,54 @@ macro_rules! tern_driver {
             let (bv, wb, ab, dpos) = geometry(KIND);
             let nb = g.cols / bv;
             let nch = bv / 32;
-            let wa = g.w_row(r).as_ptr();
-            let wbb = g.w_row(if pair { r + 1 } else { r }).as_ptr();
-            let mut acc = [_mm512_setzero_ps(); T];
-            let mut c = [_mm512_setzero_si512(); 8];
+            let two = |p: usize| pair || p + 1 < P;
+            let w: [[*const u8; 2]; P] = core::array::from_fn(|p| {
+                let r0 = r + 2 * p;
+                [
+                    g.w_row(r0).as_ptr(),
+                    g.w_row(if two(p) { r0 + 1 } else { r0 }).as_ptr(),
+                ]
+            });
+            let mut acc = [[_mm512_setzero_ps(); T]; P];
+            let mut c = [[_mm512_setzero_si512(); 8]; P];
             #[allow(clippy::let_unit_value)]
             let tables = $tables;
             // SAFETY (whole body): block `b < nb` of a row / activation row lies inside it, as
             // `Gemm::new` checked the sizes.
             unsafe {
                 for b in 0..nb {
-                    let (xa, xb) = (wa.add(b * wb), wbb.add(b * wb));
-                    $decode(xa, xb, &mut c, &tables, b + 1 == nb);
-                    let dw = pair_scales::<KIND>(xa.add(dpos), xb.add(dpos));
+                    let mut dw = [_mm512_setzero_ps(); P];
+                    for p in 0..P {
+                        let (xa, xb) = (w[p][0].add(b * wb), w[p][1].add(b * wb));
+                        $decode(xa, xb, &mut c[p], &tables, b + 1 == nb);
+                        dw[p] = pair_scales::<KIND>(xa.add(dpos), xb.add(dpos));
+                    }
                     for t in 0..T {
                         let y = g.act_row(t0 + t).as_ptr().add(b * ab);
                         // The products summed onto minus the correction (exact integers).
-                        let mut s = _mm512_sub_epi32(
+                        let neg = _mm512_sub_epi32(
                             _mm512_setzero_si512(),
                             _mm512_broadcast_i64x4(correction::<KIND>(y)),
                         );
-                        for v in 0..nch {
-                            let a = _mm256_loadu_si256(y.add(4 + 32 * v).cast());
-                            s = _mm512_dpbusd_epi32(s, c[v], _mm512_broadcast_i64x4(a));
+                        let mut a = [_mm512_setzero_si512(); 8];
+                        for (v, a) in a.iter_mut().enumerate().take(nch) {
+                            *a = _mm512_broadcast_i64x4(_mm256_loadu_si256(
+                                y.add(4 + 32 * v).cast(),
+                            ));
                         }
-                        let lanes = s;
-                        let d = if is_tq(KIND) {
-                            _mm512_mul_ps(dw, _mm512_set1_ps(y.cast::<f32>().read_unaligned()))
-                        } else {
-                            dw
-                        };
-                        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), d, acc[t]);
+                        let ys = _mm512_set1_ps(y.cast::<f32>().read_unaligned());
+                        for p in 0..P {
+                            let mut s = neg;
+                            for v in 0..nch {
+                                s = _mm512_dpbusd_epi32(s, c[p][v], a[v]);
+                            }
+                            let d = if is_tq(KIND) {
+                                _mm512_mul_ps(dw[p], ys)
+                            } else {
+                                dw[p]
+                            };
+                            acc[p][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[p][t]);
+                        }
                     }
                 }
                 for t in 0..T {
@@ -610,80 +629,15 @@ macro_rules! tern_driver {
                     } else {
                         1.0
                     };
-                    let lo = super::avx2::hsum(_mm512_castps512_ps256(acc[t]));
-                    let hi = super::avx2::hsum(_mm512_extractf32x8_ps::<1>(acc[t]));
-                    let base = (t0 + t) * g.nrows + r;
-                    out[base] = if is_tq(KIND) { lo } else { lo * scale };
-                    if pair {
-                        out[base + 1] = if is_tq(KIND) { hi } else { hi * scale };
-                    }
-                }
-            }
-        }
-
-        /// Rows `r..r + 4` (two pairs) against token `t0`: the pair tile's sums (`tile_plain`,
-        /// `tile_vbmi` with one token) for each pair, the token's activations, correction and
-        /// scale read once for both.
-        ///
-        /// # Safety
-        /// As the driver, with `r + 3 < g.nrows` and `t0 < g.ntok`.
-        #[target_feature(enable = $features)]
-        unsafe fn $quad<const KIND: u8>(g: &Gemm<'_>, r: usize, t0: usize, out: &mut [f32]) {
-            let (bv, wb, ab, dpos) = geometry(KIND);
-            let nb = g.cols / bv;
-            let nch = bv / 32;
-            let w = [
-                g.w_row(r).as_ptr(),
-                g.w_row(r + 1).as_ptr(),
-                g.w_row(r + 2).as_ptr(),
-                g.w_row(r + 3).as_ptr(),
-            ];
-            let mut acc = [_mm512_setzero_ps(); 2];
-            let mut c = [[_mm512_setzero_si512(); 8]; 2];
-            #[allow(clippy::let_unit_value)]
-            let tables = $tables;
-            let y0 = g.act_row(t0).as_ptr();
-            // SAFETY (whole body): block `b < nb` of a row / activation row lies inside it, as
-            // `Gemm::new` checked the sizes.
-            unsafe {
-                for b in 0..nb {
-                    let y = y0.add(b * ab);
-                    let neg = _mm512_sub_epi32(
-                        _mm512_setzero_si512(),
-                        _mm512_broadcast_i64x4(correction::<KIND>(y)),
-                    );
-                    let mut a = [_mm512_setzero_si512(); 8];
-                    for (v, a) in a.iter_mut().enumerate().take(nch) {
-                        *a = _mm512_broadcast_i64x4(_mm256_loadu_si256(y.add(4 + 32 * v).cast()));
-                    }
-                    let ys = _mm512_set1_ps(y.cast::<f32>().read_unaligned());
-                    for p in 0..2 {
-                        let (xa, xb) = (w[2 * p].add(b * wb), w[2 * p + 1].add(b * wb));
-                        $decode(xa, xb, &mut c[p], &tables, b + 1 == nb);
-                        let dw = pair_scales::<KIND>(xa.add(dpos), xb.add(dpos));
-                        let mut s = neg;
-                        for v in 0..nch {
-                            s = _mm512_dpbusd_epi32(s, c[p][v], a[v]);
+                    for (p, acc) in acc.iter().enumerate() {
+                        let lo = super::avx2::hsum(_mm512_castps512_ps256(acc[t]));
+                        let hi = super::avx2::hsum(_mm512_extractf32x8_ps::<1>(acc[t]));
+                        let base = (t0 + t) * g.nrows + r + 2 * p;
+                        out[base] = if is_tq(KIND) { lo } else { lo * scale };
+                        if two(p) {
+                            out[base + 1] = if is_tq(KIND) { hi } else { hi * scale };
                         }
-                        let d = if is_tq(KIND) {
-                            _mm512_mul_ps(dw, ys)
-                        } else {
-                            dw
-                        };
-                        acc[p] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), d, acc[p]);
                     }
-                }
-                let scale = if !is_tq(KIND) && nb > 0 {
-                    y0.cast::<f32>().read_unaligned()
-                } else {
-                    1.0
-                };
-                for (p, acc) in acc.iter().enumerate() {
-                    let lo = super::avx2::hsum(_mm512_castps512_ps256(*acc));
-                    let hi = super::avx2::hsum(_mm512_extractf32x8_ps::<1>(*acc));
-                    let base = t0 * g.nrows + r + 2 * p;
-                    out[base] = if is_tq(KIND) { lo } else { lo * scale };
-                    out[base + 1] = if is_tq(KIND) { hi } else { hi * scale };
                 }
             }
         }
@@ -693,7 +647,6 @@ macro_rules! tern_driver {
 tern_driver!(
     run_plain,
     tile_plain,
-    quad_plain,
     "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c",
     (),
     |xa, xb, c, _: &(), _| decode_pair::<KIND>(xa, xb, c)
@@ -702,7 +655,6 @@ tern_driver!(
 tern_driver!(
     run_vbmi,
     tile_vbmi,
-    quad_vbmi,
     "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx512vbmi,gfni,avx2,fma,f16c",
     tables::<KIND>(),
     |xa, xb, c, t: &Tables, last| decode_pair_vbmi::<KIND>(xa, xb, c, t, last)
