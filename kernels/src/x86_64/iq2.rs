@@ -11,7 +11,7 @@
 //! `8 · grid + delta + 128`); where gathers are fast (`super::fast_gathers`), the GEMVs of all
 //! but IQ2_S, and IQ1_S up to 15 tokens (on AMD IQ1_S, and from Zen 5 on IQ3_S's GEMV too),
 //! take tiles that gather whole grid rows, two sub-blocks a register
-//! ([`tile512_iq1_gather`], [`tile512_sign_gather`]), with the same integer lanes; elsewhere,
+//! ([`tile512_iq1`], [`tile512_sign_gather`]), with the same integer lanes; elsewhere,
 //! on CPUs with AVX512-VBMI and GFNI, IQ2_XXS, IQ2_XS and IQ3_XXS compute a super-block's sign
 //! masks in three vector instructions ([`sign_masks`]) instead of looking each group's signs
 //! up, and IQ3_S its 64 grid indices in four ([`iq3s_indices`]).
@@ -160,6 +160,44 @@ pub(super) unsafe fn scales16_vec<const KIND: u8>(p: *const u8) -> __m256i {
     }
 }
 
+/// Four entries of a table of 8-byte grid rows as one register, entry `i[k]` in lane `k`: a
+/// broadcast load per entry and a `vpblendd` joining it in. Written out in assembly because
+/// LLVM turns the same intrinsics (or `_mm256_setr_epi64x`) into `vmovq` loads joined by
+/// `vpunpcklqdq` / `vinserti128` shuffles, which only some vector pipes run (port 5 alone on
+/// Intel); a broadcast from memory is a plain load and a blend runs on any vector ALU pipe.
+/// In the IQ1 tile on a Zen 5 (session 40) 1.15-1.25x LLVM's sequence; in the sub-block tiles
+/// of the other grid types level or slower there, so only the IQ1 tile takes it.
+///
+/// # Safety
+/// AVX2 available; every `i[k] < N`.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn rows4<const N: usize>(t: &[u64; N], i: [usize; 4]) -> __m256i {
+    debug_assert!(i.iter().all(|&k| k < N));
+    let v: __m256i;
+    // SAFETY: the four reads are entries of `t` (the contract); registers only otherwise.
+    unsafe {
+        core::arch::asm!(
+            "vpbroadcastq {v}, qword ptr [{t} + {a}*8]",
+            "vpbroadcastq {x}, qword ptr [{t} + {b}*8]",
+            "vpblendd {v}, {v}, {x}, 0x0C",
+            "vpbroadcastq {x}, qword ptr [{t} + {c}*8]",
+            "vpblendd {v}, {v}, {x}, 0x30",
+            "vpbroadcastq {x}, qword ptr [{t} + {d}*8]",
+            "vpblendd {v}, {v}, {x}, 0xC0",
+            t = in(reg) t.as_ptr(),
+            a = in(reg) i[0],
+            b = in(reg) i[1],
+            c = in(reg) i[2],
+            d = in(reg) i[3],
+            v = out(ymm_reg) v,
+            x = out(ymm_reg) _,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    v
+}
+
 /// Sub-block `ib`'s i16 scale vector from [`scales16_vec`]: its scale of values 0..16 in the
 /// first eight lanes (the first eight `vpmaddubsw` pairs), of values 16..32 in the rest.
 #[target_feature(enable = "avx2,fma,f16c")]
@@ -224,7 +262,7 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize, sv: __m2
 /// session 25, its `pdep` form was the faster by a fifth: the 4096 × 14336 GEMV, one thread,
 /// medians 3.05–3.33 ms against 3.48–4.84 with shifts; on an Intel Xeon in session 22 it was
 /// the slower, 0.91× against 0.95× llama.cpp; such CPUs now gather whole grid rows,
-/// [`tile512_iq1_gather`], and Intel AVX-512 CPUs before Sapphire Rapids take `pdep`
+/// [`tile512_iq1`], and Intel AVX-512 CPUs before Sapphire Rapids take `pdep`
 /// unmeasured), and everyone's 2 to 15 tokens of IQ1_M (not measured against the shifts; the
 /// indices are built once for the tile's tokens).
 ///
@@ -467,18 +505,38 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     // level in parity (0.99-1.00x) and 1.20-1.21x in invariant; IQ1_M's 0.72-0.90x. Measured
     // on one KVM EPYC (family 26 model 2); Zen 5 parts with 256-bit AVX-512 datapaths
     // (Ryzen, mobile) take the same, unmeasured.
+    //
+    // On a Zen 5 (session 40, the same EPYC family 26 model 2) the GEMVs of IQ2_XXS, IQ3_XXS
+    // and IQ3_S run one row at a time, one sequential stream through the matrix: their four
+    // interleaved row streams ran from DRAM well below their in-cache speed (IQ2_XS and IQ2_S
+    // at one row 0.77-0.85x: they keep four). IQ1_S and IQ1_M take `tile512_iq1` with grid
+    // rows by loads (`rows4`), one row at a time for one token; IQ1_S also from 2 to 15 tokens
+    // (1.05-1.14x its gathers; IQ1_M keeps the sub-block tile there, 0.90-0.97x with loads).
+    // GEMVs against the dispatch before (4096 × 14336, medians of five runs alternated in
+    // separate processes, 1 / 2 threads): IQ1_S 1.75 / 1.85x, IQ1_M 2.11 / 1.35x, IQ2_XXS
+    // 1.78 / 1.50x, IQ3_XXS 1.46 / 1.24x, IQ3_S 1.08 / 1.17x (IQ2_XS, unchanged: 1.00 / 1.00x).
+    let zen5 = super::is_amd_zen5_or_later();
+    let one_row = zen5 && matches!(KIND, IQ2_XXS | IQ3_XXS | IQ3_S);
     let gather = match KIND {
         IQ1_S => super::fast_gathers() || super::is_amd(),
         IQ3_S => (super::fast_gathers() || super::is_amd_zen5_or_later()) && g.ntok == 1,
         IQ1_M | IQ2_XXS | IQ2_XS | IQ3_XXS => super::fast_gathers() && g.ntok == 1,
         _ => false,
     };
-    if gather && is_iq1(KIND) {
+    if zen5 && (KIND == IQ1_S || KIND == IQ1_M && g.ntok == 1) {
         if g.ntok == 1 {
-            drive!(g, out, tile512_iq1_gather, 4, 1, KIND);
+            drive!(g, out, tile512_iq1, 1, 1, KIND, LOADS);
         } else {
-            drive!(g, out, tile512_iq1_gather, 2, 4, KIND);
+            drive!(g, out, tile512_iq1, 2, 4, KIND, LOADS);
         }
+    } else if gather && is_iq1(KIND) {
+        if g.ntok == 1 {
+            drive!(g, out, tile512_iq1, 4, 1, KIND, GATHERS);
+        } else {
+            drive!(g, out, tile512_iq1, 2, 4, KIND, GATHERS);
+        }
+    } else if gather && one_row {
+        drive!(g, out, tile512_sign_gather, 1, 1, KIND);
     } else if gather {
         drive!(g, out, tile512_sign_gather, 4, 1, KIND);
     } else if masks_ok::<KIND>() {
@@ -488,7 +546,9 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
         // 1.10-1.12x; IQ3_S 1.01-1.14x and 1.15x. Not measured on Intel or Zen 5.
         // SAFETY (both drives): `masks_ok` checked AVX512-VBMI and GFNI, the features this
         // tile adds to this function's.
-        if g.ntok == 1 {
+        if g.ntok == 1 && one_row {
+            drive!(g, out, tile512_masks, 1, 1, KIND);
+        } else if g.ntok == 1 {
             drive!(g, out, tile512_masks, 4, 1, KIND);
         } else {
             drive!(g, out, tile512_masks, 2, 4, KIND);
@@ -738,10 +798,32 @@ macro_rules! pair_table {
     }};
 }
 
-/// For [`tile512_iq1_gather`]'s 32 grid indices of a super-block (index `j` belongs to
+/// For [`tile512_iq1`]'s 32 grid indices of a super-block (index `j` belongs to
 /// sub-block `j / 4`): which 16-bit word of the high bits each takes, and the shift of its
 /// three bits there (IQ1_S: `3 · (j % 4)`; IQ1_M: `4 · (j % 4)`).
 static IQ1_WORD: [u16; 32] = table32!(|j| j / 4);
+
+/// [`tile512_iq1`]'s two ways to its grid rows.
+const GATHERS: bool = true;
+const LOADS: bool = false;
+
+/// ggml's `iq1s_grid` with one added to each of its eight bytes (-1, 0, 1 become 0, 1, 2).
+static IQ1S_GRID_P1: [u64; 2048] = {
+    let mut t = [0u64; 2048];
+    let mut i = 0;
+    while i < 2048 {
+        let mut v = 0u64;
+        let mut k = 0;
+        while k < 8 {
+            let b = ((IQ1S_GRID[i] >> (8 * k)) as u8).wrapping_add(1);
+            v |= (b as u64) << (8 * k);
+            k += 1;
+        }
+        t[i] = v;
+        i += 1;
+    }
+    t
+};
 static IQ1S_SHIFT: [u16; 32] = table32!(|j| 3 * (j % 4));
 static IQ1M_SHIFT: [u16; 32] = table32!(|j| 4 * (j % 4));
 
@@ -755,24 +837,28 @@ static PAIR_SCALE: [[u16; 32]; 4] = pair_table!(|p, i| 2 * p + i / 16);
 static PAIR_SCALE16: [[u16; 32]; 4] = pair_table!(|p, i| (i / 8) % 2 * 8 + 2 * p + i / 16);
 static DELTA_BIT: [u16; 32] = table32!(|i| 1 << (3 + 4 * (i / 4 % 4)));
 
-/// The IQ1 types' rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512 with the grid rows gathered:
-/// a super-block's 32 eleven-bit indices built in one register (the low bytes widened, the
-/// high bits from each sub-block's 16-bit word by a variable shift), its 32 grid rows fetched
-/// by four `vpgatherdq` (two sub-blocks a register), then per token and pair of sub-blocks one
-/// `vpmaddubsw` of the values plus one (0..2, unsigned) against the activations, minus the
+/// The IQ1 types' rows `r0..r0+R` × tokens `t0..t0+T` on AVX-512, a super-block's 32 grid rows
+/// in four 64-byte registers (two sub-blocks each), values plus one (0..2, unsigned), fetched
+/// one of two ways:
+/// - `GATHER`: its 32 eleven-bit indices built in one register (the low bytes widened, the
+///   high bits from each sub-block's 16-bit word by a variable shift) and four `vpgatherdq`;
+/// - else by [`rows4`] from [`IQ1S_GRID_P1`], the indices from [`grid_index_pdep`]: per grid
+///   row a broadcast load and a blend (on the Zen 5 of session 40 faster than its gathers,
+///   and than LLVM's own sequence for the same loads, which is bound by shuffles).
+///
+/// Then per token and pair of sub-blocks one `vpmaddubsw` against the activations, minus the
 /// activations' own pair sums (once per token and super-block), and one `vpdpwssd` by the
 /// scales. That is ggml's pair sum `v·a` exactly (|pair| ≤ 508) for activations in
 /// −127..127, which is all the q8_K quantizer writes (ggml's `vpsignb` of −128 wraps, ours
 /// would not), so each of the eight i32 lanes (the register's halves added) equals
-/// [`tile512`]'s, and the f32 steps are the same [`Chains`]. The delta: IQ1_S's every sub-block's `±(2·ls + 1)` against the q8_K block sums
-/// by one `vpmaddwd`; IQ1_M's pair sums negated where a group's delta is −1 and one
-/// `vpdpwssd` by the scales. Where [`tile512`] builds each sub-block's grid register from four
-/// scalar loads and inserts (port 5), this spends four gathers per super-block and row.
+/// [`tile512`]'s, and the f32 steps are the same [`Chains`]. The delta: IQ1_S's every
+/// sub-block's `±(2·ls + 1)` against the q8_K block sums by one `vpmaddwd`; IQ1_M's pair sums
+/// negated where a group's delta is −1 and one `vpdpwssd` by the scales.
 ///
 /// # Safety
 /// As [`run_grid_avx512`] with `KIND` IQ1_S or IQ1_M; `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")]
-unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
+unsafe fn tile512_iq1<const R: usize, const T: usize, const KIND: u8, const GATHER: bool>(
     g: &Gemm<'_>,
     r0: usize,
     t0: usize,
@@ -786,7 +872,7 @@ unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
     let (qs_at, words_at) = if m { (0, 32) } else { (2, 34) };
     let mut ch = Chains::<R, T>::new(g, t0, post, delta);
     // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T; the
-    // gathered indices are masked to 11 bits, inside the 2048-entry grid.
+    // gathered and loaded indices are masked to 11 bits, inside the 2048-entry grids.
     unsafe {
         let load = |t: &[u16; 32]| _mm512_loadu_si512(t.as_ptr().cast());
         let word = load(&IQ1_WORD);
@@ -817,27 +903,45 @@ unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
             for r in 0..R {
                 let wp = g.w.as_ptr().add((r0 + r) * g.w_stride + b * wb);
                 let dw = d_of::<KIND>(wp);
-                let words = _mm512_castsi128_si512(_mm_loadu_si128(wp.add(words_at).cast()));
-                let high = _mm512_and_si512(
-                    _mm512_srlv_epi16(_mm512_permutexvar_epi16(word, words), shift),
-                    _mm512_set1_epi16(7),
-                );
-                let idx = _mm512_or_si512(
-                    _mm512_cvtepu8_epi16(_mm256_loadu_si256(wp.add(qs_at).cast())),
-                    _mm512_slli_epi16::<8>(high),
-                );
-                let lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(idx));
-                let hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(idx));
-                let halves = [
-                    _mm512_castsi512_si256(lo),
-                    _mm512_extracti64x4_epi64::<1>(lo),
-                    _mm512_castsi512_si256(hi),
-                    _mm512_extracti64x4_epi64::<1>(hi),
-                ];
+                let words = _mm_loadu_si128(wp.add(words_at).cast());
                 // Values plus one (0, 1, 2): unsigned for vpmaddubsw.
-                let codes: [__m512i; 4] = core::array::from_fn(|p| {
-                    _mm512_add_epi8(_mm512_i32gather_epi64::<8>(halves[p], grid), ones)
-                });
+                let codes: [__m512i; 4] = if GATHER {
+                    let high = _mm512_and_si512(
+                        _mm512_srlv_epi16(
+                            _mm512_permutexvar_epi16(word, _mm512_castsi128_si512(words)),
+                            shift,
+                        ),
+                        _mm512_set1_epi16(7),
+                    );
+                    let idx = _mm512_or_si512(
+                        _mm512_cvtepu8_epi16(_mm256_loadu_si256(wp.add(qs_at).cast())),
+                        _mm512_slli_epi16::<8>(high),
+                    );
+                    let lo = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(idx));
+                    let hi = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64::<1>(idx));
+                    let halves = [
+                        _mm512_castsi512_si256(lo),
+                        _mm512_extracti64x4_epi64::<1>(lo),
+                        _mm512_castsi512_si256(hi),
+                        _mm512_extracti64x4_epi64::<1>(hi),
+                    ];
+                    core::array::from_fn(|p| {
+                        _mm512_add_epi8(_mm512_i32gather_epi64::<8>(halves[p], grid), ones)
+                    })
+                } else {
+                    let w: [u64; 8] =
+                        core::array::from_fn(|ib| grid_index_pdep::<KIND>(wp, ib).unwrap_or(0));
+                    let four = |ib: usize| {
+                        let i = |l: usize| ((w[ib] >> (16 * l)) & 0x7FF) as usize;
+                        rows4(&IQ1S_GRID_P1, [i(0), i(1), i(2), i(3)])
+                    };
+                    core::array::from_fn(|p| {
+                        _mm512_inserti64x4::<1>(
+                            _mm512_castsi256_si512(four(2 * p)),
+                            four(2 * p + 1),
+                        )
+                    })
+                };
                 // The scales 2·ls + 1 (IQ1_S: one a sub-block, from the top of its word;
                 // IQ1_M: two) per pair of sub-blocks; IQ1_S's with its delta's sign for the
                 // block sums (each twice: two sums a sub-block); IQ1_M's delta signs as masks.
@@ -847,19 +951,18 @@ unsafe fn tile512_iq1_gather<const R: usize, const T: usize, const KIND: u8>(
                         core::array::from_fn(|p| _mm512_permutexvar_epi16(pair[p], sv));
                     let nd: [__mmask32; 4] = core::array::from_fn(|p| {
                         _mm512_test_epi16_mask(
-                            _mm512_permutexvar_epi16(pair_sub[p], words),
+                            _mm512_permutexvar_epi16(pair_sub[p], _mm512_castsi128_si512(words)),
                             delta_bit,
                         )
                     });
                     (sc, _mm256_setzero_si256(), nd)
                 } else {
-                    let qh = _mm512_castsi512_si128(words);
-                    let ls = _mm_and_si128(_mm_srli_epi16::<12>(qh), _mm_set1_epi16(7));
+                    let ls = _mm_and_si128(_mm_srli_epi16::<12>(words), _mm_set1_epi16(7));
                     let s = _mm_add_epi16(_mm_add_epi16(ls, ls), _mm_set1_epi16(1));
                     let sc: [__m512i; 4] = core::array::from_fn(|p| {
                         _mm512_permutexvar_epi16(pair[p], _mm512_castsi128_si512(s))
                     });
-                    let neg = _mm_srai_epi16::<15>(qh);
+                    let neg = _mm_srai_epi16::<15>(words);
                     let sd = _mm_sub_epi16(_mm_xor_si128(s, neg), neg);
                     let sd2 =
                         _mm256_set_m128i(_mm_unpackhi_epi16(sd, sd), _mm_unpacklo_epi16(sd, sd));
@@ -1144,9 +1247,9 @@ mod tests {
                 // GFNI for the mask tile, below); `g` is a Gemm of KIND's weights with outputs
                 // of `n * rows`.
                 macro_rules! same {
-                    ($tile:ident, $r:literal, $t:literal) => {
+                    ($tile:ident, $r:literal, $t:literal $(, $x:ident)?) => {
                         drive!(&g, &mut want, tile512, $r, $t, KIND);
-                        drive!(&g, &mut got, $tile, $r, $t, KIND);
+                        drive!(&g, &mut got, $tile, $r, $t, KIND $(, $x)?);
                         assert_eq!(
                             bits(&got),
                             bits(&want),
@@ -1159,25 +1262,32 @@ mod tests {
                 }
                 if masks_ok::<KIND>() {
                     same!(tile512_masks, 4, 1);
+                    same!(tile512_masks, 1, 1);
                     same!(tile512_masks, 2, 4);
                 }
                 if is_iq1(KIND) {
-                    same!(tile512_iq1_gather, 4, 1);
-                    same!(tile512_iq1_gather, 2, 4);
+                    same!(tile512_iq1, 4, 1, GATHERS);
+                    same!(tile512_iq1, 2, 4, GATHERS);
+                    same!(tile512_iq1, 4, 1, LOADS);
+                    same!(tile512_iq1, 1, 1, LOADS);
+                    same!(tile512_iq1, 2, 4, LOADS);
                 } else {
                     same!(tile512_sign_gather, 4, 1);
+                    same!(tile512_sign_gather, 1, 1);
                     same!(tile512_sign_gather, 2, 4);
                 }
             }
         }
     }
 
-    /// The gather tiles, called directly (the dispatch takes them only where gathers are fast,
-    /// IQ1_S's on AMD and IQ3_S's GEMV on Zen 5, and some kinds only for one token), and the
-    /// mask tile where the CPU has VBMI and GFNI (which the dispatch then takes instead of the
-    /// sub-block tile, so this keeps that one checked too): equal to the sub-block tile on any
-    /// CPU with the AVX-512 table, for every kind they serve, 1 to 5 tokens, tiles of 4 × 1
-    /// and 2 × 4 rows × tokens with their one-row and short-token tails, both numerics.
+    /// The gather tiles and the IQ1 tile with its grid rows by loads, called directly (the
+    /// dispatch takes them only where gathers are fast, IQ1_S's on AMD Zen 4, IQ3_S's GEMV and
+    /// both IQ1 tiles by loads on Zen 5, and some kinds only for one token), and the mask tile
+    /// where the CPU has VBMI and GFNI (which the dispatch then takes instead of the sub-block
+    /// tile, so this keeps that one checked too): equal to the sub-block tile on any CPU with
+    /// the AVX-512 table, for every kind they serve, 1 to 5 tokens, tiles of 4 × 1, 1 × 1 (the
+    /// one-row GEMVs of Zen 5) and 2 × 4 rows × tokens with their one-row and short-token
+    /// tails, both numerics.
     #[test]
     fn gather_and_mask_tiles_equal_the_sub_block_tile() {
         if super::super::avx512::Avx512::new().is_none() {
