@@ -362,10 +362,8 @@ mod tests {
                 // Gemm of q3_K weights with outputs of `n * rows`.
                 macro_rules! same {
                     ($r:literal, $t:literal) => {
-                        unsafe {
-                            drive!(&g, &mut want, tile512, $r, $t);
-                            drive!(&g, &mut got, tile_zmm, $r, $t);
-                        }
+                        drive!(&g, &mut want, tile512, $r, $t);
+                        drive!(&g, &mut got, tile_zmm, $r, $t);
                         assert_eq!(
                             bits(&got),
                             bits(&want),
