@@ -165,8 +165,9 @@ pub(super) unsafe fn scales16_vec<const KIND: u8>(p: *const u8) -> __m256i {
 /// LLVM turns the same intrinsics (or `_mm256_setr_epi64x`) into `vmovq` loads joined by
 /// `vpunpcklqdq` / `vinserti128` shuffles, which only some vector pipes run (port 5 alone on
 /// Intel); a broadcast from memory is a plain load and a blend runs on any vector ALU pipe.
-/// In the IQ1 tile on a Zen 5 (session 40) 1.15-1.25x LLVM's sequence; in the sub-block tiles
-/// of the other grid types level or slower there, so only the IQ1 tile takes it.
+/// On a Zen 5 (session 40) the IQ1 tile 1.15-1.25x faster with it than with LLVM's sequence,
+/// and IQ3_S's GEMV ([`rows8`]) 1.29-1.32x than with its gathers; in the sub-block tiles of
+/// the other grid types level or slower there, so only those two take it.
 ///
 /// # Safety
 /// AVX2 available; every `i[k] < N`.
@@ -190,6 +191,50 @@ pub(super) unsafe fn rows4<const N: usize>(t: &[u64; N], i: [usize; 4]) -> __m25
             b = in(reg) i[1],
             c = in(reg) i[2],
             d = in(reg) i[3],
+            v = out(ymm_reg) v,
+            x = out(ymm_reg) _,
+            options(pure, readonly, nostack, preserves_flags),
+        );
+    }
+    v
+}
+
+/// [`rows4`] for tables of 4-byte grid rows: eight entries, `i[k]` in dword lane `k`.
+///
+/// # Safety
+/// AVX2 available; every `i[k] < N`.
+#[target_feature(enable = "avx2")]
+#[inline]
+pub(super) unsafe fn rows8<const N: usize>(t: &[u32; N], i: [usize; 8]) -> __m256i {
+    debug_assert!(i.iter().all(|&k| k < N));
+    let v: __m256i;
+    // SAFETY: the eight reads are entries of `t` (the contract); registers only otherwise.
+    unsafe {
+        core::arch::asm!(
+            "vpbroadcastd {v}, dword ptr [{t} + {i0}*4]",
+            "vpbroadcastd {x}, dword ptr [{t} + {i1}*4]",
+            "vpblendd {v}, {v}, {x}, 0x02",
+            "vpbroadcastd {x}, dword ptr [{t} + {i2}*4]",
+            "vpblendd {v}, {v}, {x}, 0x04",
+            "vpbroadcastd {x}, dword ptr [{t} + {i3}*4]",
+            "vpblendd {v}, {v}, {x}, 0x08",
+            "vpbroadcastd {x}, dword ptr [{t} + {i4}*4]",
+            "vpblendd {v}, {v}, {x}, 0x10",
+            "vpbroadcastd {x}, dword ptr [{t} + {i5}*4]",
+            "vpblendd {v}, {v}, {x}, 0x20",
+            "vpbroadcastd {x}, dword ptr [{t} + {i6}*4]",
+            "vpblendd {v}, {v}, {x}, 0x40",
+            "vpbroadcastd {x}, dword ptr [{t} + {i7}*4]",
+            "vpblendd {v}, {v}, {x}, 0x80",
+            t = in(reg) t.as_ptr(),
+            i0 = in(reg) i[0],
+            i1 = in(reg) i[1],
+            i2 = in(reg) i[2],
+            i3 = in(reg) i[3],
+            i4 = in(reg) i[4],
+            i5 = in(reg) i[5],
+            i6 = in(reg) i[6],
+            i7 = in(reg) i[7],
             v = out(ymm_reg) v,
             x = out(ymm_reg) _,
             options(pure, readonly, nostack, preserves_flags),
@@ -512,9 +557,11 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     // at one row 0.77-0.85x: they keep four). IQ1_S and IQ1_M take `tile512_iq1` with grid
     // rows by loads (`rows4`), one row at a time for one token; IQ1_S also from 2 to 15 tokens
     // (1.05-1.14x its gathers; IQ1_M keeps the sub-block tile there, 0.90-0.97x with loads).
-    // GEMVs against the dispatch before (4096 × 14336, medians of five runs alternated in
-    // separate processes, 1 / 2 threads): IQ1_S 1.75 / 1.85x, IQ1_M 2.11 / 1.35x, IQ2_XXS
-    // 1.78 / 1.50x, IQ3_XXS 1.46 / 1.24x, IQ3_S 1.08 / 1.17x (IQ2_XS, unchanged: 1.00 / 1.00x).
+    // IQ3_S's GEMV, one row, takes its grid rows by loads too (`rows8`; 1.29-1.32x its
+    // gathers at one row). GEMVs against the dispatch before (4096 × 14336, medians of five
+    // runs alternated in separate processes, 1 / 2 threads): IQ1_S 1.75 / 1.85x, IQ1_M 2.11 /
+    // 1.35x, IQ2_XXS 1.78 / 1.50x, IQ3_XXS 1.46 / 1.24x, IQ3_S 1.08 / 1.17x with one row alone
+    // and 1.32 / 1.29x more with loads (IQ2_XS, unchanged: 1.00 / 1.00x).
     let zen5 = super::is_amd_zen5_or_later();
     let one_row = zen5 && matches!(KIND, IQ2_XXS | IQ3_XXS | IQ3_S);
     let gather = match KIND {
@@ -536,9 +583,9 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
             drive!(g, out, tile512_iq1, 2, 4, KIND, GATHERS);
         }
     } else if gather && one_row {
-        drive!(g, out, tile512_sign_gather, 1, 1, KIND);
+        drive!(g, out, tile512_sign_gather, 1, 1, KIND, LOADS);
     } else if gather {
-        drive!(g, out, tile512_sign_gather, 4, 1, KIND);
+        drive!(g, out, tile512_sign_gather, 4, 1, KIND, GATHERS);
     } else if masks_ok::<KIND>() {
         // The sign-table kinds' signs as bit masks, IQ3_S's grid indices built in registers:
         // on an AMD EPYC Zen 4 (session 28, both tiles alternated in one process, 4096 ×
@@ -1022,19 +1069,27 @@ static XXS_SIGN_SHIFT: [u32; 16] = table32!(u32; 16, |j| 7 * (j % 4));
 /// magnitudes and one `vpdpwssd` by the two sub-blocks' scales ([`signed_pairs`]): ggml's
 /// `maddubs(grid, sign(a, signs))` pair sums and `madd` by `2·ls + 1` exactly (negating under
 /// the mask wraps −128 as `vpsignb` does), so the eight i32 lanes (the register's halves
-/// added) equal [`tile512`]'s and the f32 steps are the same [`Chains`].
+/// added) equal [`tile512`]'s and the f32 steps are the same [`Chains`]. With `GATHER` false
+/// (IQ3_S only) the grid rows come by [`rows8`] instead, each sub-block's eight indices built
+/// four to a word by `pdep` (Zen 5's GEMV).
 ///
 /// # Safety
-/// As [`run_grid_avx512`] with `KIND` IQ2_XXS, IQ2_XS, IQ3_XXS or IQ3_S; `r0 + R <= g.nrows`,
-/// `t0 + T <= g.ntok`.
+/// As [`run_grid_avx512`] with `KIND` IQ2_XXS, IQ2_XS, IQ3_XXS or IQ3_S (`GATHER` false: IQ3_S
+/// only); `r0 + R <= g.nrows`, `t0 + T <= g.ntok`.
 #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma,f16c,bmi2")]
-unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
+unsafe fn tile512_sign_gather<
+    const R: usize,
+    const T: usize,
+    const KIND: u8,
+    const GATHER: bool,
+>(
     g: &Gemm<'_>,
     r0: usize,
     t0: usize,
     out: &mut [f32],
 ) {
     debug_assert!(matches!(KIND, IQ2_XXS | IQ3_XXS | IQ2_XS | IQ3_S));
+    debug_assert!(GATHER || KIND == IQ3_S);
     let nb = g.cols / QK_K;
     let (wb, post, delta) = geometry(KIND);
     let mut ch = Chains::<R, T>::new(g, t0, post, delta);
@@ -1155,6 +1210,37 @@ unsafe fn tile512_sign_gather<const R: usize, const T: usize, const KIND: u8>(
                         let table: &'static [u32; 512] = &IQ3S_GRID;
                         let table = table.as_ptr().cast::<i32>();
                         let grid = core::array::from_fn(|p| {
+                            if !GATHER {
+                                // Sub-block k's eight indices, four a word by `pdep`: its index
+                                // bytes below, bit j of its `qh` byte as bit 8 of index j.
+                                let eight = |k: usize| {
+                                    let q = wp.add(2 + 8 * k).cast::<u64>().read_unaligned();
+                                    let h = *wp.add(66 + k) as u64;
+                                    let four = |x: u64, hb: u64| {
+                                        _pdep_u64(x & 0xFFFF_FFFF, 0x00FF_00FF_00FF_00FF)
+                                            | _pdep_u64(hb & 0xF, 0x0100_0100_0100_0100)
+                                    };
+                                    let (w0, w1) = (four(q, h), four(q >> 32, h >> 4));
+                                    let i = |w: u64, l: usize| ((w >> (16 * l)) & 0x1FF) as usize;
+                                    rows8(
+                                        &IQ3S_GRID,
+                                        [
+                                            i(w0, 0),
+                                            i(w0, 1),
+                                            i(w0, 2),
+                                            i(w0, 3),
+                                            i(w1, 0),
+                                            i(w1, 1),
+                                            i(w1, 2),
+                                            i(w1, 3),
+                                        ],
+                                    )
+                                };
+                                return _mm512_inserti64x4::<1>(
+                                    _mm512_castsi256_si512(eight(2 * p)),
+                                    eight(2 * p + 1),
+                                );
+                            }
                             let lo =
                                 _mm512_cvtepu8_epi32(_mm_loadu_si128(wp.add(2 + 16 * p).cast()));
                             let qh = wp.add(66 + 2 * p).cast::<u16>().read_unaligned() as i32;
@@ -1272,9 +1358,14 @@ mod tests {
                     same!(tile512_iq1, 1, 1, LOADS);
                     same!(tile512_iq1, 2, 4, LOADS);
                 } else {
-                    same!(tile512_sign_gather, 4, 1);
-                    same!(tile512_sign_gather, 1, 1);
-                    same!(tile512_sign_gather, 2, 4);
+                    same!(tile512_sign_gather, 4, 1, GATHERS);
+                    same!(tile512_sign_gather, 1, 1, GATHERS);
+                    same!(tile512_sign_gather, 2, 4, GATHERS);
+                    if KIND == IQ3_S {
+                        same!(tile512_sign_gather, 4, 1, LOADS);
+                        same!(tile512_sign_gather, 1, 1, LOADS);
+                        same!(tile512_sign_gather, 2, 4, LOADS);
+                    }
                 }
             }
         }
