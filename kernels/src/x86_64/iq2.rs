@@ -9,12 +9,14 @@
 //! 8 values, summed apart (`scalar::Delta`). On AVX-512, from 16 tokens, the tokens-in-lanes
 //! k-quant GEMM (`kq_lanes`, values looked up as `value + 128`; the IQ1 types' as
 //! `8 · grid + delta + 128`); where gathers are fast (`super::fast_gathers`), the GEMVs of all
-//! but IQ2_S, and IQ1_S up to 15 tokens (on AMD IQ1_S, and from Zen 5 on IQ3_S's GEMV too),
-//! take tiles that gather whole grid rows, two sub-blocks a register
-//! ([`tile512_iq1`], [`tile512_sign_gather`]), with the same integer lanes; elsewhere,
-//! on CPUs with AVX512-VBMI and GFNI, IQ2_XXS, IQ2_XS and IQ3_XXS compute a super-block's sign
-//! masks in three vector instructions ([`sign_masks`]) instead of looking each group's signs
-//! up, and IQ3_S its 64 grid indices in four ([`iq3s_indices`]).
+//! but IQ2_S, and IQ1_S up to 15 tokens (on AMD Zen 4 IQ1_S), take tiles that gather whole
+//! grid rows, two sub-blocks a register ([`tile512_iq1`], [`tile512_sign_gather`]), with the
+//! same integer lanes; on AMD Zen 5 the same two tiles fetch IQ1_S's, IQ1_M's and IQ3_S's grid
+//! rows by loads ([`rows4`], [`rows8`]) instead, and the GEMVs of those and of IQ2_XXS and
+//! IQ3_XXS run one row at a time; elsewhere, on CPUs with AVX512-VBMI and GFNI, IQ2_XXS,
+//! IQ2_XS and IQ3_XXS compute a super-block's sign masks in three vector instructions
+//! ([`sign_masks`]) instead of looking each group's signs up, and IQ3_S its 64 grid indices in
+//! four ([`iq3s_indices`]).
 
 // Tile loops index several per-row / per-token arrays with the same counter.
 #![allow(clippy::needless_range_loop)]
@@ -173,7 +175,7 @@ pub(super) unsafe fn scales16_vec<const KIND: u8>(p: *const u8) -> __m256i {
 /// AVX2 available; every `i[k] < N`.
 #[target_feature(enable = "avx2")]
 #[inline]
-pub(super) unsafe fn rows4<const N: usize>(t: &[u64; N], i: [usize; 4]) -> __m256i {
+unsafe fn rows4<const N: usize>(t: &[u64; N], i: [usize; 4]) -> __m256i {
     debug_assert!(i.iter().all(|&k| k < N));
     let v: __m256i;
     // SAFETY: the four reads are entries of `t` (the contract); registers only otherwise.
@@ -205,7 +207,7 @@ pub(super) unsafe fn rows4<const N: usize>(t: &[u64; N], i: [usize; 4]) -> __m25
 /// AVX2 available; every `i[k] < N`.
 #[target_feature(enable = "avx2")]
 #[inline]
-pub(super) unsafe fn rows8<const N: usize>(t: &[u32; N], i: [usize; 8]) -> __m256i {
+unsafe fn rows8<const N: usize>(t: &[u32; N], i: [usize; 8]) -> __m256i {
     debug_assert!(i.iter().all(|&k| k < N));
     let v: __m256i;
     // SAFETY: the eight reads are entries of `t` (the contract); registers only otherwise.
@@ -300,10 +302,11 @@ pub(super) unsafe fn sub_block<const KIND: u8>(p: *const u8, ib: usize, sv: __m2
 
 /// The four 11-bit (IQ1_S, IQ1_M) or 10-bit (IQ2_S) grid indices of sub-block `ib`, one per
 /// 16-bit word, built by `pdep` as ggml does for IQ1_S: the low bytes from the four index
-/// bytes, the high bits from the sub-block's bit fields. Only the AVX-512 tile calls it: every
-/// AVX-512 CPU runs `pdep` in a cycle or so, while the AVX2-only AMD Zen 1/2 microcode it
-/// (hundreds of cycles), so the AVX2 tile keeps shifts and masks. `None` for the other kinds.
-/// The sub-block tile takes it wherever it runs: IQ1_M's GEMV on AMD (on an AMD EPYC Zen 5,
+/// bytes, the high bits from the sub-block's bit fields. Only AVX-512 tiles call it (the
+/// sub-block tile and [`tile512_iq1`] by loads): every AVX-512 CPU runs `pdep` in a cycle or
+/// so, while the AVX2-only AMD Zen 1/2 microcode it (hundreds of cycles), so the AVX2 tile
+/// keeps shifts and masks. `None` for the other kinds. The sub-block tile takes it wherever it
+/// runs: IQ1_M's GEMV on AMD Zen 4 (on an AMD EPYC Zen 5,
 /// session 25, its `pdep` form was the faster by a fifth: the 4096 × 14336 GEMV, one thread,
 /// medians 3.05–3.33 ms against 3.48–4.84 with shifts; on an Intel Xeon in session 22 it was
 /// the slower, 0.91× against 0.95× llama.cpp; such CPUs now gather whole grid rows,
@@ -549,7 +552,8 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     // 1.10-1.11x (parity) and 1.16-1.17x (invariant) at 1 and 2 threads; IQ1_S's gathers are
     // level in parity (0.99-1.00x) and 1.20-1.21x in invariant; IQ1_M's 0.72-0.90x. Measured
     // on one KVM EPYC (family 26 model 2); Zen 5 parts with 256-bit AVX-512 datapaths
-    // (Ryzen, mobile) take the same, unmeasured.
+    // (Ryzen, mobile) take the same, unmeasured. (Session 40 replaced both Zen 5 gathers by
+    // loads, below.)
     //
     // On a Zen 5 (session 40, the same EPYC family 26 model 2) the GEMVs of IQ2_XXS, IQ3_XXS
     // and IQ3_S run one row at a time, one sequential stream through the matrix: their four
@@ -566,11 +570,11 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     let one_row = zen5 && matches!(KIND, IQ2_XXS | IQ3_XXS | IQ3_S);
     let gather = match KIND {
         IQ1_S => super::fast_gathers() || super::is_amd(),
-        IQ3_S => (super::fast_gathers() || super::is_amd_zen5_or_later()) && g.ntok == 1,
+        IQ3_S => (super::fast_gathers() || zen5) && g.ntok == 1,
         IQ1_M | IQ2_XXS | IQ2_XS | IQ3_XXS => super::fast_gathers() && g.ntok == 1,
         _ => false,
     };
-    if zen5 && (KIND == IQ1_S || KIND == IQ1_M && g.ntok == 1) {
+    if zen5 && (KIND == IQ1_S || (KIND == IQ1_M && g.ntok == 1)) {
         if g.ntok == 1 {
             drive!(g, out, tile512_iq1, 1, 1, KIND, LOADS);
         } else {
@@ -582,7 +586,7 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
         } else {
             drive!(g, out, tile512_iq1, 2, 4, KIND, GATHERS);
         }
-    } else if gather && one_row {
+    } else if gather && zen5 && KIND == IQ3_S {
         drive!(g, out, tile512_sign_gather, 1, 1, KIND, LOADS);
     } else if gather {
         drive!(g, out, tile512_sign_gather, 4, 1, KIND, GATHERS);
@@ -845,7 +849,7 @@ macro_rules! pair_table {
     }};
 }
 
-/// For [`tile512_iq1`]'s 32 grid indices of a super-block (index `j` belongs to
+/// For [`tile512_iq1`]'s gathers, the 32 grid indices of a super-block (index `j` belongs to
 /// sub-block `j / 4`): which 16-bit word of the high bits each takes, and the shift of its
 /// three bits there (IQ1_S: `3 · (j % 4)`; IQ1_M: `4 · (j % 4)`).
 static IQ1_WORD: [u16; 32] = table32!(|j| j / 4);
@@ -1094,7 +1098,8 @@ unsafe fn tile512_sign_gather<
     let (wb, post, delta) = geometry(KIND);
     let mut ch = Chains::<R, T>::new(g, t0, post, delta);
     // SAFETY (whole body): super-blocks below `nb` of rows r0..r0+R and tokens t0..t0+T; the
-    // gathered indices are bytes (grids of 256 entries) or masked to 7 bits (128 signs).
+    // gathered and loaded indices are bytes (grids of 256 entries), masked to 7 bits (128
+    // signs) or 9 bits (IQ2_XS's and IQ3_S's grids of 512).
     unsafe {
         let sign_word: [__m512i; 2] =
             core::array::from_fn(|h| _mm512_loadu_si512(XXS_SIGN_WORD[16 * h..].as_ptr().cast()));
@@ -1309,7 +1314,8 @@ mod tests {
     /// that one) against the sub-block tile, driven over the same rows and tokens with the
     /// same tile shapes: every output bit equal.
     fn gather_equals_sub_block<const KIND: u8>(ty: crate::GgmlType) {
-        let (rows, cols) = (6, 2 * QK_K);
+        // 7 rows: the 4 × 1 tiles end in three one-row tiles, the 2 × 4 ones in one.
+        let (rows, cols) = (7, 2 * QK_K);
         let w = blocks(ty, rows, cols, 0x9E37_79B9_7F4A_7C15 ^ KIND as u64);
         let q = crate::QMatrix::new(ty, rows, cols, &w).expect("matrix");
         for n in 1..=5 {
@@ -1371,14 +1377,14 @@ mod tests {
         }
     }
 
-    /// The gather tiles and the IQ1 tile with its grid rows by loads, called directly (the
-    /// dispatch takes them only where gathers are fast, IQ1_S's on AMD Zen 4, IQ3_S's GEMV and
-    /// both IQ1 tiles by loads on Zen 5, and some kinds only for one token), and the mask tile
+    /// The gather tiles and the tiles with grid rows by loads (IQ1_S, IQ1_M, IQ3_S), called
+    /// directly (the dispatch takes them only where gathers are fast, IQ1_S's on AMD Zen 4, the
+    /// loads on Zen 5, and some kinds only for one token), and the mask tile
     /// where the CPU has VBMI and GFNI (which the dispatch then takes instead of the sub-block
     /// tile, so this keeps that one checked too): equal to the sub-block tile on any CPU with
     /// the AVX-512 table, for every kind they serve, 1 to 5 tokens, tiles of 4 × 1, 1 × 1 (the
     /// one-row GEMVs of Zen 5) and 2 × 4 rows × tokens with their one-row and short-token
-    /// tails, both numerics.
+    /// tails (7 rows), both numerics.
     #[test]
     fn gather_and_mask_tiles_equal_the_sub_block_tile() {
         if super::super::avx512::Avx512::new().is_none() {

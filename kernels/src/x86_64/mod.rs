@@ -107,7 +107,7 @@ pub(crate) use grid_entries;
 
 /// Whether this is an AMD CPU (CPUID vendor "AuthenticAMD"), for the few choices the two
 /// vendors' cores want made differently (`avx2::float_act`, `avx2::signed_one_row`, the IQ
-/// grid types' GEMVs in `iq2`: [`fast_gathers`], and IQ1_S, which gathers on AMD too;
+/// grid types' GEMVs in `iq2`: [`fast_gathers`], and IQ1_S, which gathers on AMD Zen 4 too;
 /// [`stream_prefetch`]; and through [`is_amd_zen5_or_later`] the choices Zen 5 makes apart
 /// from Zen 4).
 pub(crate) fn is_amd() -> bool {
@@ -121,11 +121,13 @@ pub(crate) fn is_amd() -> bool {
 }
 
 /// Whether this is an AMD CPU of family 0x1A or later (Zen 5 on), CPUID leaf 1's base family
-/// plus its extended family: where IQ3_S's GEMV gathers its grid rows (`iq2`; on a Zen 4,
-/// family 0x19, the gathers measured 0.94-1.11x the mask tile, so Zen 4 keeps the mask tile)
-/// and the streaming GEMVs prefetch 4 KB ahead ([`stream_prefetch`]). Measured on one KVM
-/// EPYC (family 26 model 2); Zen 5 parts with 256-bit AVX-512 datapaths take the same,
-/// unmeasured.
+/// plus its extended family: where the streaming GEMVs prefetch 4 KB ahead
+/// ([`stream_prefetch`]), the IQ grid types' prefill GEMM takes bands of 512 tokens
+/// (`kq_lanes::band_groups`), the GEMVs of IQ1_S, IQ1_M, IQ2_XXS, IQ3_XXS, IQ3_S and IQ4_XS run
+/// one row at a time with IQ1_S's, IQ1_M's and IQ3_S's grid rows by loads (`iq2`, `iq4`), and
+/// q3_K takes its 512-bit tile (`q3k::tile_zmm`); sessions 30 and 40. Measured on KVM EPYCs
+/// (family 26 model 2); Zen 5 parts with 256-bit AVX-512 datapaths (Ryzen, mobile) take the
+/// same, unmeasured.
 pub(crate) fn is_amd_zen5_or_later() -> bool {
     static ZEN5: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ZEN5.get_or_init(|| {
@@ -149,8 +151,8 @@ pub(crate) fn is_amd_zen5_or_later() -> bool {
 /// Sapphire Rapids or later. Skylake-SP through Ice Lake and Tiger Lake run gathers under the
 /// Gather Data Sampling ("Downfall") microcode mitigation, several times slower; on an AMD
 /// Zen 4 (session 28) the gather tiles were slower than the sub-block tile for every grid
-/// type but IQ1_S, which `iq2` lets gather on AMD (and IQ3_S's GEMV on Zen 5:
-/// [`is_amd_zen5_or_later`]). The IQ grid types' AVX-512 GEMVs gather their grid rows where
+/// type but IQ1_S, which `iq2` lets gather on AMD Zen 4 (Zen 5 fetches IQ1_S's, IQ1_M's and
+/// IQ3_S's grid rows by loads: [`is_amd_zen5_or_later`]). The IQ grid types' AVX-512 GEMVs gather their grid rows where
 /// this holds (`iq2::run_grid_avx512`; measured on an Emerald Rapids Xeon, session 26).
 pub(crate) fn fast_gathers() -> bool {
     static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();

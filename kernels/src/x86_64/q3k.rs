@@ -66,10 +66,11 @@ pub(super) unsafe fn run_q3k_avx512(g: &Gemm<'_>, out: &mut [f32]) {
         return;
     }
     if super::is_amd_zen5_or_later() {
-        // Zen 5's 512-bit datapaths (session 40, EPYC family 26 model 2, 4096 × 14336,
-        // alternated runs against the 256-bit tile): the GEMV one row at a time 1.48x at one
-        // thread and 1.52x at two (four rows side by side 0.92x of one), 4 and 8 tokens in
-        // tiles of one row by four tokens 1.33-1.40x.
+        // Zen 5's 512-bit datapaths (session 40, EPYC family 26 model 2, 4096 × 14336, two
+        // sets of alternated runs against the 256-bit tile): the GEMV one row at a time
+        // 1.48-1.62x at one thread and 1.39-1.52x at two (four rows side by side 0.92x of
+        // one), 4 and 8 tokens in tiles of one row by four tokens 1.33-1.40x. Zen 5 parts with
+        // 256-bit AVX-512 datapaths take it too, unmeasured.
         if g.ntok == 1 {
             drive!(g, out, tile_zmm, 1, 1);
         } else {
@@ -83,7 +84,7 @@ pub(super) unsafe fn run_q3k_avx512(g: &Gemm<'_>, out: &mut [f32]) {
 }
 
 /// Rows `r0..r0+R` × tokens `t0..t0+T` with two 32-value chunks a 64-byte register, for CPUs
-/// whose AVX-512 datapaths are 512 bits wide (AMD Zen 5): the pair `p` of chunks `2p`, `2p +
+/// whose AVX-512 datapaths are 512 bits wide (taken on AMD Zen 5): the pair `p` of chunks `2p`, `2p +
 /// 1` (four 16-value sub-blocks, one scale per 128-bit lane) takes its low bits from one
 /// broadcast 32-byte half of `qs` by a variable shift and a mask, its high bits by one
 /// `vptestmb` of the broadcast `hmask` and a masked add of 4, then per token `vpmaddubsw`

@@ -92,7 +92,7 @@ const fn sources() -> Sources {
     (src, left)
 }
 
-static SOURCES: Sources = sources();
+const SOURCES: Sources = sources();
 
 /// A byte's base-3 number folded: `n` up to 121, else `242 − n` with bit 7 set.
 static FOLD: [u8; 243] = {
@@ -109,51 +109,88 @@ static FOLD: [u8; 243] = {
     t
 };
 
+/// `3^j · trit(q, t)`, digit `j` of a repacked byte when it is trit `t` of TF1 byte `q`:
+/// `[j][t][q]` (the five digits of a byte sum to at most 242).
+static DIGIT: [[[u8; 256]; 5]; 5] = {
+    let mut d = [[[0u8; 256]; 5]; 5];
+    let mut j = 0;
+    let mut w = 1u8;
+    while j < 5 {
+        let mut t = 0;
+        while t < 5 {
+            let mut q = 0;
+            while q < 256 {
+                d[j][t][q] = w * trit(q as u8, t);
+                q += 1;
+            }
+            t += 1;
+        }
+        j += 1;
+        w = w.wrapping_mul(3);
+    }
+    d
+};
+
 /// Repacks `rows` TF1 rows of `nb` blocks (`row(r)` gives row `r`'s bytes) into groups of 64 in
 /// `out` (zeroed, `rows.div_ceil(64) * nb * GROUP_BLOCK` bytes), the last group padded with zero
-/// rows (codes 1, `d = 0`).
+/// rows (codes 1, `d = 0`), each digit a lookup in [`DIGIT`].
 pub(crate) fn pack<'a>(rows: usize, nb: usize, row: impl Fn(usize) -> &'a [u8], out: &mut [u8]) {
     let groups = rows.div_ceil(GROUP);
     assert_eq!(out.len(), groups * nb * GROUP_BLOCK, "repacked TF1 size");
+    for (gi, g) in out.chunks_exact_mut(nb * GROUP_BLOCK).enumerate() {
+        pack_group(rows, nb, &row, gi, g);
+    }
+}
+
+/// Group `gi` of [`pack`] into `g` (its `nb` block records).
+fn pack_group<'a>(
+    rows: usize,
+    nb: usize,
+    row: &impl Fn(usize) -> &'a [u8],
+    gi: usize,
+    g: &mut [u8],
+) {
     let (src, left) = &SOURCES;
     let mut masks = vec![[0u64; 16]; nb];
-    for (gi, g) in out.chunks_exact_mut(nb * GROUP_BLOCK).enumerate() {
-        masks.iter_mut().for_each(|m| *m = [0; 16]);
-        for r in 0..GROUP {
-            let (byte, bit) = slot(r);
-            let Some(x) = (gi * GROUP + r < rows).then(|| row(gi * GROUP + r)) else {
-                for rec in g.chunks_exact_mut(GROUP_BLOCK) {
-                    for p in 0..24 {
-                        rec[p * GROUP + byte] = FOLD[121];
-                    }
-                    rec[D_AT + 2 * r..][..2].fill(0);
+    for r in 0..GROUP {
+        let (byte, bit) = slot(r);
+        let Some(x) = (gi * GROUP + r < rows).then(|| row(gi * GROUP + r)) else {
+            for rec in g.chunks_exact_mut(GROUP_BLOCK) {
+                for p in 0..24 {
+                    rec[p * GROUP + byte] = FOLD[121];
                 }
-                continue;
-            };
-            for ((rec, x), m) in g
-                .chunks_exact_mut(GROUP_BLOCK)
-                .zip(x.chunks_exact(28))
-                .zip(masks.iter_mut())
-            {
-                let qs = &x[2..28];
-                let tr = |&(b, t): &(u8, u8)| trit(qs[b as usize], t as usize) as usize;
-                for (p, s) in src.iter().enumerate() {
-                    let n =
-                        tr(&s[0]) + 3 * tr(&s[1]) + 9 * tr(&s[2]) + 27 * tr(&s[3]) + 81 * tr(&s[4]);
-                    rec[p * GROUP + byte] = FOLD[n];
-                }
-                for (k, l) in left.iter().enumerate() {
-                    let c = tr(l);
-                    m[2 * k] |= ((c == 2) as u64) << bit;
-                    m[2 * k + 1] |= ((c == 0) as u64) << bit;
-                }
-                rec[D_AT + 2 * r..][..2].copy_from_slice(&x[0..2]);
+                rec[D_AT + 2 * r..][..2].fill(0);
             }
+            continue;
+        };
+        for ((rec, x), m) in g
+            .chunks_exact_mut(GROUP_BLOCK)
+            .zip(x.chunks_exact(28))
+            .zip(masks.iter_mut())
+        {
+            let qs: &[u8; 26] = x[2..28].try_into().expect("26 bytes");
+            let digit =
+                |j: usize, &(b, t): &(u8, u8)| DIGIT[j][t as usize][qs[b as usize] as usize];
+            for p in 0..24 {
+                let s = &src[p];
+                let n = digit(0, &s[0])
+                    + digit(1, &s[1])
+                    + digit(2, &s[2])
+                    + digit(3, &s[3])
+                    + digit(4, &s[4]);
+                rec[p * GROUP + byte] = FOLD[n as usize];
+            }
+            for (k, &(b, t)) in left.iter().enumerate() {
+                let c = trit(qs[b as usize], t as usize);
+                m[2 * k] |= ((c == 2) as u64) << bit;
+                m[2 * k + 1] |= ((c == 0) as u64) << bit;
+            }
+            rec[D_AT + 2 * r..][..2].copy_from_slice(&x[0..2]);
         }
-        for (rec, m) in g.chunks_exact_mut(GROUP_BLOCK).zip(&masks) {
-            for (o, v) in rec[MASKS_AT..D_AT].chunks_exact_mut(8).zip(m) {
-                o.copy_from_slice(&v.to_le_bytes());
-            }
+    }
+    for (rec, m) in g.chunks_exact_mut(GROUP_BLOCK).zip(&masks) {
+        for (o, v) in rec[MASKS_AT..D_AT].chunks_exact_mut(8).zip(m) {
+            o.copy_from_slice(&v.to_le_bytes());
         }
     }
 }
@@ -672,5 +709,87 @@ impl Token {
         );
         // SAFETY: the token proves the features; sizes and alignment checked above.
         unsafe { gemm_group(grp, nb, act, ntok, y) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`pack`] as it was before its digits became lookups and its groups parallel (one
+    /// thread, each trit computed): the reference the faster one must equal byte for byte.
+    fn pack_one_by_one<'a>(
+        rows: usize,
+        nb: usize,
+        row: impl Fn(usize) -> &'a [u8],
+        out: &mut [u8],
+    ) {
+        let (src, left) = &SOURCES;
+        let mut masks = vec![[0u64; 16]; nb];
+        for (gi, g) in out.chunks_exact_mut(nb * GROUP_BLOCK).enumerate() {
+            masks.iter_mut().for_each(|m| *m = [0; 16]);
+            for r in 0..GROUP {
+                let (byte, bit) = slot(r);
+                let Some(x) = (gi * GROUP + r < rows).then(|| row(gi * GROUP + r)) else {
+                    for rec in g.chunks_exact_mut(GROUP_BLOCK) {
+                        for p in 0..24 {
+                            rec[p * GROUP + byte] = FOLD[121];
+                        }
+                        rec[D_AT + 2 * r..][..2].fill(0);
+                    }
+                    continue;
+                };
+                for ((rec, x), m) in g
+                    .chunks_exact_mut(GROUP_BLOCK)
+                    .zip(x.chunks_exact(28))
+                    .zip(masks.iter_mut())
+                {
+                    let qs = &x[2..28];
+                    let tr = |&(b, t): &(u8, u8)| trit(qs[b as usize], t as usize) as usize;
+                    for (p, s) in src.iter().enumerate() {
+                        let n = tr(&s[0])
+                            + 3 * tr(&s[1])
+                            + 9 * tr(&s[2])
+                            + 27 * tr(&s[3])
+                            + 81 * tr(&s[4]);
+                        rec[p * GROUP + byte] = FOLD[n];
+                    }
+                    for (k, l) in left.iter().enumerate() {
+                        let c = tr(l);
+                        m[2 * k] |= ((c == 2) as u64) << bit;
+                        m[2 * k + 1] |= ((c == 0) as u64) << bit;
+                    }
+                    rec[D_AT + 2 * r..][..2].copy_from_slice(&x[0..2]);
+                }
+            }
+            for (rec, m) in g.chunks_exact_mut(GROUP_BLOCK).zip(&masks) {
+                for (o, v) in rec[MASKS_AT..D_AT].chunks_exact_mut(8).zip(m) {
+                    o.copy_from_slice(&v.to_le_bytes());
+                }
+            }
+        }
+    }
+
+    /// Every byte of [`pack`]'s output equals the one-by-one repack's, for every byte value in
+    /// every position (random bytes, each block scale included), three groups the last of
+    /// which is padded (129 rows), three blocks a row.
+    #[test]
+    fn pack_equals_the_one_by_one_repack() {
+        let (rows, nb) = (129, 3);
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let w: Vec<u8> = (0..rows * nb * 28)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                (x >> 24) as u8
+            })
+            .collect();
+        let row = |r: usize| &w[r * nb * 28..(r + 1) * nb * 28];
+        let len = rows.div_ceil(GROUP) * nb * GROUP_BLOCK;
+        let (mut want, mut got) = (vec![0u8; len], vec![0u8; len]);
+        pack_one_by_one(rows, nb, row, &mut want);
+        pack(rows, nb, row, &mut got);
+        assert_eq!(got, want);
     }
 }
