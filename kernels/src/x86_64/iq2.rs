@@ -560,7 +560,10 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
     // interleaved row streams ran from DRAM well below their in-cache speed (IQ2_XS and IQ2_S
     // at one row 0.77-0.85x: they keep four). IQ1_S and IQ1_M take `tile512_iq1` with grid
     // rows by loads (`rows4`), one row at a time for one token; IQ1_S also from 2 to 15 tokens
-    // (1.05-1.14x its gathers; IQ1_M keeps the sub-block tile there, 0.90-0.97x with loads).
+    // (1.05-1.14x its gathers; IQ1_M keeps the sub-block tile there, 0.90-0.97x with loads),
+    // both IQ1 types there in tiles of one row by four tokens (against two rows by four,
+    // alternated, 4 and 8 tokens: IQ1_S 1.25-1.45x, IQ1_M 1.05-1.41x; the other grid kinds
+    // 1.05-1.13x at 4 tokens but 0.86-1.02x at 8, so they keep two rows).
     // IQ3_S's GEMV, one row, takes its grid rows by loads too (`rows8`; 1.29-1.32x its
     // gathers at one row). GEMVs against the dispatch before (4096 × 14336, medians of five
     // runs alternated in separate processes, 1 / 2 threads): IQ1_S 1.75 / 1.85x, IQ1_M 2.11 /
@@ -578,7 +581,7 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
         if g.ntok == 1 {
             drive!(g, out, tile512_iq1, 1, 1, KIND, LOADS);
         } else {
-            drive!(g, out, tile512_iq1, 2, 4, KIND, LOADS);
+            drive!(g, out, tile512_iq1, 1, 4, KIND, LOADS);
         }
     } else if gather && is_iq1(KIND) {
         if g.ntok == 1 {
@@ -606,6 +609,8 @@ pub(super) unsafe fn run_grid_avx512<const KIND: u8>(g: &Gemm<'_>, out: &mut [f3
         }
     } else if g.ntok == 1 {
         drive!(g, out, tile512, 4, 1, KIND);
+    } else if zen5 && KIND == IQ1_M {
+        drive!(g, out, tile512, 1, 4, KIND);
     } else {
         drive!(g, out, tile512, 2, 4, KIND);
     }
@@ -1363,6 +1368,7 @@ mod tests {
                     same!(tile512_iq1, 4, 1, LOADS);
                     same!(tile512_iq1, 1, 1, LOADS);
                     same!(tile512_iq1, 2, 4, LOADS);
+                    same!(tile512_iq1, 1, 4, LOADS);
                 } else {
                     same!(tile512_sign_gather, 4, 1, GATHERS);
                     same!(tile512_sign_gather, 1, 1, GATHERS);
@@ -1383,8 +1389,8 @@ mod tests {
     /// where the CPU has VBMI and GFNI (which the dispatch then takes instead of the sub-block
     /// tile, so this keeps that one checked too): equal to the sub-block tile on any CPU with
     /// the AVX-512 table, for every kind they serve, 1 to 5 tokens, tiles of 4 × 1, 1 × 1 (the
-    /// one-row GEMVs of Zen 5) and 2 × 4 rows × tokens with their one-row and short-token
-    /// tails (7 rows), both numerics.
+    /// one-row GEMVs of Zen 5), 2 × 4 and (IQ1 by loads, Zen 5's) 1 × 4 rows × tokens with
+    /// their one-row and short-token tails (7 rows), both numerics.
     #[test]
     fn gather_and_mask_tiles_equal_the_sub_block_tile() {
         if super::super::avx512::Avx512::new().is_none() {

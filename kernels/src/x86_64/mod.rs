@@ -152,8 +152,9 @@ pub(crate) fn is_amd_zen5_or_later() -> bool {
 /// Gather Data Sampling ("Downfall") microcode mitigation, several times slower; on an AMD
 /// Zen 4 (session 28) the gather tiles were slower than the sub-block tile for every grid
 /// type but IQ1_S, which `iq2` lets gather on AMD Zen 4 (Zen 5 fetches IQ1_S's, IQ1_M's and
-/// IQ3_S's grid rows by loads: [`is_amd_zen5_or_later`]). The IQ grid types' AVX-512 GEMVs gather their grid rows where
-/// this holds (`iq2::run_grid_avx512`; measured on an Emerald Rapids Xeon, session 26).
+/// IQ3_S's grid rows by loads: [`is_amd_zen5_or_later`]). The IQ grid types' AVX-512 GEMVs
+/// gather their grid rows where this holds (`iq2::run_grid_avx512`; measured on an Emerald
+/// Rapids Xeon, session 26).
 pub(crate) fn fast_gathers() -> bool {
     static FAST: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *FAST.get_or_init(|| !is_amd() && is_x86_feature_detected!("avx512fp16"))
