@@ -1293,15 +1293,7 @@ mod tests {
     /// nibbles of its scale words), as `gemm_bench` writes them.
     fn blocks(ty: crate::GgmlType, rows: usize, cols: usize, seed: u64) -> Vec<u8> {
         let len = ty.row_size((rows * cols) as u64).expect("whole blocks") as usize;
-        let mut x = seed;
-        let mut v: Vec<u8> = (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 24) as u8
-            })
-            .collect();
+        let mut v = super::super::xorshift_bytes(seed, len);
         let d = half::f16::from_f32(0.01).to_bits();
         for b in v.chunks_exact_mut(ty.type_size()) {
             if ty == crate::GgmlType::IQ1_M {
@@ -1324,15 +1316,7 @@ mod tests {
         let w = blocks(ty, rows, cols, 0x9E37_79B9_7F4A_7C15 ^ KIND as u64);
         let q = crate::QMatrix::new(ty, rows, cols, &w).expect("matrix");
         for n in 1..=5 {
-            let mut s = 0x2545_F491_4F6C_DD1Du64 ^ n as u64;
-            let x: Vec<f32> = (0..n * cols)
-                .map(|_| {
-                    s ^= s << 13;
-                    s ^= s >> 7;
-                    s ^= s << 17;
-                    (s >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-                })
-                .collect();
+            let x = super::super::xorshift_f32(0x2545_F491_4F6C_DD1D ^ n as u64, n * cols);
             let mut act = crate::Activations::new();
             act.quantize_for(ty, &x, n, cols).expect("activations");
             for numerics in [crate::Numerics::Parity, crate::Numerics::Invariant] {

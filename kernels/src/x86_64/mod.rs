@@ -166,6 +166,33 @@ pub(crate) fn has_vbmi_gfni() -> bool {
     is_x86_feature_detected!("avx512vbmi") && is_x86_feature_detected!("gfni")
 }
 
+/// Tests: `len` bytes of the xorshift64 stream from `seed` (bits 24..32 of each state), the
+/// kernel tests' random weights.
+#[cfg(test)]
+pub(crate) fn xorshift_bytes(seed: u64, len: usize) -> Vec<u8> {
+    xorshift(seed, len, |x| (x >> 24) as u8)
+}
+
+/// Tests: `len` floats in -1..1 of the xorshift64 stream from `seed`, the kernel tests' random
+/// activations.
+#[cfg(test)]
+pub(crate) fn xorshift_f32(seed: u64, len: usize) -> Vec<f32> {
+    xorshift(seed, len, |x| (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+}
+
+#[cfg(test)]
+fn xorshift<T>(seed: u64, len: usize, f: impl Fn(u64) -> T) -> Vec<T> {
+    let mut x = seed;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            f(x)
+        })
+        .collect()
+}
+
 /// Tests: runs `f` with the choice held in `key` (a kernel's by-vendor default when `None`)
 /// forced to `v` on this thread, restored afterwards.
 #[cfg(test)]

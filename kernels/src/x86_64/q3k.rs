@@ -331,28 +331,13 @@ mod tests {
         let ty = crate::GgmlType::Q3_K;
         let (rows, cols) = (7, 3 * QK_K);
         let len = ty.row_size((rows * cols) as u64).expect("whole blocks") as usize;
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let mut w: Vec<u8> = (0..len)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 24) as u8
-            })
-            .collect();
+        let mut w = super::super::xorshift_bytes(0x9E37_79B9_7F4A_7C15, len);
         for b in w.chunks_exact_mut(WB) {
             b[108..].copy_from_slice(&half::f16::from_f32(0.01).to_bits().to_le_bytes());
         }
         let q = crate::QMatrix::new(ty, rows, cols, &w).expect("matrix");
         for n in 1..=6 {
-            let xs: Vec<f32> = (0..n * cols)
-                .map(|_| {
-                    x ^= x << 13;
-                    x ^= x >> 7;
-                    x ^= x << 17;
-                    (x >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-                })
-                .collect();
+            let xs = super::super::xorshift_f32(0x2545_F491_4F6C_DD1D ^ n as u64, n * cols);
             let mut act = crate::Activations::new();
             act.quantize_for(ty, &xs, n, cols).expect("activations");
             for numerics in [crate::Numerics::Parity, crate::Numerics::Invariant] {

@@ -776,15 +776,7 @@ mod tests {
     #[test]
     fn pack_equals_the_one_by_one_repack() {
         let (rows, nb) = (129, 3);
-        let mut x = 0x9E37_79B9_7F4A_7C15u64;
-        let w: Vec<u8> = (0..rows * nb * 28)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                (x >> 24) as u8
-            })
-            .collect();
+        let w = super::super::xorshift_bytes(0x9E37_79B9_7F4A_7C15, rows * nb * 28);
         let row = |r: usize| &w[r * nb * 28..(r + 1) * nb * 28];
         let len = rows.div_ceil(GROUP) * nb * GROUP_BLOCK;
         let (mut want, mut got) = (vec![0u8; len], vec![0u8; len]);
