@@ -64,6 +64,8 @@ done
 command -v docker >/dev/null || { echo "too-big: docker is not installed" >&2; exit 1; }
 model=$(cd "$(dirname "$model")" && pwd)/$(basename "$model")
 [ -n "$bundle" ] || bundle="$root/target/bundles/$(basename "$model" .gguf)"
+# Docker bind-mounts it: a relative path would name a volume, not a directory.
+case "$bundle" in /*) ;; *) bundle="$PWD/$bundle" ;; esac
 tf="$root/target/release/ternfleet"
 lbin="$root/target/llama.cpp/build-rpc/bin"
 image=${TERNFLEET_IMAGE:-ternfleet:latest}
@@ -292,8 +294,10 @@ peaks = {}
 for line in open(f"{work}/memory.txt"):
     run, name, peak, oom = line.split()
     peaks.setdefault(run, []).append((name.removeprefix(tag + "-"), peak, oom))
+each = {}
 def tern(name):
     v = json.loads(open(f"{work}/{tag}-{name}.out").read().strip().splitlines()[-1])
+    each[name] = v.get("tg_tps_runs") or []
     return v["pp_tps"], v["tg_tps"]
 def llama(name):
     rows = json.load(open(f"{work}/{tag}-{name}.out"))
@@ -303,8 +307,9 @@ def llama(name):
         ts = r.get("samples_ts") or []
         return len(ts) / sum(1 / x for x in ts) if ts and all(x > 0 for x in ts) else r["avg_ts"]
     pp = next(mean(r) for r in rows if r["n_prompt"] > 0 and r["n_gen"] == 0)
-    tg = next(mean(r) for r in rows if r["n_prompt"] == 0 and r["n_gen"] > 0)
-    return pp, tg
+    tgr = next(r for r in rows if r["n_prompt"] == 0 and r["n_gen"] > 0)
+    each[name] = tgr.get("samples_ts") or []
+    return pp, mean(tgr)
 names = {"tf3": f"ternfleet, 3 nodes ({mem} each) + coordinator ({cmem})",
          "tf1": f"ternfleet, 1 box ({mem}, expert store)",
          "llama1": f"llama.cpp, 1 box ({mem}, --repack 0, mmap)",
@@ -331,7 +336,18 @@ for r in runs:
     mems = ", ".join(f"{n.removeprefix(r + '-') if n != r else 'bench'} {gib(pk)}{' OOM' if o == 'true' else ''}"
                      for n, pk, o in peaks.get(r, []) if not n.endswith(("-ready", "-first")))
     print(f"| {names[r]} | {p:.2f} | {t:.2f} | {q(t, base[1]) if base else ''} | {q(t, rpc[1]) if rpc else ''} | {ready_s(r)} | {mems} |")
+# Every run's decode rate: the hosts move, and one slow run moves a mean.
+print(f"\ntg{tg} of each run, t/s: " + "; ".join(
+    f"{names[r].split(' (')[0]} " + " / ".join(f"{x:.2f}" for x in each.get(r, [])) for r in runs))
 if "tf3" in res:
+    # The coordinator's exit line: calls, bytes and mean round trip of the benched run.
+    import re
+    try:
+        m = re.search(r"cluster: .*round trip mean [\d.]+ ms", open(f"{work}/{tag}-tf3.err").read())
+        if m:
+            print(m.group(0))
+    except OSError:
+        pass
     print()
     for label, ref, want in (("llama.cpp in one box", base, 3.0), ("llama.cpp RPC with three servers", rpc, 1.5)):
         if ref:

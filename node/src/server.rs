@@ -417,6 +417,16 @@ fn load(h: &Holdings, opts: &NodeOptions, held: Vec<Vec<usize>>, total: u64) -> 
         );
         match r {
             Ok(v) => {
+                // Without a RAM budget the shard is served from its mappings: read it in now,
+                // so the node is resident when it says ready (a cold shard's first calls
+                // otherwise wait on page faults from disk and can miss the step deadline).
+                if opts.ram_budget.is_none() {
+                    for (_, _, w) in &v {
+                        for lin in [&w.gate, &w.up, &w.down] {
+                            ternfleet_shared::compute::populate(lin.data());
+                        }
+                    }
+                }
                 done += man
                     .experts
                     .iter()

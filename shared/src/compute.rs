@@ -357,6 +357,33 @@ impl ternfleet_kernels::tf1_lut::PackedBytes for ArenaSlice {
     }
 }
 
+/// Brings every page of `bytes` (a read-only file mapping) into memory now, from disk if it
+/// is not in the page cache, so that the first matmul over it does not wait on the disk:
+/// `MADV_POPULATE_READ` (Linux 5.14+), or a read of one byte per page where the kernel lacks
+/// it. Never changes the bytes.
+pub fn populate(bytes: &[u8]) {
+    if bytes.is_empty() {
+        return;
+    }
+    // SAFETY: sysconf has no preconditions.
+    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .ok()
+        .filter(|&p| p.is_power_of_two())
+        .unwrap_or(4096);
+    let start = bytes.as_ptr() as usize & !(page - 1);
+    let len = bytes.as_ptr() as usize + bytes.len() - start;
+    // SAFETY: advice on whole pages that hold part of `bytes`, a live mapping of this
+    // process; populating reads them and changes nothing.
+    let r = unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_READ) };
+    if r != 0 {
+        let mut sum = 0u8;
+        for b in bytes.iter().step_by(page) {
+            sum ^= *b;
+        }
+        std::hint::black_box(sum);
+    }
+}
+
 /// Bytes per arena chunk (a request larger than this gets a chunk of its own).
 const ARENA_CHUNK: usize = 64 << 20;
 
