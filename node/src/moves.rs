@@ -481,8 +481,15 @@ fn obtain(
         .part(key)
         .ok_or_else(|| "not in the bundle's manifest".to_string())?
         .clone();
+    // Served from its mapping when the node has no RAM budget: read in first, as at load.
+    let resident = |w: FfnWeights| -> Result<FfnWeights, String> {
+        if h.backend.ram_budget.is_none() {
+            crate::server::populate_ffn(&w).map_err(|e| format!("reading it in: {e}"))?;
+        }
+        Ok(w)
+    };
     if let Ok(w) = open_expert_with(&h.dir, &part, h.shape, &h.verified) {
-        return Ok(w);
+        return resident(w);
     }
     let srcs = sources(state, &h.id, key, first);
     if srcs.is_empty() {
@@ -513,7 +520,7 @@ fn obtain(
                     part.part.bytes,
                     t.elapsed().as_secs_f64()
                 );
-                return Ok(w);
+                return resident(w);
             }
             Err(e) => {
                 conns.remove(&src);

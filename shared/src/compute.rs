@@ -359,29 +359,52 @@ impl ternfleet_kernels::tf1_lut::PackedBytes for ArenaSlice {
 
 /// Brings every page of `bytes` (a read-only file mapping) into memory now, from disk if it
 /// is not in the page cache, so that the first matmul over it does not wait on the disk:
-/// `MADV_POPULATE_READ` (Linux 5.14+), or a read of one byte per page where the kernel lacks
-/// it. Never changes the bytes.
-pub fn populate(bytes: &[u8]) {
+/// `MADV_POPULATE_READ` (Linux 5.14+), or [`touch_pages`] where the kernel lacks it. Never
+/// changes the bytes. An I/O error reading the file (a truncated or failing disk) is returned,
+/// not met later as a fault in the middle of a call.
+pub fn populate(bytes: &[u8]) -> std::io::Result<()> {
     if bytes.is_empty() {
-        return;
+        return Ok(());
     }
-    // SAFETY: sysconf has no preconditions.
-    let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
-        .ok()
-        .filter(|&p| p.is_power_of_two())
-        .unwrap_or(4096);
+    let page = page_size();
     let start = bytes.as_ptr() as usize & !(page - 1);
     let len = bytes.as_ptr() as usize + bytes.len() - start;
     // SAFETY: advice on whole pages that hold part of `bytes`, a live mapping of this
     // process; populating reads them and changes nothing.
     let r = unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_POPULATE_READ) };
-    if r != 0 {
-        let mut sum = 0u8;
-        for b in bytes.iter().step_by(page) {
-            sum ^= *b;
-        }
-        std::hint::black_box(sum);
+    if r == 0 {
+        return Ok(());
     }
+    let e = std::io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EINVAL) {
+        // A kernel before 5.14 (the advice unknown): read the pages instead.
+        touch_pages(bytes);
+        return Ok(());
+    }
+    Err(e)
+}
+
+/// Reads one byte of every page `bytes` spans (the first byte, then each page boundary inside
+/// it), which faults each page in: [`populate`]'s fallback.
+pub fn touch_pages(bytes: &[u8]) {
+    if bytes.is_empty() {
+        return;
+    }
+    let page = page_size();
+    let first = (page - (bytes.as_ptr() as usize & (page - 1))) & (page - 1);
+    let mut sum = bytes[0];
+    for i in (first..bytes.len()).step_by(page) {
+        sum ^= bytes[i];
+    }
+    std::hint::black_box(sum);
+}
+
+fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .ok()
+        .filter(|&p| p.is_power_of_two())
+        .unwrap_or(4096)
 }
 
 /// Bytes per arena chunk (a request larger than this gets a chunk of its own).
