@@ -43,6 +43,15 @@ impl FfnWeights {
     pub fn n_ff(&self) -> usize {
         self.up.rows()
     }
+
+    /// Reads the three matrices into memory now ([`ternfleet_shared::compute::populate`]): a
+    /// node serving from mappings is then resident when it says ready.
+    pub fn populate(&self) -> std::io::Result<()> {
+        for lin in [&self.gate, &self.up, &self.down] {
+            ternfleet_shared::compute::populate(lin.data())?;
+        }
+        Ok(())
+    }
 }
 
 /// ggml's tanh-GELU constants (ggml-cpu/vec.h `GELU_COEF_A`, `SQRT_2_OVER_PI`).

@@ -484,7 +484,7 @@ fn obtain(
     // Served from its mapping when the node has no RAM budget: read in first, as at load.
     let resident = |w: FfnWeights| -> Result<FfnWeights, String> {
         if h.backend.ram_budget.is_none() {
-            crate::server::populate_ffn(&w).map_err(|e| format!("reading it in: {e}"))?;
+            w.populate().map_err(|e| format!("reading it in: {e}"))?;
         }
         Ok(w)
     };

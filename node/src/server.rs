@@ -422,7 +422,7 @@ fn load(h: &Holdings, opts: &NodeOptions, held: Vec<Vec<usize>>, total: u64) -> 
                 // so the node is resident when it says ready (a cold shard's first calls
                 // otherwise wait on page faults from disk and can miss the step deadline).
                 if opts.ram_budget.is_none() {
-                    if let Err(e) = v.par_iter().try_for_each(|(_, _, w)| populate_ffn(w)) {
+                    if let Err(e) = v.par_iter().try_for_each(|(_, _, w)| w.populate()) {
                         tracing::error!("node: reading the shard in failed: {e}");
                         h.svc().set_state(NodeState::Unavailable(format!(
                             "loading failed: reading layer {l}'s experts: {e}"
@@ -463,14 +463,6 @@ fn load(h: &Holdings, opts: &NodeOptions, held: Vec<Vec<usize>>, total: u64) -> 
         return false;
     }
     true
-}
-
-/// Reads an expert's three matrices into memory ([`ternfleet_shared::compute::populate`]).
-pub(crate) fn populate_ffn(w: &crate::expert::FfnWeights) -> std::io::Result<()> {
-    for lin in [&w.gate, &w.up, &w.down] {
-        ternfleet_shared::compute::populate(lin.data())?;
-    }
-    Ok(())
 }
 
 async fn accept_loop(

@@ -3,20 +3,19 @@
 use std::io::Write;
 use std::os::fd::AsRawFd;
 
-/// Pages of `m` the kernel holds in memory (`mincore`).
-fn resident(m: &memmap2::Mmap) -> (usize, usize) {
+/// For each page of `m`, whether the kernel holds it in memory (`mincore`).
+fn resident(m: &memmap2::Mmap) -> Vec<bool> {
     // SAFETY: sysconf has no preconditions.
     let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
-    let pages = m.len().div_ceil(page);
-    let mut v = vec![0u8; pages];
+    let mut v = vec![0u8; m.len().div_ceil(page)];
     // SAFETY: `m` is a live mapping of `m.len()` bytes starting at a page boundary; `v` has a
     // byte per page.
     let r = unsafe { libc::mincore(m.as_ptr() as *mut libc::c_void, m.len(), v.as_mut_ptr()) };
     assert_eq!(r, 0, "mincore: {}", std::io::Error::last_os_error());
-    (v.iter().filter(|&&b| b & 1 == 1).count(), pages)
+    v.iter().map(|&b| b & 1 == 1).collect()
 }
 
-/// A file of `pages` pages on the target directory's disk (a tmpfs /tmp keeps every page in
+/// A file of `bytes` bytes on the target directory's disk (a tmpfs /tmp keeps every page in
 /// memory whatever we ask), its pages dropped from the page cache, mapped. `None` where the
 /// filesystem keeps them anyway (the test cannot tell populate working from not).
 fn cold(dir: &std::path::Path, bytes: usize) -> Option<(memmap2::Mmap, Vec<u8>)> {
@@ -34,8 +33,7 @@ fn cold(dir: &std::path::Path, bytes: usize) -> Option<(memmap2::Mmap, Vec<u8>)>
     // No readahead around a fault: only the pages read come in.
     // SAFETY: advice on this live mapping; it changes no bytes.
     unsafe { libc::madvise(m.as_ptr() as *mut libc::c_void, m.len(), libc::MADV_RANDOM) };
-    let (before, pages) = resident(&m);
-    if before == pages {
+    if resident(&m).iter().all(|&r| r) {
         ternfleet_shared::testing::skip(
             "populate",
             "this filesystem keeps a synced file's pages cached after POSIX_FADV_DONTNEED",
@@ -51,12 +49,14 @@ fn populate_reads_a_cold_mapping_into_memory() {
     let Some((m, data)) = cold(dir.path(), 8 << 20) else {
         return;
     };
-    let (_, pages) = resident(&m);
     ternfleet_shared::compute::populate(&m[..]).unwrap();
-    let (after, _) = resident(&m);
+    let r = resident(&m);
+    let after = r.iter().filter(|&&x| x).count();
     assert_eq!(
-        after, pages,
-        "{after} of {pages} pages resident after populate"
+        after,
+        r.len(),
+        "{after} of {} pages resident after populate",
+        r.len()
     );
     assert_eq!(&m[..], &data[..], "populate changed no byte");
 }
@@ -84,14 +84,10 @@ fn an_unaligned_slice_brings_every_page_it_spans() {
         // From 32 bytes before the end of page 1 to 32 bytes into page 4: pages 1 to 4.
         let (a, b) = (2 * page - 32, 4 * page + 32);
         f(&m[a..b]);
-        let mut v = vec![0u8; 6];
-        // SAFETY: `m` is a live mapping of 6 pages; `v` has a byte per page.
-        let r = unsafe { libc::mincore(m.as_ptr() as *mut libc::c_void, m.len(), v.as_mut_ptr()) };
-        assert_eq!(r, 0);
-        for (p, r) in v.iter().enumerate().take(5).skip(1) {
-            assert_eq!(
-                r & 1,
-                1,
+        let r = resident(&m);
+        for (p, &on) in r.iter().enumerate().take(5).skip(1) {
+            assert!(
+                on,
                 "{name}: page {p} of the slice's pages 1..=4 not resident"
             );
         }
