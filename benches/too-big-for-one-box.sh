@@ -24,6 +24,11 @@
 # first start hashes every blob (SHA-256 against the manifest) and remembers it; a restart
 # does not.
 #
+# --node-threads sets each ternfleet node's threads and, unless --rpc-threads is given, each
+# ggml-rpc-server's: the three nodes compute at once on the host's shared cores (one thread
+# each was the faster setting on a 2-core Zen 5, session 43), where llama.cpp's servers run
+# one after another (its layer split) and are faster with every core.
+#
 # Needs root (drop_caches), Docker, the ternfleet image (docker/build-image.sh) and
 # llama.cpp's RPC build (scripts/build-llama-cpp.sh --rpc), both built here unless
 # --no-build. The model is made by scripts/make-scale-model.py --shape qwen3-30b-a3b (18.6
@@ -31,13 +36,13 @@
 #
 # usage: benches/too-big-for-one-box.sh --model FILE.gguf [--bundle DIR] [--mem 6g]
 #          [--coordinator-mem 3g] [--ram-budget 4GiB] [--pp 64] [--tg 16] [--reps 2]
-#          [--threads 2] [--node-threads 2] [--rpc-ngl 45] [--runs tf3,tf1,llama1,rpc3] [--timeout SECS] [--no-build]
+#          [--threads 2] [--node-threads 2] [--rpc-threads T] [--rpc-ngl 45] [--runs tf3,tf1,llama1,rpc3] [--timeout SECS] [--no-build]
 # Smoke run (numbers meaningless): --model tests/data/models/tiny-qwen3moe-q8_0.gguf
 #   --mem 512m --coordinator-mem 512m --ram-budget 1MiB --reps 1
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-usage="usage: $0 --model FILE.gguf [--bundle DIR] [--mem 6g] [--coordinator-mem 3g] [--ram-budget 4GiB] [--pp N] [--tg N] [--reps N] [--threads T] [--node-threads T] [--rpc-ngl N] [--runs tf3,tf1,llama1,rpc3] [--timeout SECS] [--no-build]"
-model="" bundle="" mem=6g cmem=3g budget=4GiB pp=64 tg=16 reps=2 threads=2 runs="tf3,tf1,llama1,rpc3" limit=1800 build=1 ngl=45 node_threads=2
+usage="usage: $0 --model FILE.gguf [--bundle DIR] [--mem 6g] [--coordinator-mem 3g] [--ram-budget 4GiB] [--pp N] [--tg N] [--reps N] [--threads T] [--node-threads T] [--rpc-threads T] [--rpc-ngl N] [--runs tf3,tf1,llama1,rpc3] [--timeout SECS] [--no-build]"
+model="" bundle="" mem=6g cmem=3g budget=4GiB pp=64 tg=16 reps=2 threads=2 runs="tf3,tf1,llama1,rpc3" limit=1800 build=1 ngl=45 node_threads=2 rpc_threads=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --model|-m) model=$2; shift 2 ;;
@@ -52,6 +57,7 @@ while [ $# -gt 0 ]; do
     --runs) runs=$2; shift 2 ;;
     --rpc-ngl) ngl=$2; shift 2 ;;
     --node-threads) node_threads=$2; shift 2 ;;
+    --rpc-threads) rpc_threads=$2; shift 2 ;;
     --timeout) limit=$2; shift 2 ;;
     --no-build) build=0; shift ;;
     -h|--help) echo "$usage"; exit 0 ;;
@@ -59,6 +65,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -n "$model" ] || { echo "$usage" >&2; exit 2; }
+[ -n "$rpc_threads" ] || rpc_threads=$node_threads
 [ -f "$model" ] || { echo "too-big: no model at $model" >&2; exit 1; }
 [ "$(id -u)" = 0 ] || { echo "too-big: run as root (the page cache is dropped between runs)" >&2; exit 1; }
 command -v docker >/dev/null || { echo "too-big: docker is not installed" >&2; exit 1; }
@@ -113,7 +120,7 @@ fi
 echo "cpu: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs) (family $(grep -m1 'cpu family' /proc/cpuinfo | cut -d: -f2 | xargs) model $(grep -m1 '^model' /proc/cpuinfo | cut -d: -f2 | xargs)), $(nproc) cores, $(awk '/MemTotal/ {printf "%.1f GiB", $2 / 1048576}' /proc/meminfo)"
 echo "model: $model ($(du -b "$model" | cut -f1) bytes); bundle: $bundle"
 echo "limits: each node / RPC server / single box $mem, coordinator / llama-bench main $cmem; ternfleet single box --ram-budget $budget"
-echo "pp $pp, tg $tg, reps $reps; threads: $node_threads per node / RPC server, $threads per other process"
+echo "pp $pp, tg $tg, reps $reps; threads: $node_threads per node, $rpc_threads per RPC server, $threads per other process"
 
 if [ ! -d "$bundle" ]; then
   echo "making the bundle: ternfleet convert -m $model -o $bundle" >&2
@@ -263,7 +270,7 @@ case ",$runs," in *,llama1,*)
 case ",$runs," in *,rpc3,*)
   rpc_list=""
   for n in r1 r2 r3; do
-    server "$tag-$n" "$n" "$mem" "$limage" /usr/local/bin/ggml-rpc-server -H 0.0.0.0 -p 50052 -t "$node_threads"
+    server "$tag-$n" "$n" "$mem" "$limage" /usr/local/bin/ggml-rpc-server -H 0.0.0.0 -p 50052 -t "$rpc_threads"
     rpc_list="${rpc_list:+$rpc_list,}$(docker inspect -f '{{range .NetworkSettings.Networks}}{{.IPAddress}}{{end}}' "$tag-$n"):50052"
   done
   sleep 1
