@@ -25,9 +25,9 @@
 # does not.
 #
 # --node-threads sets each ternfleet node's threads and, unless --rpc-threads is given, each
-# ggml-rpc-server's: the three nodes compute at once on the host's shared cores (one thread
-# each was the faster setting on a 2-core Zen 5, session 43), where llama.cpp's servers run
-# one after another (its layer split) and are faster with every core.
+# ggml-rpc-server's: the three nodes compute at once on the host's shared cores (on a 2-core
+# Zen 5, session 43, one thread each decoded 1.09-1.11x two in two alternated rounds), where
+# llama.cpp's servers run one after another (its layer split) and are faster with every core.
 #
 # Needs root (drop_caches), Docker, the ternfleet image (docker/build-image.sh) and
 # llama.cpp's RPC build (scripts/build-llama-cpp.sh --rpc), both built here unless
