@@ -125,7 +125,9 @@ pub(crate) fn is_amd() -> bool {
 /// ([`stream_prefetch`]), the IQ grid types' prefill GEMM takes bands of 512 tokens
 /// (`kq_lanes::band_groups`), the GEMVs of IQ1_S, IQ1_M, IQ2_XXS, IQ3_XXS, IQ3_S and IQ4_XS run
 /// one row at a time with IQ1_S's, IQ1_M's and IQ3_S's grid rows by loads (`iq2`, `iq4`), and
-/// q3_K takes its 512-bit tile (`q3k::tile_zmm`); sessions 30 and 40. Measured on KVM EPYCs
+/// q3_K takes its 512-bit tile (`q3k::tile_zmm`); sessions 30 and 40. Also (session 45) the
+/// f16 GEMM converts its activations as loaded instead of widening them, and the f16 and bf16
+/// GEMMs take token blocks of 4 MiB (`avx512::run_float`). Measured on KVM EPYCs
 /// (family 26 model 2); Zen 5 parts with 256-bit AVX-512 datapaths (Ryzen, mobile) take the
 /// same, unmeasured.
 pub(crate) fn is_amd_zen5_or_later() -> bool {
